@@ -1,0 +1,67 @@
+"""Reading a Hugging Face model directory: config.json and one or several safetensors files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model.config import ModelConfig
+from model.errors import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def read_config(directory: Path) -> tuple[ModelConfig, dict]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({one_line(e)})") from None
+    try:
+        return ModelConfig.from_hf(raw), raw
+    except (KeyError, ValueError, TypeError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else one_line(e)
+        raise ModelLoadError(f"{path}: {detail}") from None
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's files: those named by the index when there is one, else every *.safetensors."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({one_line(e)})") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing (named by {INDEX_FILE})")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors files (pickled .bin checkpoints are not loaded)")
+    return files
+
+
+def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint under their names without the `model.` prefix."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            # safe_open validates the header against the file size, so a truncated file fails here
+            # or on the first tensor read below.
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name.removeprefix("model.")] = f.get_tensor(name)
+        except Exception as e:  # the safetensors error types differ between versions
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
+    return tensors

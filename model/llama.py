@@ -1,0 +1,156 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k norms).
+
+One module serves every caller: `forward` takes a flat batch of tokens from many sequences, the paged KV
+cache tensors and the attention metadata as arguments, and keeps no state between calls, so the engine,
+the compile pipeline and the exporters all drive exactly this code.
+
+Names follow Hugging Face checkpoints, with q/k/v and gate/up fused into one projection each (one matmul
+instead of three or two; the loader concatenates the weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import AttentionMetadata, TorchAttentionPlan, TorchPagedAttention
+from model.config import ModelConfig
+from model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, as the reference implementation does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add `residual` (if any) to x, normalise the sum; returns (normed, new residual)."""
+        if residual is not None:
+            x = x + residual
+        return rms_norm(x, self.weight, self.eps), x
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim / 2]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+        plan: TorchAttentionPlan,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each add fuses with the norm that follows it.
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, plan)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, block_size: int = 16) -> None:
+        super().__init__()
+        self.config = config
+        self.block_size = block_size
+        self.attention = TorchPagedAttention(block_size, config.sliding_window)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.attention) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, the new tokens of every sequence, laid end to end
+        positions: torch.Tensor,  # [T] int64, position of each token in its own sequence
+        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] final hidden states (normed); logits come from compute_logits
+        plan = self.attention.plan(attn_metadata)
+        cos, sin = rotary_cos_sin(positions, self.inv_freq)
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, plan)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (only for the rows that need sampling)."""
+        return self.lm_head(hidden).float()
+
+    def allocate_kv_caches(
+        self, num_blocks: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> list[torch.Tensor]:
+        """Zeroed paged caches, one per layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        weight = self.embed_tokens.weight
+        shape = (2, num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [
+            torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device)
+            for _ in range(self.config.num_layers)
+        ]

@@ -1,0 +1,72 @@
+"""`model.load`: one entry point for every model source."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from model.default import DEFAULT_MODEL_NAME, default_model_path
+from model.errors import ModelLoadError
+from model.gguf_checkpoint import GGUFCheckpoint
+from model.hf_checkpoint import read_config, read_tensors, safetensors_files
+from model.llama import LlamaForCausalLM
+from model.tokenizer import Tokenizer
+from model.weights import build_model
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    module: LlamaForCausalLM
+    tokenizer: Tokenizer | None  # None for a directory without tokenizer.json (weights-only tests)
+    name: str  # the name to serve it under
+    path: Path  # the file or directory it came from
+    load_seconds: float
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def load(
+    source: str | Path | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    block_size: int = 16,
+) -> LoadedModel:
+    """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model."""
+    start = time.perf_counter()
+    torch_dtype = parse_dtype(dtype)
+    if source is None or str(source) == DEFAULT_MODEL_NAME:
+        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        path = Path(source).expanduser()
+        name = path.stem if path.is_file() else path.name
+    if path.is_dir():
+        config, _ = read_config(path)
+        tensors = read_tensors(safetensors_files(path))
+        config_name = str(path / "config.json")
+        module = build_model(config, tensors, str(path), config_name, torch_dtype, device, block_size)
+        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        checkpoint = GGUFCheckpoint(path)
+        config = checkpoint.config
+        module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
+                             torch_dtype, device, block_size)
+        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
+    elif path.exists():
+        raise ModelLoadError(f"{path}: not a model (expected a Hugging Face directory or a .gguf file)")
+    else:
+        raise ModelLoadError(f"{path}: no such file or directory")
+    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start)

@@ -1,0 +1,50 @@
+"""Rotary position embeddings in the Hugging Face (half-split, "neox") layout.
+
+Checkpoints from GGUF are converted to this layout when they are loaded (see `model/gguf_weights.py`),
+so one rotation serves both sources.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 angular frequency of each rotated pair, with Llama 3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between the
+    # two cut-offs is interpolated linearly in 1/wavelength.
+    old_len = scaling.original_max_position_embeddings
+    low_cut = old_len / scaling.low_freq_factor  # wavelengths above this are scaled fully
+    high_cut = old_len / scaling.high_freq_factor  # wavelengths below this are left alone
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > low_cut, inv_freq / scaling.factor, inv_freq)
+    blend = (old_len / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * scaled / scaling.factor + blend * scaled
+    in_band = (wavelength >= high_cut) & (wavelength <= low_cut)
+    return torch.where(in_band, blended, scaled)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> (cos, sin), each [T, head_dim / 2] float32. Computed once per forward pass."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by position; returns a new tensor of x's dtype."""
+    half = x.shape[-1] // 2
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

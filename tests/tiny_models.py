@@ -1,0 +1,163 @@
+"""Tiny random checkpoints of each supported family, written by `transformers` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3")
+
+
+def hf_config(family: str, vocab_size: int = 320):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        # A wide init gives peaked logits, so greedy comparisons are not decided by near ties.
+        initializer_range=0.2, tie_word_embeddings=False,
+    )
+    if family == "llama3":
+        return transformers.LlamaConfig(
+            **common, rope_theta=50000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        )
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32)
+    raise ValueError(family)
+
+
+def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int = 320):
+    """Write a random model of `family` to `directory` (config.json + model.safetensors); return it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(family, vocab_size)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    if family == "qwen2":  # make the biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+# --- GGUF ----------------------------------------------------------------------------------------
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def llama_cpp_permute(rows, num_heads: int):
+    """llama.cpp's q/k row order (written independently of ladder's inverse): per head,
+    rows [2, half] -> [half, 2]. Works on any array whose first axis is rows."""
+    shape = rows.shape
+    return rows.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def random_raw_blocks(qtype, rows: int, cols: int, rng):
+    """Random but well-scaled raw blocks for types the gguf package cannot quantize (K-quants)."""
+    import gguf
+    import numpy as np
+
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        # d, dmin (f16); 12 bytes packing eight 6-bit scales and mins (all set to 1 here, so each value
+        # is d * q - dmin with q a random nibble: centred near zero); 128 bytes of nibbles.
+        raw[..., 0:2] = np.array([0.02], dtype=np.float16).view(np.uint8)
+        raw[..., 2:4] = np.array([0.15], dtype=np.float16).view(np.uint8)
+        raw[..., 4:12] = 1
+        raw[..., 12:16] = 0x11
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:  # ql[128], qh[64], scales[16] int8, d (f16)
+        raw[..., 192:208] = rng.integers(-4, 5, size=raw[..., 192:208].shape).astype(np.int8).view(np.uint8)
+        raw[..., 208:210] = np.array([0.005], dtype=np.float16).view(np.uint8)
+    else:
+        raise ValueError(qtype)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0) -> dict:
+    """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`; norms stay F32.
+
+    Returns the state dict the file actually holds after quantization, in Hugging Face names and
+    layout, to load into the reference model (row permutations commute with row-wise quantization,
+    so the reference never needs ladder's inverse permutation).
+    """
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    cfg = hf_model.config
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    rng = np.random.default_rng(rng_seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_tokens = list(bytes_to_unicode().values())
+    extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
+    writer.add_token_list(byte_tokens + extra)
+    writer.add_token_types([1] * 256 + [3] * len(extra))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(256)
+    writer.add_bos_token_id(257)
+
+    held = {}
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        short = name.removeprefix("model.")
+        if short.startswith("layers."):
+            _, layer, *rest = short.split(".")
+            module, kind = ".".join(rest[:-1]), rest[-1]
+            gguf_name = f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
+        else:
+            gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[short]
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+                raw = random_raw_blocks(qtype, *array.shape, rng)
+            else:
+                raw = quantize(array, qtype)
+            array = dequantize(raw, qtype)
+        else:
+            raw = array
+        held[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            raw = llama_cpp_permute(raw, heads)
+        raw = np.ascontiguousarray(raw)
+        if raw.dtype in (np.float32, np.float16):
+            writer.add_tensor(gguf_name, raw)
+        else:
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+    if cfg.tie_word_embeddings:
+        held["lm_head.weight"] = held["model.embed_tokens.weight"]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
