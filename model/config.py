@@ -7,8 +7,9 @@ Hugging Face `config.json` files and GGUF metadata both end up as a `ModelConfig
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 # Families that share the Llama decoder. Differences are flags on the config, not subclasses:
 #   llama, mistral: plain;  qwen2: q/k/v biases;  qwen3: per-head RMSNorm on q and k.

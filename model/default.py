@@ -19,7 +19,9 @@ def default_model_path() -> Path:
     """
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the default model {DEFAULT_MODEL_NAME} is not installed; install it with: {INSTALL_HINT}")
+        raise ModelLoadError(
+            f"the default model {DEFAULT_MODEL_NAME} is not installed; install it with: {INSTALL_HINT}"
+        )
     for location in spec.submodule_search_locations:
         files = sorted(Path(location).glob("*.gguf"))
         if files:

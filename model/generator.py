@@ -7,8 +7,8 @@ parity tests use it; the continuous-batching engine drives the same `forward` fo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

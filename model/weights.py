@@ -8,7 +8,7 @@ ever initialising random weights.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -77,7 +77,7 @@ def fuse(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, 
             state[attn + "q_norm.weight"] = tensors[attn + "q_norm.weight"]
             state[attn + "k_norm.weight"] = tensors[attn + "k_norm.weight"]
         state[attn + "o_proj.weight"] = tensors[attn + "o_proj.weight"]
-        state[mlp + "gate_up_proj.weight"] = torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]])
+        state[mlp + "gate_up_proj.weight"] = torch.cat([tensors[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])
         state[mlp + "down_proj.weight"] = tensors[mlp + "down_proj.weight"]
     return state
 

@@ -124,6 +124,15 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     writer.add_eos_token_id(256)
     writer.add_bos_token_id(257)
 
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        # llama.cpp stores Llama 3 scaling as per-frequency divisors in a `rope_freqs` tensor.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+        dim = cfg.head_dim
+        plain = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
+
     held = {}
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()

@@ -1,0 +1,31 @@
+"""The `ladder` command: one entry point, one subcommand per user-facing tool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ladder import generate
+from model.errors import ModelLoadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ladder", description="Serve, compile and load-test LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ModelLoadError, ValueError) as error:
+        print(f"ladder {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

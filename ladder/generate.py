@@ -1,0 +1,74 @@
+"""`ladder generate`: one prompt, streamed to the terminal, then one line of figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from model.default import DEFAULT_MODEL_NAME
+from model.detokenizer import IncrementalDetokenizer
+from model.generator import Generator
+from model.loader import DTYPES, load
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("generate", help="generate a completion for one prompt",
+                            description="Generate a completion for one prompt and stream it to stdout.")
+    p.add_argument("prompt", help="the prompt (a user message unless --raw)")
+    p.add_argument("--model", default=None,
+                   help=f"Hugging Face model directory or GGUF file (default: embedded {DEFAULT_MODEL_NAME})")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling when temperature > 0")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="a system message for the chat template")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype (default float32)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if not 0.0 <= args.temperature <= 2.0:
+        raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty")
+    loaded = load(args.model, dtype=args.dtype)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{loaded.path}: no tokenizer.json, so text prompts cannot be encoded")
+    if args.raw:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        # The template writes the special tokens itself; encoding must not add a second BOS.
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    context = loaded.config.max_position_embeddings
+    if len(prompt_ids) + args.max_tokens > context:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) plus --max-tokens ({args.max_tokens}) exceeds the "
+            f"model's context of {context} tokens"
+        )
+    generator = Generator(loaded.module, len(prompt_ids) + args.max_tokens)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    start = time.perf_counter()
+    first_token_at = None
+    num_output = 0
+    for step in generator.generate(prompt_ids, args.max_tokens, args.temperature, args.seed,
+                                   tokenizer.stop_token_ids):
+        num_output += 1
+        first_token_at = first_token_at or time.perf_counter()
+        sys.stdout.write(detokenizer.push(step.token_id))
+        sys.stdout.flush()
+    sys.stdout.write(detokenizer.flush() + "\n")
+    end = time.perf_counter()
+    decode_rate = (num_output - 1) / (end - first_token_at) if num_output > 1 else 0.0
+    print(
+        f"[{loaded.name}] prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
+        f"load {loaded.load_seconds:.2f} s | first token {first_token_at - start:.2f} s | "
+        f"decode {decode_rate:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0

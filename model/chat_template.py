@@ -1,0 +1,129 @@
+"""Rendering of Hugging Face style Jinja chat templates.
+
+Chat templates ship with model files and are untrusted code, so they run in Jinja's immutable
+sandbox. The environment mirrors what transformers' ``apply_chat_template`` offers templates
+(``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII text and does not
+HTML-escape, loop controls, ``{% generation %}`` blocks), so a prompt rendered here is the same
+text the model was trained on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["compile_chat_template", "render_chat_template"]
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` and renders its body unchanged.
+
+    Some templates mark assistant turns this way for training masks; serving only needs the text.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes <, > and & for HTML and forces ASCII; prompts must keep the raw text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=64)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile ``template`` once; later calls with the same text reuse the compiled template.
+
+    Raises ``ValueError`` (one line) when the template does not parse.
+    """
+    try:
+        return _environment().from_string(template)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ValueError(f"chat template does not compile: {_one_line(exc)}") from exc
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    **extra: Any,
+) -> str:
+    """Render ``messages`` with ``template``, the way transformers' ``apply_chat_template`` does.
+
+    ``extra`` becomes template variables (``tools``, ``documents``, ``enable_thinking``...);
+    ``tools`` and ``documents`` default to ``None``. Keys whose value is ``None`` are dropped from
+    each message first, as transformers does, so templates see them as absent rather than "None".
+    Any error raised while rendering (``raise_exception`` calls, sandbox violations, undefined
+    operations) becomes a one-line ``ValueError``.
+    """
+    compiled = compile_chat_template(template)
+    variables: dict[str, Any] = {"tools": None, "documents": None}
+    if bos_token is not None:
+        variables["bos_token"] = bos_token
+    if eos_token is not None:
+        variables["eos_token"] = eos_token
+    variables.update(extra)
+    variables["messages"] = [_clean_message(message) for message in messages]
+    variables["add_generation_prompt"] = add_generation_prompt
+    try:
+        return compiled.render(**variables)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ValueError(f"chat template failed: {_one_line(exc)}") from exc
+    except Exception as exc:  # a template is code: whatever it raises is the template's error
+        raise ValueError(f"chat template failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+
+
+def _clean_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(message, Mapping):
+        raise ValueError(f"chat messages must be mappings, got {type(message).__name__}")
+    return {key: value for key, value in message.items() if value is not None}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__

@@ -1,0 +1,106 @@
+"""Tokenizers described by GGUF metadata (`tokenizer.ggml.*`), rebuilt as `tokenizers` objects.
+
+llama.cpp stores the vocabulary, merges (or scores) and token kinds; how text is split before merging
+is named by `tokenizer.ggml.pre` and lives in llama.cpp's code, so the regexes are reproduced here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from model.errors import ModelLoadError
+
+# llama.cpp's token_type values in GGUF metadata (5 is unused, 6 is a <0xNN> byte token).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# The regexes llama.cpp applies, in order, for each `tokenizer.ggml.pre` value; anything else gets GPT-2's.
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    **{name: (r"\p{N}", _GPT2_SPLIT) for name in ("smollm", "starcoder", "refact", "codeshell")},
+    **{name: (_LLAMA3_SPLIT,) for name in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx")},
+    **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen")},
+}
+# llama.cpp's Llama-3 pre-tokenizer also looks whole words up in the vocabulary before merging.
+_IGNORE_MERGES = frozenset({"llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx"})
+# Control tokens that end a turn; llama.cpp stops on these too, even when they are not the EOS id.
+END_OF_TURN = frozenset(
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>"}
+)
+
+
+# ------------------------------------------------------------------------------------
+
+
+def byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    merges: list[tuple[str, str]] = []
+    for merge in metadata.get("tokenizer.ggml.merges") or ():
+        left, sep, right = str(merge).partition(" ")
+        if not sep:
+            raise ModelLoadError(f"{source}: malformed tokenizer.ggml.merges entry {str(merge)!r}")
+        merges.append((left, right))
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in _PRE_SPLITS.get(pre, (_GPT2_SPLIT,))]
+    # The regexes did the splitting already; ByteLevel only maps bytes to its printable alphabet.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    # Without scores, earlier tokens rank first, which is how SentencePiece orders its pieces.
+    scores = [float(s) for s in metadata.get("tokenizer.ggml.scores") or ()]
+    scores += [-float(i) for i in range(len(scores), len(tokens))]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    merges = _merges_from_scores(tokens, scores, types)
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    # Like llama.cpp: each run of plain text (after BOS or any other added token) gets a leading space,
+    # spaces become ▁, and the whole run is one word for the merges.
+    steps = [normalizers.Replace(" ", "\u2581")]
+    add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    if add_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    backend.normalizer = normalizers.Sequence(steps)
+    decode_steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        decode_steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(decode_steps)
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges: any split of a normal token into two normal tokens, best score first."""
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, index in normal.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[index], normal[left], normal[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    # Control tokens are matched whole and skipped when decoding with skip_special_tokens; user-defined
+    # ones are matched whole but are ordinary text. Both reuse their vocabulary id.
+    pairs = list(zip(tokens, types))
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty in (CONTROL, UNKNOWN)]
+    backend.add_special_tokens(special)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == USER_DEFINED])

@@ -1,0 +1,235 @@
+"""Text <-> token ids for a model, built from a Hugging Face directory or from GGUF metadata.
+
+Both sources end up as one ``tokenizers.Tokenizer`` plus the few facts serving needs around it:
+which ids start and stop a sequence, whether BOS is prepended, and the chat template.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from model.chat_template import render_chat_template
+from model.errors import ModelLoadError
+from model.gguf_vocab import CONTROL, END_OF_TURN, NORMAL, add_gguf_added_tokens, byte_level_bpe, sentencepiece_bpe
+
+__all__ = ["Tokenizer"]
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus BOS/EOS/stop-id facts and the model's chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+        extra_stop_ids: Iterable[int] = (),
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        """Ids default to the vocabulary ids of ``bos_token``/``eos_token``; pass them when known."""
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = bos_token_id if bos_token_id is not None else _token_id(backend, bos_token)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else _token_id(backend, eos_token)
+        self.add_bos_token = bool(add_bos_token and self.bos_token_id is not None)
+        self.add_eos_token = bool(add_eos_token and self.eos_token_id is not None)
+        self.chat_template = chat_template
+        stops = {int(i) for i in extra_stop_ids}
+        if self.eos_token_id is not None:
+            stops.add(self.eos_token_id)
+        self.stop_token_ids: frozenset[int] = frozenset(stops)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
+        """Load ``tokenizer.json`` and its companion config files from a Hugging Face model directory."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{tokenizer_file}: missing; a tokenizer directory needs tokenizer.json")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise ModelLoadError(f"{tokenizer_file}: cannot parse: {_one_line(exc)}") from exc
+        config = _read_json(path / "tokenizer_config.json")
+        special_map = _read_json(path / "special_tokens_map.json")
+        bos = _token_content(config.get("bos_token")) or _token_content(special_map.get("bos_token"))
+        eos = _token_content(config.get("eos_token")) or _token_content(special_map.get("eos_token"))
+        probe_bos, probe_eos = _post_processor_adds(backend, bos, eos)
+        eos_ids = _read_json(path / "generation_config.json").get("eos_token_id")
+        eos_ids = [i for i in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(i, int)]
+        if eos is None and eos_ids:  # some repos name their EOS only in generation_config.json
+            eos = backend.id_to_token(eos_ids[0])
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_token=eos,
+            # An explicit flag wins; otherwise trust what tokenizer.json's post-processor would add.
+            add_bos_token=_flag(config.get("add_bos_token"), probe_bos),
+            add_eos_token=_flag(config.get("add_eos_token"), probe_eos),
+            chat_template=_hf_chat_template(path, config),
+            extra_stop_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes (``tokenizer.ggml.*`` keys, as llama.cpp reads them)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError(f"{source}: GGUF metadata has no tokenizer.ggml.tokens")
+        tokens = [str(t) for t in tokens]
+        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type") or ()]
+        types = (types + [NORMAL] * len(tokens))[: len(tokens)]
+        if kind == "gpt2":
+            backend = byte_level_bpe(metadata, tokens, source)
+            add_bos_default = False
+        elif kind == "llama":
+            backend = sentencepiece_bpe(metadata, tokens, types)
+            add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+        else:
+            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        add_gguf_added_tokens(backend, tokens, types)
+
+        def id_at(key: str) -> int | None:
+            index = metadata.get(f"tokenizer.ggml.{key}")
+            return int(index) if index is not None and 0 <= int(index) < len(tokens) else None
+
+        bos_id, eos_id = id_at("bos_token_id"), id_at("eos_token_id")
+        stops = [i for i in (id_at("eot_token_id"), id_at("eom_token_id")) if i is not None]
+        stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN]
+        template = metadata.get("tokenizer.chat_template")
+        return cls(
+            backend,
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+            add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=str(template) if template else None,
+            extra_stop_ids=stops,
+        )
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text``; special-token strings in it become their ids.
+
+        With ``add_special_tokens`` BOS (and EOS) are added when the model asks for them; BOS is not
+        added a second time when ``text`` already starts with it (e.g. a chat template wrote it).
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos_token and ids[:1] != [self.bos_token_id]:
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``ids``; invalid UTF-8 byte sequences come out as U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary spelling of ``token_id`` (byte-level or ▁ form), or None if out of range."""
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled ``token``, or None."""
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render ``messages`` into a prompt string with the model's chat template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **extra,
+        )
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of ``<0xNN>`` tokens that the decoder joins into UTF-8; empty without byte fallback."""
+        if not getattr(self.backend.model, "byte_fallback", False):
+            return frozenset()
+        return frozenset(i for t, i in self.backend.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+
+
+# -- Hugging Face directory ------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read JSON: {_one_line(exc)}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _flag(value: Any, default: bool) -> bool:
+    return value if isinstance(value, bool) else default
+
+
+def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template") or _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+def _post_processor_adds(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> tuple[bool, bool]:
+    """Whether tokenizer.json's post-processor prepends BOS / appends EOS to a single sequence."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    grew = len(full) > len(plain)
+    bos_id, eos_id = _token_id(backend, bos), _token_id(backend, eos)
+    return grew and bos_id is not None and full[0] == bos_id, grew and eos_id is not None and full[-1] == eos_id
+
+
+def _token_id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
+    return backend.token_to_id(token) if token is not None else None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
