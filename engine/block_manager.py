@@ -1,0 +1,131 @@
+"""KV-cache block bookkeeping with prefix caching. Pure Python: no tensors, unit-tested without a model.
+
+A block holds `block_size` consecutive tokens of one sequence. Blocks are reference counted so that
+requests with a common prefix share them. A full block whose tokens are computed is registered under a
+chained sha256 of its tokens (the hash of the block before it, then its token ids), so equal hashes mean
+equal whole prefixes. When its last reference goes, a registered block stays in the cache, free but
+reusable, until the allocator needs it: free blocks are handed out least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import NamedTuple
+
+from engine.request import Request
+
+
+class CachedPrefix(NamedTuple):
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash of a computed full block -> its block id
+        # Blocks with no reference, oldest first; the allocator takes from the front.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a request (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest run of the request's leading full blocks already in the cache.
+
+        At least one token is always left to compute, since sampling needs its logits.
+        """
+        if not self.enable_prefix_caching:
+            return CachedPrefix([], 0)
+        self._update_hashes(request)
+        hits: list[int] = []
+        for block_hash in request.block_hashes:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= request.num_tokens:
+            hits.pop()
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return CachedPrefix(hits, len(hits) * self.block_size)
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after `prefix`, if admitting).
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        shared = prefix.block_ids if prefix else []
+        num_tokens = request.num_computed_tokens + (prefix.num_tokens if prefix else 0) + num_new_tokens
+        num_needed = self.blocks_needed(num_tokens) - len(request.block_ids) - len(shared)
+        # Cached blocks with no reference sit in the free list; taking them shrinks it.
+        num_shared_free = sum(1 for b in shared if self.ref_counts[b] == 0)
+        if num_needed > len(self.free) - num_shared_free:
+            return False
+        for block in shared:
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+        request.block_ids.extend(shared)
+        for _ in range(max(num_needed, 0)):
+            block, _ = self.free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            request.block_ids.append(block)
+        return True
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Put the request's newly computed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(request)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for index in range(num_full):
+            block = request.block_ids[index]
+            block_hash = request.block_hashes[index]
+            if self.block_hash[block] is None and block_hash not in self.cached:
+                self.block_hash[block] = block_hash
+                self.cached[block_hash] = block
+
+    def release(self, request: Request) -> None:
+        """Drop the request's references. Its last blocks are freed first so they are evicted first:
+        the prefix, shared more often, stays cached longer."""
+        for block in reversed(request.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        request.block_ids = []
+
+    def _forget(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            self.block_hash[block] = None
+            if self.cached.get(block_hash) == block:
+                del self.cached[block_hash]
+
+    def _update_hashes(self, request: Request) -> None:
+        tokens = request.all_token_ids
+        hashes = request.block_hashes
+        for index in range(len(hashes), len(tokens) // self.block_size):
+            chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hashlib.sha256(parent + array("q", chunk).tobytes()).digest())

@@ -1,0 +1,88 @@
+"""Engine configuration and KV-cache sizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelConfig
+
+GIB = 1 << 30
+# On a CPU the cache shares memory with everything else; a bounded default keeps start-up quick.
+CPU_DEFAULT_KV_GIB = 2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory, GGUF file, or None for the embedded default
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context, capped by the KV cache
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None  # default: kv_cache_memory_fraction of available memory
+    kv_cache_memory_fraction: float = 0.25
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV cache may take from: free device memory, or MemAvailable of the host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GIB
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+
+
+def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(num_blocks, max_model_len) for this model and memory, or a ValueError saying what would fit."""
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
+                         f"{model.max_position_embeddings} tokens")
+    per_block = bytes_per_block(model, config.block_size, dtype)
+    if config.kv_cache_memory_gib is not None:
+        budget, source = int(config.kv_cache_memory_gib * GIB), "--kv-cache-memory"
+    else:
+        budget = int(available_memory(device) * config.kv_cache_memory_fraction)
+        source = f"{config.kv_cache_memory_fraction:.0%} of available memory"
+        if device.type == "cpu" and budget > CPU_DEFAULT_KV_GIB * GIB:
+            budget, source = CPU_DEFAULT_KV_GIB * GIB, f"the CPU default of {CPU_DEFAULT_KV_GIB} GiB"
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    # More than every sequence at full length could never be used.
+    num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+    if config.max_model_len is None and num_blocks < blocks_per_seq:
+        # No length was asked for: serve the longest sequence the cache holds.
+        max_model_len, blocks_per_seq = num_blocks * config.block_size, num_blocks
+    if num_blocks < 1 or num_blocks < blocks_per_seq:
+        need = blocks_per_seq * per_block / GIB
+        raise ValueError(
+            f"the KV cache ({source}: {budget / GIB:.3f} GiB) holds {num_blocks * config.block_size} tokens, "
+            f"fewer than max_model_len={max_model_len}; give --kv-cache-memory {need:.3f} or more, "
+            f"or lower --max-model-len"
+        )
+    return num_blocks, max_model_len

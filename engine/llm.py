@@ -1,0 +1,60 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config) -> None:
+        """`model`: HF directory, GGUF file, or None for the embedded default; `config`: EngineConfig fields."""
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in the prompts' order.
+
+        A prompt is text (encoded as is, BOS added if the model wants it) or a list of token ids.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params_list):
+            token_ids = self._encode(prompt)
+            request_id = str(next(self._ids))
+            results[request_id] = RequestOutput(request_id, token_ids, [CompletionOutput(i) for i in range(p.n)])
+            self.engine.add_request(request_id, token_ids, p)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                results[delta.request_id].outputs[delta.index].add(delta)
+        return list(results.values())
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One conversation through the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        text = self.tokenizer.apply_chat_template(messages)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.generate([ids], sampling_params)[0]
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)

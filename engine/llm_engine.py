@@ -1,0 +1,155 @@
+"""The synchronous engine: requests in, one step at a time, deltas out.
+
+A step is: drop aborted requests, schedule, build tensors, run the model, sample, append tokens and
+check stop conditions, release the blocks of finished requests. The offline `LLM` and the async engine
+both drive this class; nothing in it is thread-safe, so the async engine calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.block_manager import KVBlockManager
+from engine.config import EngineConfig, plan_kv_cache
+from engine.model_runner import ModelRunner
+from engine.outputs import SampleDelta
+from engine.request import FinishReason, Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import EngineStats
+from engine.text_stream import TextStream
+from model.loader import LoadedModel, load, parse_dtype
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
+                                    block_size=config.block_size)
+        if self.model.module.block_size != config.block_size:
+            raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
+                             f"the engine asks for {config.block_size}")
+        self.tokenizer = self.model.tokenizer
+        device = torch.device(config.device)
+        num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, parse_dtype(config.dtype), device)
+        self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.blocks)
+        self.runner = ModelRunner(self.model.module, num_blocks)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
+        self.requests: dict[str, list[Request]] = {}  # request id -> its samples
+        self.streams: dict[Request, TextStream] = {}
+        self.pending: list[SampleDelta] = []  # finished outside a step (rejected, aborted)
+        self.stats = EngineStats()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; its n samples share the prompt's KV blocks through the prefix cache."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        streams = {}
+        samples: list[Request] = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            sample = Request(f"{request_id}#{index}", list(prompt_token_ids), params.replace(seed=seed, n=1),
+                             self.eos_token_ids, leader=samples[0] if samples else None,
+                             parent_id=request_id, index=index)
+            streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+            samples.append(sample)
+        self.requests[request_id] = samples
+        self.streams.update(streams)
+        for sample in samples:
+            reason = self.scheduler.why_never_fits(sample)
+            if reason is not None:
+                self._finish(sample, FinishReason.ERROR, reason)
+            else:
+                self.scheduler.add(sample)
+
+    def abort(self, request_id: str) -> None:
+        """Finish every sample of the request; blocks are released at the start of the next step."""
+        for sample in self.requests.get(request_id, []):
+            if not sample.is_finished:
+                self._finish(sample, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[SampleDelta]:
+        started = time.perf_counter()
+        self._release_finished()
+        plan = self.scheduler.schedule()
+        for sample in plan.rejected:
+            self._finish(sample, FinishReason.ERROR, sample.error)
+        scheduled_at = time.perf_counter()
+        deltas = self.pending
+        self.pending = []
+        if not plan.is_empty:
+            inputs = self.runner.prepare(plan)
+            prepared_at = time.perf_counter()
+            logits = self.runner.forward(inputs)
+            forward_at = time.perf_counter()
+            sampled = self.sampler(logits, inputs.sample_requests) if inputs.sample_requests else None
+            sampled_at = time.perf_counter()
+            self.stats.record_step(plan, len(inputs.sample_requests), scheduled_at - started,
+                                   prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
+            self.scheduler.finish_step(plan)
+            if sampled is not None:
+                for i, request in enumerate(inputs.sample_requests):
+                    deltas.extend(self._append_token(request, sampled.token_ids[i], sampled.logprobs[i]))
+        deltas.extend(self.pending)
+        self.pending = []
+        self._release_finished()
+        self.stats.observe_queue(self.scheduler, self.blocks)
+        return deltas
+
+    def _append_token(self, request: Request, token_id: int, logprobs) -> list[SampleDelta]:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.output_token_ids.append(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        stream = self.streams[request]
+        text = stream.push(token_id)
+        params = request.params
+        reason = None
+        if stream.stopped:
+            reason = FinishReason.STOP
+        elif token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
+            reason = FinishReason.STOP
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            text += stream.finish()
+            request.finish(reason)
+        return [self._delta(request, [token_id], text, [logprobs] if logprobs else [])]
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        request.finish(reason, error)
+        text = self.streams[request].finish() if reason is not FinishReason.ERROR else ""
+        self.pending.append(self._delta(request, [], text, []))
+
+    def _delta(self, request: Request, token_ids: list[int], text: str, logprobs: list) -> SampleDelta:
+        return SampleDelta(request.parent_id, request.index, token_ids, text, logprobs, request.num_prompt_tokens,
+                           len(request.output_token_ids), request.num_cached_tokens, request.finish_reason,
+                           request.error)
+
+    def _release_finished(self) -> None:
+        self.scheduler.remove_finished()
+        for request_id in [rid for rid, samples in self.requests.items() if all(s.is_finished for s in samples)]:
+            for sample in self.requests.pop(request_id):
+                self.streams.pop(sample, None)
+                self.sampler.forget(sample.request_id)
+                self.stats.record_finished(sample)

@@ -1,0 +1,100 @@
+"""A request and its lifecycle, in one place.
+
+    WAITING --schedule--> RUNNING --stop/length/abort/error--> FINISHED
+       ^                     |
+       +----- PREEMPTED <----+   (blocks freed; recomputed from scratch when rescheduled)
+
+Each request carries its token ids and how many of them are in the KV cache (`num_computed_tokens`),
+so the scheduler needs no separate prefill and decode phases: a request with uncomputed tokens gets a
+chunk of them; one whose tokens are all computed gets the next sampled token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # the client went away or asked to cancel
+    ERROR = "error"  # the request can never run, or the engine failed
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token, and the best `k` candidates (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # A sample of an n > 1 request waits until its leader has computed the shared prompt, so it finds
+    # the prompt's blocks in the prefix cache instead of computing them again.
+    leader: Request | None = None
+    parent_id: str = ""  # the id the client knows; request_id is unique per sample
+    index: int = 0  # which of the parent's n samples
+
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def preempt(self) -> None:
+        """Drop everything in the cache; the request recomputes its prompt and outputs later."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.block_ids = []

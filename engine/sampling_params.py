@@ -1,0 +1,75 @@
+"""Per-request sampling parameters, validated where they are created."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
+    Penalties follow the OpenAI API (presence, frequency: over generated tokens) and the CTRL paper
+    (repetition: over prompt and generated tokens; 1 disables it).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k best tokens'
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)

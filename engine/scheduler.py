@@ -1,0 +1,147 @@
+"""Continuous batching: which requests advance this step, and by how many tokens. Pure Python.
+
+Each step has a token budget (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`).
+Running requests go first, oldest first: each gets its remaining tokens (one for a decode, the rest of
+its prompt, in chunks, for a prefill), so a long prompt never stalls the decodes. Waiting requests are
+then admitted first come, first served while budget, sequence slots and blocks last. When blocks run
+out, the most recently admitted running request is preempted (its blocks freed, recomputed later from
+the front of the queue), so older requests always make progress and none starves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import KVBlockManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens from request.num_computed_tokens on to run this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)  # finished with an error: can never run
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def why_never_fits(self, request: Request) -> str | None:
+        """A reason the request can never be scheduled, or None."""
+        longest = request.num_prompt_tokens + request.params.max_tokens
+        if longest > self.config.max_model_len:
+            return (f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.params.max_tokens}) "
+                    f"exceeds max_model_len ({self.config.max_model_len})")
+        if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
+            capacity = self.blocks.num_blocks * self.blocks.block_size
+            return f"request needs up to {longest} tokens of KV cache but the whole cache holds {capacity}"
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.blocks.allocate(request, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+        # Admissions wait while anything is being preempted: the freed blocks go to older requests.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            reason = self.why_never_fits(request)
+            if reason is not None:
+                self.waiting.popleft()
+                request.finish(FinishReason.ERROR, reason)
+                out.rejected.append(request)
+                continue
+            if request.leader is not None and not (request.leader.is_prefill_done or request.leader.is_finished):
+                break  # first come, first served: nothing overtakes a waiting sample
+            prefix = self.blocks.find_cached_prefix(request)
+            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            if not self.blocks.allocate(request, num_new, prefix):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = prefix.num_tokens
+            request.num_cached_tokens = prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def finish_step(self, output: SchedulerOutput) -> None:
+        """After the model ran: count computed tokens and cache the full blocks they completed."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_computed_blocks(item.request)
+
+    def remove_finished(self) -> list[Request]:
+        """Release the blocks of finished requests; returns them."""
+        finished = [r for r in self.running if r.is_finished]
+        finished += [r for r in self.waiting if r.is_finished]
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            for request in finished:
+                self.blocks.release(request)
+        return finished
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.release(request)
+        request.preempt()
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
