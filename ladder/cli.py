@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ladder import generate
+from ladder import bench, generate
 from model.errors import ModelLoadError
 
 
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladder", description="Serve, compile and load-test LLMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(commands)
+    bench.add_parser(commands)
     return parser
 
 

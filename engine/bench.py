@@ -1,0 +1,173 @@
+"""Offline throughput: the engine against Hugging Face `generate` on the same weights, in one run.
+
+Both sides get the same prompts (random token ids of the asked lengths) and produce exactly the asked
+number of output tokens each (greedy; the engine ignores EOS, `generate` is held to its length).
+`generate` runs in padded batches, so prompts and outputs of mixed lengths cost it padding: that is
+what it does in practice, and the table counts only the tokens that were asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str | None = None
+    num_prompts: int = 64
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.0  # lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
+    seed: int = 0
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_gib: float | None = None
+    hf_batch_size: int = 64
+    skip_hf: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
+            raise ValueError("num_prompts, input_len and output_len must be at least 1")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(config: BenchConfig, vocab_size: int, special_ids: frozenset[int]) -> Workload:
+    rng = random.Random(config.seed)
+
+    def length(base: int) -> int:
+        spread = int(base * config.range_ratio)
+        return max(1, rng.randint(base - spread, base + spread))
+
+    ordinary = [t for t in range(vocab_size) if t not in special_ids]
+    prompts = [[rng.choice(ordinary) for _ in range(length(config.input_len))] for _ in range(config.num_prompts)]
+    return Workload(prompts, [length(config.output_len) for _ in range(config.num_prompts)])
+
+
+def run_engine(engine: LLMEngine, work: Workload) -> float:
+    """Seconds to finish every request."""
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(zip(work.prompts, work.output_lens)):
+        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        engine.add_request(f"bench-{i}", prompt, params)
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(d.token_ids) for d in engine.step())
+    elapsed = time.perf_counter() - start
+    if produced != work.num_output_tokens:
+        raise RuntimeError(f"engine produced {produced} tokens, expected {work.num_output_tokens}")
+    return elapsed
+
+
+def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_id: int) -> tuple[float, float]:
+    """(load seconds, generate seconds) for transformers on the same checkpoint."""
+    import transformers
+
+    start = time.perf_counter()
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path,
+                                                           dtype=dtype, **kwargs).eval()
+    loaded = time.perf_counter()
+    for first in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[first:first + batch_size]
+        new_tokens = max(work.output_lens[first:first + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=pad_id)
+        if out.shape[1] != width + new_tokens:
+            raise RuntimeError("transformers stopped early")
+    return loaded - start, time.perf_counter() - loaded
+
+
+def run_bench(config: BenchConfig) -> dict:
+    engine_config = EngineConfig(model=config.model, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 kv_cache_memory_gib=config.kv_cache_memory_gib,
+                                 max_model_len=int((config.input_len + config.output_len) * (1 + config.range_ratio)) + 1)
+    start = time.perf_counter()
+    engine = LLMEngine(engine_config)
+    load_seconds = time.perf_counter() - start
+    tokenizer = engine.tokenizer
+    special = tokenizer.special_ids if tokenizer else frozenset()
+    work = make_workload(config, engine.model.config.vocab_size, special)
+    # Warm up allocator and kernels on a small batch so neither side pays first-call costs in the figures.
+    run_engine(engine, Workload(work.prompts[:2], [4, 4]))
+    engine_seconds = run_engine(engine, work)
+    stats = engine.stats
+    rows = {"ladder": summarize(work, engine_seconds, load_seconds)}
+    if not config.skip_hf:
+        pad = tokenizer.eos_token_id if tokenizer and tokenizer.eos_token_id is not None else 0
+        hf_load, hf_seconds = run_hf(engine.model.path, engine.model.module.embed_tokens.weight.dtype, work,
+                                     config.hf_batch_size, pad)
+        rows["transformers"] = summarize(work, hf_seconds, hf_load)
+        rows["ladder"]["speedup"] = rows["transformers"]["seconds"] / engine_seconds
+    return {
+        "config": asdict(config),
+        "model": engine.model.name,
+        "num_prompt_tokens": work.num_prompt_tokens,
+        "num_output_tokens": work.num_output_tokens,
+        "results": rows,
+        "engine_step_seconds": dict(stats.seconds),
+        "engine_steps": stats.num_steps,
+        "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def summarize(work: Workload, seconds: float, load_seconds: float) -> dict:
+    return {
+        "seconds": seconds,
+        "load_seconds": load_seconds,
+        "requests_per_s": len(work.prompts) / seconds,
+        "output_tokens_per_s": work.num_output_tokens / seconds,
+        "total_tokens_per_s": (work.num_output_tokens + work.num_prompt_tokens) / seconds,
+    }
+
+
+def format_table(report: dict) -> str:
+    header = f"{'backend':<14}{'seconds':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'vs transformers':>17}"
+    lines = [header, "-" * len(header)]
+    for name, row in report["results"].items():
+        ratio = row.get("speedup", 1.0 if name == "transformers" else float("nan"))
+        lines.append(f"{name:<14}{row['seconds']:>10.2f}{row['requests_per_s']:>10.2f}"
+                     f"{row['output_tokens_per_s']:>12.1f}{row['total_tokens_per_s']:>13.1f}{ratio:>16.2f}x")
+    steps = report["engine_step_seconds"]
+    total = sum(steps.values()) or 1.0
+    split = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))
+    lines.append(f"engine time by phase over {report['engine_steps']} steps: {split}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,43 @@
+"""`ladder bench`: offline throughput of the engine against transformers `generate`, one table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.bench import BenchConfig, format_table, run_bench, write_report
+from model.loader import DTYPES
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("bench", help="offline throughput benchmark against transformers",
+                            description="Run N random prompts through the engine and through transformers "
+                                        "generate on the same weights; print one table and write JSON.")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded model)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="spread lengths by +/- this fraction")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers generate")
+    p.add_argument("--skip-hf", action="store_true", help="run the engine alone")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON report path")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, seed=args.seed, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
+        hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf,
+    )
+    report = run_bench(config)
+    print(format_table(report))
+    write_report(report, args.out)
+    print(f"wrote {args.out}")
+    return 0

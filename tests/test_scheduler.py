@@ -1,0 +1,147 @@
+"""The continuous-batching scheduler without a model: budgets, caps, fairness, preemption, rejection.
+
+A fake "model" appends one token to every request whose tokens are all computed, as the engine does.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import KVBlockManager
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_model_len=256, prefix=True):
+    blocks = KVBlockManager(num_blocks, block_size, prefix)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_model_len), blocks)
+
+
+def run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list:
+    """Drive to completion; check invariants every step; return the plans."""
+    for r in requests:
+        scheduler.add(r)
+    plans = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return plans
+        plan = scheduler.schedule()
+        plans.append(plan)
+        assert plan.num_tokens <= scheduler.config.max_num_batched_tokens
+        assert len(scheduler.running) <= scheduler.config.max_num_seqs
+        ids = [s.request.request_id for s in plan.scheduled]
+        assert len(ids) == len(set(ids))
+        for item in plan.scheduled:
+            r = item.request
+            assert r.num_computed_tokens + item.num_new_tokens <= len(r.block_ids) * scheduler.blocks.block_size
+        scheduler.finish_step(plan)
+        for item in plan.scheduled:
+            r = item.request
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(7)
+                if len(r.output_token_ids) >= r.params.max_tokens:
+                    r.finish(FinishReason.LENGTH)
+        scheduler.remove_finished()
+        used = sum(1 for c in scheduler.blocks.ref_counts if c > 0)
+        assert used + scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+    raise AssertionError("did not finish")
+
+
+def req(rid: str, prompt_len: int, max_tokens: int, seed: int = 0) -> Request:
+    rng = random.Random(seed)
+    return Request(rid, [rng.randrange(1000) for _ in range(prompt_len)], SamplingParams(max_tokens=max_tokens))
+
+
+def test_every_request_finishes_and_blocks_balance():
+    sched = make()
+    requests = [req(str(i), 5 + 7 * i % 40, 3 + i % 9, seed=i) for i in range(30)]
+    run(sched, requests)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in requests)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+    assert all(c == 0 for c in sched.blocks.ref_counts)
+
+
+def test_decodes_go_first_and_long_prompts_are_chunked():
+    sched = make(max_tokens_per_step=16)
+    short = req("short", 4, 20)
+    sched.add(short)
+    plan = sched.schedule()
+    sched.finish_step(plan)
+    short.output_token_ids.append(1)
+    sched.add(req("long", 100, 2))
+    plan = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("short", 1), ("long", 15)]
+
+
+def test_first_come_first_served_admission():
+    sched = make(max_num_seqs=2)
+    requests = [req(str(i), 4, 2, seed=i) for i in range(5)]
+    plans = run(sched, requests)
+    first_step = {}
+    for step, plan in enumerate(plans):
+        for item in plan.scheduled:
+            first_step.setdefault(item.request.request_id, step)
+    order = sorted(first_step, key=first_step.get)
+    assert order == [str(i) for i in range(5)]
+
+
+def test_preemption_under_a_tiny_cache_and_everyone_finishes():
+    sched = make(num_blocks=8, block_size=4, max_num_seqs=8, max_model_len=32)
+    requests = [req(str(i), 6, 10, seed=i) for i in range(6)]  # each grows to 16 tokens = 4 blocks
+    run(sched, requests)
+    assert sched.num_preemptions > 0
+    assert all(len(r.output_token_ids) == 10 for r in requests)
+    assert any(r.num_preemptions for r in requests)
+    # The oldest request is never the victim while a younger one runs.
+    assert requests[0].num_preemptions == 0
+
+
+def test_never_fitting_request_is_rejected_with_a_reason():
+    sched = make(num_blocks=4, block_size=4, max_model_len=1000)
+    too_big = req("big", 10, 20)  # 30 tokens > 16 slots in the whole cache
+    ok = req("ok", 4, 4)
+    plans = run(sched, [too_big, ok])
+    assert too_big.finish_reason is FinishReason.ERROR and "KV cache" in too_big.error
+    assert ok.finish_reason is FinishReason.LENGTH
+    assert any(too_big in p.rejected for p in plans)
+
+
+def test_too_long_for_max_model_len_is_rejected():
+    sched = make(max_model_len=16)
+    r = req("long", 10, 10)
+    run(sched, [r])
+    assert r.finish_reason is FinishReason.ERROR and "max_model_len (16)" in r.error
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workloads_hold_every_invariant(seed):
+    rng = random.Random(seed)
+    sched = make(num_blocks=rng.randint(12, 40), block_size=rng.choice([2, 4, 8]),
+                 max_num_seqs=rng.randint(1, 6), max_tokens_per_step=rng.randint(4, 40), max_model_len=64)
+    requests = [req(str(i), rng.randint(1, 30), rng.randint(1, 20), seed=seed * 100 + i) for i in range(25)]
+    run(sched, requests)
+    finished_ok = [r for r in requests if r.finish_reason is FinishReason.LENGTH]
+    for r in finished_ok:
+        assert len(r.output_token_ids) == r.params.max_tokens
+    assert all(r.is_finished for r in requests)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_samples_wait_for_their_leader_and_share_prompt_blocks():
+    sched = make(block_size=4)
+    leader = req("a#0", 13, 3)
+    sample = Request("a#1", list(leader.prompt_token_ids), leader.params, leader=leader)
+    sched.add(leader)
+    sched.add(sample)
+    plan = sched.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["a#0"]
+    sched.finish_step(plan)
+    leader.output_token_ids.append(1)
+    plan = sched.schedule()
+    assert {s.request.request_id: s.num_new_tokens for s in plan.scheduled} == {"a#0": 1, "a#1": 1}
+    assert sample.num_cached_tokens == 12
+    assert sample.block_ids[:3] == leader.block_ids[:3]
