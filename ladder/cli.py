@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ladder import bench, generate
+from loadtest import cli as loadtest_cli
 from model.errors import ModelLoadError
 
 
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(commands)
     bench.add_parser(commands)
+    loadtest_cli.add_parser(commands)
     return parser
 
 
