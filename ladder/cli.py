@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ladder import bench, generate
+from ladder import bench, generate, serve
 from loadtest import cli as loadtest_cli
 from model.errors import ModelLoadError
 
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladder", description="Serve, compile and load-test LLMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(commands)
+    serve.add_parser(commands)
     bench.add_parser(commands)
     loadtest_cli.add_parser(commands)
     return parser

@@ -1,0 +1,131 @@
+"""`ladder serve`: the OpenAI-compatible HTTP server.
+
+The listening socket opens first and the model loads behind it (`/ready` answers 503 until then), so
+orchestrators see a live process at once. SIGTERM drains: `/ready` turns 503, new requests get 503,
+in-flight requests run to completion for up to `--shutdown-timeout` seconds, then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+from engine.config import EngineConfig
+from model.default import DEFAULT_MODEL_NAME
+from model.loader import DTYPES
+
+log = logging.getLogger("ladder.serve")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            description="Serve a model over OpenAI-compatible HTTP endpoints.")
+    p.add_argument("--model", default=None, help=f"HF directory or GGUF file (default: {DEFAULT_MODEL_NAME})")
+    p.add_argument("--artifact", default=None, help="a compiled artifact directory from `ladder compile`")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    p.add_argument("--api-key", default=os.environ.get("LADDER_API_KEY"),
+                   help="require this bearer token (default: $LADDER_API_KEY; none when unset)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output (default: model's)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429 (default 256)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
+                   help="fraction of available memory for the KV cache when --kv-cache-memory is not given")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from engine.async_engine import AsyncLLMEngine
+        from engine.llm_engine import LLMEngine
+        from server.app import ServerSettings, ServerState, create_app
+    except ImportError as error:
+        raise ValueError(f"ladder serve needs the server extra ({error.name} is missing): "
+                         "pip install 'ladder[server]'") from None
+    if args.artifact is not None:
+        raise ValueError("--artifact: compiled artifacts are not served by this version yet")
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState(ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
+                                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes))
+    server = DrainingServer(uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5),
+                            state, args.shutdown_timeout)
+    failure: list[str] = []
+
+    def load() -> None:
+        try:
+            start = time.perf_counter()
+            state.attach(AsyncLLMEngine(LLMEngine(config)))
+            engine = state.engine.engine
+            log.info("serving %s as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens, "
+                     "max_model_len %d)", engine.model.path, state.model_name, args.host, args.port,
+                     time.perf_counter() - start, engine.blocks.num_blocks, config.block_size, engine.max_model_len)
+        except Exception as error:  # report one line and stop the server
+            failure.append(" ".join(str(error).split()) or type(error).__name__)
+            state.load_error = "the model failed to load"
+            server.should_exit = True
+
+    threading.Thread(target=load, name="ladder-load", daemon=True).start()
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+    if failure:
+        raise ValueError(failure[0])
+    return 0
+
+
+try:
+    import uvicorn as _uvicorn
+
+    _ServerBase = _uvicorn.Server
+except ImportError:  # the server extra is missing: `run` says so
+    _ServerBase = object
+
+
+class DrainingServer(_ServerBase):
+    """uvicorn's server with a draining first SIGTERM (a second signal exits at once)."""
+
+    def __init__(self, config, state, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining or sig != signal.SIGTERM:
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        log.info("SIGTERM: draining for up to %.0f s", self.shutdown_timeout)
+        threading.Thread(target=self._drain, name="ladder-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while time.monotonic() < deadline:
+            engine = self.state.engine
+            if engine is None or engine.num_in_flight == 0:
+                break
+            time.sleep(0.05)
+        self.should_exit = True
+

@@ -1,0 +1,1 @@
+"""The HTTP face of ladder: an OpenAI-compatible FastAPI server over the async engine."""

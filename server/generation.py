@@ -1,0 +1,248 @@
+"""From validated OpenAI requests to engine requests, and from engine deltas to OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.outputs import SampleDelta
+from engine.request import FinishReason, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from model.tokenizer import Tokenizer
+from server import protocol as p
+from server.errors import APIError, sse_error
+
+ENGINE_FAILED = "the engine failed while running this request"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str  # for echo
+
+
+@dataclass
+class Job:
+    """One HTTP request: its prompts, their shared sampling parameters, and how to report."""
+
+    request_id: str
+    prompts: list[Prompt]
+    params: SamplingParams
+    model_name: str
+    num_top_logprobs: int | None  # None: no logprobs in the response
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(x.token_ids) for x in self.prompts)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=body.n, max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            seed=None if body.seed is None else body.seed % 2**63, stop=body.stop_list,
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error)) from None
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, what: str) -> None:
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {what} or the completion.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+
+
+async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDelta], None] | None = None
+                  ) -> AsyncIterator[tuple[int, SampleDelta]]:
+    """Every prompt's deltas, merged, as (choice index, delta). Closing the iterator aborts them all."""
+    merged: asyncio.Queue[tuple[int, SampleDelta] | None] = asyncio.Queue()
+
+    async def pump(prompt_index: int, prompt: Prompt) -> None:
+        try:
+            async for delta in engine.generate(prompt.token_ids, job.params, f"{job.request_id}-{prompt_index}"):
+                if on_delta is not None:
+                    on_delta(delta)
+                await merged.put((prompt_index * job.params.n + delta.index, delta))
+        except EngineDeadError:
+            for i in range(job.params.n):
+                await merged.put((prompt_index * job.params.n + i, SampleDelta(
+                    job.request_id, i, [], "", [], 0, 0, finish_reason=FinishReason.ERROR, error=ENGINE_FAILED)))
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(i, x)) for i, x in enumerate(job.prompts)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await merged.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs], offset: int) -> p.CompletionLogprobs:
+    out = p.CompletionLogprobs()
+    for entry in entries:
+        text = token_text(tokenizer, entry.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in entry.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatLogprobs:
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return p.ChatLogprobs(content=[
+        p.ChatTokenLogprob(**item(e.token_id, e.logprob), top_logprobs=[p.TopLogprob(**item(t, lp)) for t, lp in e.top])
+        for e in entries
+    ])
+
+
+def finish_reason(delta: SampleDelta) -> str | None:
+    if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return delta.finish_reason.value
+    return None
+
+
+class Collected:
+    """Accumulates a job's deltas for a non-streaming response."""
+
+    def __init__(self, job: Job) -> None:
+        count = len(job.prompts) * job.params.n
+        self.text = [""] * count
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.num_output_tokens = 0
+
+    def add(self, index: int, delta: SampleDelta) -> None:
+        if delta.finish_reason is FinishReason.ERROR:
+            raise APIError(500, ENGINE_FAILED if delta.error == ENGINE_FAILED or delta.num_prompt_tokens == 0
+                           else delta.error or ENGINE_FAILED)
+        self.text[index] += delta.text
+        self.logprobs[index].extend(delta.logprobs)
+        if delta.finished:
+            self.finish[index] = finish_reason(delta)
+            self.num_output_tokens += delta.num_output_tokens
+
+
+async def collect(engine: AsyncLLMEngine, job: Job, on_delta=None) -> Collected:
+    result = Collected(job)
+    async for index, delta in run_job(engine, job, on_delta):
+        result.add(index, delta)
+    return result
+
+
+def usage(job: Job, num_output_tokens: int) -> p.Usage:
+    return p.Usage(prompt_tokens=job.num_prompt_tokens, completion_tokens=num_output_tokens,
+                   total_tokens=job.num_prompt_tokens + num_output_tokens)
+
+
+def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo: bool) -> p.CompletionResponse:
+    choices = []
+    for index, text in enumerate(result.text):
+        prefix = job.prompts[index // job.params.n].text if echo else ""
+        logprobs = None
+        if job.num_top_logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, result.logprobs[index], len(prefix))
+        choices.append(p.CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
+                                          finish_reason=result.finish[index]))
+    return p.CompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
+                                usage=usage(job, result.num_output_tokens))
+
+
+def chat_response(job: Job, result: Collected, tokenizer: Tokenizer) -> p.ChatCompletionResponse:
+    choices = [
+        p.ChatChoice(index=i, message=p.AssistantMessage(content=text), finish_reason=result.finish[i],
+                     logprobs=chat_logprobs(tokenizer, result.logprobs[i]) if job.num_top_logprobs is not None
+                     else None)
+        for i, text in enumerate(result.text)
+    ]
+    return p.ChatCompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
+                                    usage=usage(job, result.num_output_tokens))
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, chat: bool, echo: bool,
+                        include_usage: bool, on_delta=None) -> AsyncIterator[str]:
+    """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": job.request_id, "object": kind, "created": created, "model": job.model_name}
+    started: set[int] = set()
+    offsets: dict[int, int] = {}
+    num_output_tokens = 0
+    try:
+        async for index, delta in run_job(engine, job, on_delta):
+            if delta.finish_reason is FinishReason.ERROR:
+                yield sse_error(500, ENGINE_FAILED)
+                break
+            choice: dict = {"index": index}
+            text = delta.text
+            if index not in started:
+                started.add(index)
+                if chat:
+                    yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+                elif echo:
+                    text = job.prompts[index // job.params.n].text + text
+            logprobs = None
+            if job.num_top_logprobs is not None and delta.logprobs:
+                if chat:
+                    logprobs = chat_logprobs(tokenizer, delta.logprobs).model_dump()
+                else:
+                    logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets.get(index, 0)).model_dump()
+            offsets[index] = offsets.get(index, 0) + len(text)
+            if delta.finished:
+                num_output_tokens += delta.num_output_tokens
+            if not text and not delta.finished and logprobs is None:
+                continue
+            if chat:
+                choice["delta"] = {"content": text} if text else {}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = finish_reason(delta) if delta.finished else None
+            yield sse({**base, "choices": [choice]})
+        else:
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(job, num_output_tokens).model_dump()})
+    except asyncio.CancelledError:
+        raise
+    yield "data: [DONE]\n\n"
