@@ -45,6 +45,7 @@ class LLMEngine:
         self.streams: dict[Request, TextStream] = {}
         self.pending: list[SampleDelta] = []  # finished outside a step (rejected, aborted)
         self.stats = EngineStats()
+        self.stats.observe_queue(self.scheduler, self.blocks)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -38,11 +38,12 @@ class Sampler:
         self._suppress_stop_tokens(logits, requests)
         if any(p.has_penalties for p in params):
             apply_penalties(logits, requests)
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
         logits.div_(temperature[:, None])
         top_k = [p.top_k for p in params]
         if any(top_k):
-            logits = apply_top_k(logits, torch.tensor([k or logits.shape[1] for k in top_k], device=device))
+            vocab = logits.shape[1]
+            logits = apply_top_k(logits, torch.tensor([min(k, vocab) or vocab for k in top_k], device=device))
         probs = torch.softmax(logits, dim=-1)
         top_p = [p.top_p for p in params]
         if any(p < 1.0 for p in top_p):

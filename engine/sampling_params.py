@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing by the temperature overflows float32 logits: it is argmax in all but name.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -1,12 +1,32 @@
-"""Step-level statistics of the engine: what ran, how long each phase took, how full the cache is."""
+"""Step-level statistics of the engine: what ran, how long each phase took, how full the cache is.
+
+Written by the engine thread, read by whoever reports them (the server's /metrics) through
+`snapshot()`, under a lock so a reader never sees a half-updated step.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.request import Request
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where one finished sample's time went, in seconds (None when it never got that far)."""
+
+    finish_reason: str
+    queue: float | None  # arrival -> first scheduled
+    prefill: float | None  # first scheduled -> first token
+    decode: float | None  # first token -> finish
+    time_to_first_token: float | None  # arrival -> first token
+    end_to_end: float  # arrival -> finish
+    num_prompt_tokens: int
+    num_output_tokens: int
 
 
 @dataclass
@@ -18,35 +38,59 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> count
-    # Per finished sample, for latency histograms: (queue, time to first token, end to end) in seconds.
-    recent_latencies: list[tuple[float, float | None, float]] = field(default_factory=list)
+    # Called from the engine thread with each finished sample's timing (the server feeds histograms).
+    observers: list[Callable[[RequestTiming], None]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_step(self, plan, num_sampled: int, schedule: float, prepare: float, forward: float,
                     sample: float) -> None:
         """Call before the plan's tokens are counted as computed."""
-        self.num_steps += 1
-        for item in plan.scheduled:
-            prompt_left = max(item.request.num_prompt_tokens - item.request.num_computed_tokens, 0)
-            self.num_prompt_tokens += min(item.num_new_tokens, prompt_left)
-        self.num_generation_tokens += num_sampled
-        self.seconds.update({"schedule": schedule, "prepare": prepare, "forward": forward, "sample": sample})
+        with self.lock:
+            self.num_steps += 1
+            for item in plan.scheduled:
+                prompt_left = max(item.request.num_prompt_tokens - item.request.num_computed_tokens, 0)
+                self.num_prompt_tokens += min(item.num_new_tokens, prompt_left)
+            self.num_generation_tokens += num_sampled
+            self.seconds.update({"schedule": schedule, "prepare": prepare, "forward": forward, "sample": sample})
 
     def observe_queue(self, scheduler, blocks) -> None:
-        self.num_running = len(scheduler.running)
-        self.num_waiting = len(scheduler.waiting)
-        self.kv_usage = blocks.usage
-        self.prefix_queries = blocks.prefix_queries
-        self.prefix_hits = blocks.prefix_hits
-        self.num_preemptions = scheduler.num_preemptions
+        with self.lock:
+            self.num_running = len(scheduler.running)
+            self.num_waiting = len(scheduler.waiting)
+            self.kv_usage = blocks.usage
+            self.num_blocks = blocks.num_blocks
+            self.num_free_blocks = blocks.num_free_blocks
+            self.prefix_queries = blocks.prefix_queries
+            self.prefix_hits = blocks.prefix_hits
+            self.num_preemptions = scheduler.num_preemptions
 
     def record_finished(self, request: Request) -> None:
-        self.finished[request.finish_reason.value] += 1
         now = time.monotonic()
-        queued = (request.first_scheduled_time or now) - request.arrival_time
-        ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
-        self.recent_latencies.append((queued, ttft, now - request.arrival_time))
-        del self.recent_latencies[:-1000]
+        scheduled, first = request.first_scheduled_time, request.first_token_time
+        timing = RequestTiming(
+            finish_reason=request.finish_reason.value,
+            queue=None if scheduled is None else scheduled - request.arrival_time,
+            prefill=None if scheduled is None or first is None else first - scheduled,
+            decode=None if first is None else now - first,
+            time_to_first_token=None if first is None else first - request.arrival_time,
+            end_to_end=now - request.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+        )
+        with self.lock:
+            self.finished[timing.finish_reason] += 1
+        for observe in self.observers:
+            observe(timing)
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            values = {k: v for k, v in vars(self).items() if k not in ("observers", "lock")}
+            values["seconds"] = dict(self.seconds)
+            values["finished"] = dict(self.finished)
+        return values

@@ -96,3 +96,10 @@ def test_logprobs_of_chosen_and_best_tokens():
     assert [t for t, _ in lp.top] == [1, 2]
     assert math.isclose(lp.top[1][1], expected[2].item(), rel_tol=1e-6)
     assert Sampler()(logits, requests(SamplingParams(temperature=0))).logprobs == [None]
+
+
+def test_out_of_range_top_k_and_tiny_temperature_are_safe():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(4))
+    out = Sampler()(logits, requests(SamplingParams(top_k=10_000), SamplingParams(temperature=1e-30)))
+    assert 0 <= out.token_ids[0] < 10
+    assert out.token_ids[1] == int(logits[1].argmax())

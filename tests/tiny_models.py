@@ -170,3 +170,32 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+def make_tiny_chat_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template: a fast stand-in for serving tests
+    (its text is noise, but every token, template and length path is real)."""
+    import json
+
+    import transformers
+
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    metadata = GGUFCheckpoint(default_model_path()).metadata
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, "default")
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "add_bos_token": False,
+        "chat_template": tokenizer.chat_template,
+    }))
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
