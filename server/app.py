@@ -24,6 +24,10 @@ from server.generation import (Job, Prompt, chat_response, check_length, collect
 from server.metrics import ServerMetrics
 
 ERRORS = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+# With "stream": true the 200 response is server-sent events.
+STREAMING = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
+    "description": "chunks of the response object, an error object, then the string [DONE]",
+    "anyOf": [{"type": "object"}, {"type": "string", "enum": ["[DONE]"]}]}}}}}
 
 
 @dataclass
@@ -115,7 +119,7 @@ def create_app(state: ServerState) -> FastAPI:
                            max_model_len=engine.engine.max_model_len)
         return p.ModelList(data=[card])
 
-    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS,
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def completions(body: p.CompletionRequest, request: Request):
         engine = admit(body)
@@ -135,7 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
         result = await until_disconnected(request, collect(engine, job, on_delta))
         return completion_response(job, result, tokenizer, body.echo)
 
-    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=ERRORS,
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         engine = admit(body)
