@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test generate clean
+.PHONY: setup test serve bench generate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+serve: $(STAMP)
+	$(BIN)/ladder serve
+
+bench: $(STAMP)
+	$(BIN)/ladder bench --num-prompts 64 --input-len 128 --output-len 128
 
 generate: $(STAMP)
 	$(BIN)/ladder generate "What is the capital of France?"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+API_KEY = "test-key-123"
+
 
 def free_port() -> int:
     with socket.socket() as s:

