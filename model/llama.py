@@ -11,36 +11,30 @@ instead of three or two; the loader concatenates the weights).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.ops import Ops, select_ops
 from model.attention import AttentionMetadata, TorchAttentionPlan, TorchPagedAttention
 from model.config import ModelConfig
-from model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the weight, as the reference implementation does.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+from model.rope import inverse_frequencies, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add `residual` (if any) to x, normalise the sum; returns (normed, new residual)."""
         if residual is not None:
-            x = x + residual
-        return rms_norm(x, self.weight, self.eps), x
+            return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps), x
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, config: ModelConfig, backend: TorchPagedAttention, ops: Ops) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -49,9 +43,10 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self,
@@ -68,31 +63,29 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = self.ops.apply_rotary(q, k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, config: ModelConfig, backend: TorchPagedAttention, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, backend, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
 
     def forward(
         self,
@@ -111,14 +104,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, block_size: int = 16) -> None:
+    def __init__(self, config: ModelConfig, block_size: int = 16, ops: Ops | None = None) -> None:
+        """`ops`: the kernels every layer uses (kernels/ops.py); by default those for torch's default device."""
         super().__init__()
         self.config = config
         self.block_size = block_size
-        self.attention = TorchPagedAttention(block_size, config.sliding_window)
+        self.ops = ops if ops is not None else select_ops()
+        make_attention = self.ops.paged_attention or TorchPagedAttention
+        self.attention = make_attention(block_size, config.sliding_window)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.attention) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.attention, self.ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -1,4 +1,6 @@
-"""Rotary position embeddings in the Hugging Face (half-split, "neox") layout.
+"""Rotary position embeddings in the Hugging Face (half-split, "neox") layout: the angles.
+
+The rotation itself is a kernel (`kernels/rotary.py`), chosen with the model's other ops.
 
 Checkpoints from GGUF are converted to this layout when they are loaded (see `model/gguf_weights.py`),
 so one rotation serves both sources.
@@ -40,11 +42,3 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by position; returns a new tensor of x's dtype."""
-    half = x.shape[-1] // 2
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kernels.ops import select_ops
 from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.llama import LlamaForCausalLM
@@ -96,7 +97,7 @@ def build_model(
     state = {name: t.to(device=device, dtype=dtype) for name, t in fuse(config, tensors).items()}
     # Build on the meta device: no memory is touched until the real tensors are assigned.
     with torch.device("meta"):
-        module = LlamaForCausalLM(config, block_size=block_size)
+        module = LlamaForCausalLM(config, block_size=block_size, ops=select_ops(device))
     module.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         module.lm_head.weight = module.embed_tokens.weight
