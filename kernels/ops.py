@@ -8,6 +8,7 @@ The model calls the same names either way, so its code does not change with the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kernels import cpu_decode_attention as cpu_kernel
 from kernels.decode_attention import paged_decode_attention
 from kernels.int8_matmul import int8_matmul, int8_matmul_ref
 from kernels.kv_cache import write_kv_cache
@@ -67,6 +69,12 @@ class TritonPagedAttention:
                                        plan.max_query_len, scale, self.sliding_window)
 
 
+def _cpu_paged_attention(block_size: int, sliding_window: int | None) -> Any:
+    from model.attention import CpuPagedAttention  # imported late: model imports this module
+
+    return CpuPagedAttention(block_size, sliding_window)
+
+
 def _rotate_both_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
 
@@ -79,6 +87,8 @@ TORCH_OPS = Ops(
     name="torch", rms_norm=rms_norm_ref, fused_add_rms_norm=fused_add_rms_norm_ref, apply_rotary=_rotate_both_ref,
     silu_and_mul=silu_and_mul_ref, int8_matmul=int8_matmul_ref, paged_attention=None,
 )
+# The CPU default: the references, with decode attention on the C++ kernel when it builds.
+CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", paged_attention=_cpu_paged_attention)
 TRITON_OPS = Ops(
     name="triton", rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, apply_rotary=_rotate_both_,
     silu_and_mul=silu_and_mul, int8_matmul=int8_matmul, paged_attention=TritonPagedAttention,
@@ -104,4 +114,6 @@ def select_ops(device: torch.device | str | None = None) -> Ops:
     # Automatic choice: compiled kernels only (the interpreter is for tests, never picked by itself).
     if device.type == "cuda" and HAS_TRITON and not INTERPRETING:
         return TRITON_OPS
+    if device.type == "cpu" and cpu_kernel.is_enabled():
+        return CPU_OPS
     return TORCH_OPS

@@ -92,6 +92,12 @@ class TorchAttentionPlan:
     block_tables: torch.Tensor  # [S, num_blocks] only the blocks the longest sequence needs
     mask: torch.Tensor  # [S, 1, max_q, num_blocks * block_size] bool, True = may attend
     slot_mapping: torch.Tensor  # [T]
+    seq_lens: torch.Tensor  # [S]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token."""
+        return self.query_index.shape[1] == 1
 
 
 class TorchPagedAttention:
@@ -120,7 +126,15 @@ class TorchPagedAttention:
             block_tables=meta.block_tables[:, :num_blocks],
             mask=mask[:, None],
             slot_mapping=meta.slot_mapping,
+            seq_lens=meta.seq_lens,
         )
+
+    @staticmethod
+    def write_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the new tokens' keys and values [T, kv_heads, head_dim] at their slots."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
     def forward(
         self,
@@ -133,8 +147,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k.to(kv_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v.to(kv_cache.dtype))
+        self.write_cache(k, v, kv_cache, plan.slot_mapping)
         num_seqs = plan.block_tables.shape[0]
         # [S, num_blocks, block_size, kvh, d] -> [S, kvh, L, d]
         keys = key_cache[plan.block_tables].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
@@ -145,3 +158,17 @@ class TorchPagedAttention:
             enable_gqa=num_kv_heads != q.shape[1],
         )
         return out.transpose(1, 2)[plan.query_valid]  # [T, H, d]
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The torch attention, with float32 decode steps on the C++ kernel of
+    `kernels/cpu_decode_attention.py`, which reads cached blocks in place instead of gathering them."""
+
+    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+        from kernels import cpu_decode_attention as kernel
+
+        if plan.is_decode and q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and kernel.load():
+            self.write_cache(k, v, kv_cache, plan.slot_mapping)
+            return kernel.paged_decode_attention(q, kv_cache, plan.block_tables, plan.seq_lens, scale,
+                                                 self.sliding_window)
+        return super().forward(q, k, v, kv_cache, plan, scale)

@@ -222,10 +222,14 @@ def test_launchers_reject_bad_arguments():
 # --- Dispatch ------------------------------------------------------------------------------------
 
 def test_select_ops(monkeypatch):
-    from kernels.ops import TORCH_OPS, TRITON_OPS, TritonPagedAttention, select_ops
+    from kernels.ops import CPU_OPS, TORCH_OPS, TRITON_OPS, TritonPagedAttention, select_ops
 
     monkeypatch.delenv("LADDER_KERNELS", raising=False)
-    assert select_ops("cpu") is TORCH_OPS and select_ops("meta") is TORCH_OPS
+    monkeypatch.delenv("LADDER_CPU_KERNELS", raising=False)
+    assert select_ops("cpu") is CPU_OPS and select_ops("meta") is TORCH_OPS
+    monkeypatch.setenv("LADDER_CPU_KERNELS", "0")
+    assert select_ops("cpu") is TORCH_OPS
+    monkeypatch.delenv("LADDER_CPU_KERNELS")
     assert TORCH_OPS.paged_attention is None and TRITON_OPS.paged_attention is TritonPagedAttention
     expected_on_cuda = TORCH_OPS if INTERPRETING else TRITON_OPS
     assert select_ops("cuda") is expected_on_cuda

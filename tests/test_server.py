@@ -10,7 +10,6 @@ import httpx
 import openai
 import pytest
 
-import model
 
 from server_process import API_KEY as KEY
 
