@@ -24,6 +24,10 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+# The error every in-flight request gets when the step loop fails; the cause goes to the log only.
+ENGINE_DIED = "the engine stopped after an internal error"
+
+
 class EngineDeadError(RuntimeError):
     """The step loop failed; the engine takes no more requests."""
 
@@ -145,4 +149,4 @@ class AsyncLLMEngine:
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         for request_id, (_, _, n) in list(self.streams.items()):
-            self._fail_request(request_id, n, reason)
+            self._fail_request(request_id, n, ENGINE_DIED)

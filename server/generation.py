@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.async_engine import ENGINE_DIED, AsyncLLMEngine, EngineDeadError
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -132,6 +132,14 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatL
     ])
 
 
+def request_error(delta: SampleDelta) -> APIError:
+    """A sample that ended in error: the engine's failure is a 500 without details; a request the
+    engine refused (it can never fit, say) is a 400 with the engine's reason."""
+    if delta.error is None or delta.error in (ENGINE_DIED, ENGINE_FAILED):
+        return APIError(500, ENGINE_FAILED)
+    return APIError(400, delta.error)
+
+
 def finish_reason(delta: SampleDelta) -> str | None:
     if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
         return delta.finish_reason.value
@@ -150,8 +158,7 @@ class Collected:
 
     def add(self, index: int, delta: SampleDelta) -> None:
         if delta.finish_reason is FinishReason.ERROR:
-            raise APIError(500, ENGINE_FAILED if delta.error == ENGINE_FAILED or delta.num_prompt_tokens == 0
-                           else delta.error or ENGINE_FAILED)
+            raise request_error(delta)
         self.text[index] += delta.text
         self.logprobs[index].extend(delta.logprobs)
         if delta.finished:
@@ -211,7 +218,8 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
     try:
         async for index, delta in run_job(engine, job, on_delta):
             if delta.finish_reason is FinishReason.ERROR:
-                yield sse_error(500, ENGINE_FAILED)
+                error = request_error(delta)
+                yield sse_error(error.status, error.message)
                 break
             choice: dict = {"index": index}
             text = delta.text

@@ -10,7 +10,7 @@ import torch
 import model
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.config import bytes_per_block
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.async_engine import ENGINE_DIED, AsyncLLMEngine, EngineDeadError
 from engine.llm import LLM
 
 NUM_TOKENS = 16
@@ -204,8 +204,8 @@ def test_async_engine_streams_aborts_and_reports_death(loaded, prompts):
 
         eng.engine.runner.forward = broken
         deltas = [d async for d in eng.generate(prompts[2], SamplingParams(max_tokens=4))]
-        assert deltas[-1].finish_reason is FinishReason.ERROR and "injected fault" in deltas[-1].error
-        assert not eng.is_alive
+        assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error == ENGINE_DIED
+        assert not eng.is_alive and "injected fault" in eng.dead_reason
         with pytest.raises(EngineDeadError):
             async for _ in eng.generate(prompts[2], SamplingParams(max_tokens=4)):
                 pass
