@@ -74,9 +74,11 @@ async def run_shape(client: OpenAIClient, workload: BaseWorkload, shape: LoadSha
             for i in indices:
                 if shape.num_requests is not None and i >= shape.num_requests:
                     return
+                request = prepare(i)
+                # Checked after building the request, so nothing is sent once the duration is over.
                 if deadline is not None and time.perf_counter() >= deadline:
                     return
-                await send(prepare(i), origin, None)
+                await send(request, origin, None)
 
         started_at, origin = time.time(), time.perf_counter()
         deadline = origin + shape.duration if shape.duration else None
