@@ -9,12 +9,14 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from model.loader import LoadedModel
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **config) -> None:
-        """`model`: HF directory, GGUF file, or None for the embedded default; `config`: EngineConfig fields."""
-        self.engine = LLMEngine(EngineConfig(model=model, **config))
+    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **config) -> None:
+        """`model`: HF directory, GGUF file, or None for the embedded default (or `loaded`, a model already
+        loaded with `model.load`); `config`: EngineConfig fields."""
+        self.engine = LLMEngine(EngineConfig(model=model, **config), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

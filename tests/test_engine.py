@@ -162,8 +162,7 @@ def test_abort_frees_every_block(loaded, prompts):
 
 
 def test_stop_strings_and_n(loaded):
-    llm = LLM.__new__(LLM)  # reuse the loaded weights
-    llm.engine, llm.tokenizer, llm._ids = engine(loaded), loaded.tokenizer, iter(range(100))
+    llm = LLM(loaded=loaded, kv_cache_memory_gib=0.05, max_model_len=512)
     free = llm.chat([{"role": "user", "content": "Count from 1 to 10, separated by commas."}],
                     SamplingParams(temperature=0, max_tokens=40)).outputs[0]
     assert "4" in free.text
