@@ -20,6 +20,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model.errors import one_line
+
 __all__ = ["compile_chat_template", "render_chat_template"]
 
 
@@ -81,7 +83,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
     try:
         return _environment().from_string(template)
     except jinja2.exceptions.TemplateError as exc:
-        raise ValueError(f"chat template does not compile: {_one_line(exc)}") from exc
+        raise ValueError(f"chat template does not compile: {one_line(exc)}") from exc
 
 
 def render_chat_template(
@@ -113,17 +115,12 @@ def render_chat_template(
     try:
         return compiled.render(**variables)
     except jinja2.exceptions.TemplateError as exc:
-        raise ValueError(f"chat template failed: {_one_line(exc)}") from exc
+        raise ValueError(f"chat template failed: {one_line(exc)}") from exc
     except Exception as exc:  # a template is code: whatever it raises is the template's error
-        raise ValueError(f"chat template failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+        raise ValueError(f"chat template failed: {type(exc).__name__}: {one_line(exc)}") from exc
 
 
 def _clean_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise ValueError(f"chat messages must be mappings, got {type(message).__name__}")
     return {key: value for key, value in message.items() if value is not None}
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from model.config import ModelConfig
-from model.errors import ModelLoadError
-from model.hf_checkpoint import one_line
+from model.errors import ModelLoadError, one_line
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}

@@ -9,13 +9,9 @@ import torch
 from safetensors import safe_open
 
 from model.config import ModelConfig
-from model.errors import ModelLoadError
+from model.errors import ModelLoadError, one_line
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def read_config(directory: Path) -> tuple[ModelConfig, dict]:

@@ -16,7 +16,7 @@ from typing import Any
 import tokenizers
 
 from model.chat_template import render_chat_template
-from model.errors import ModelLoadError
+from model.errors import ModelLoadError, one_line
 from model.gguf_vocab import CONTROL, END_OF_TURN, NORMAL, add_gguf_added_tokens, byte_level_bpe, sentencepiece_bpe
 
 __all__ = ["Tokenizer"]
@@ -67,7 +67,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust side raises plain Exception subclasses
-            raise ModelLoadError(f"{tokenizer_file}: cannot parse: {_one_line(exc)}") from exc
+            raise ModelLoadError(f"{tokenizer_file}: cannot parse: {one_line(exc)}") from exc
         config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         bos = _token_content(config.get("bos_token")) or _token_content(special_map.get("bos_token"))
@@ -193,7 +193,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot read JSON: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{path}: cannot read JSON: {one_line(exc)}") from exc
     return data if isinstance(data, dict) else {}
 
 
@@ -229,7 +229,3 @@ def _post_processor_adds(backend: tokenizers.Tokenizer, bos: str | None, eos: st
 
 def _token_id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
     return backend.token_to_id(token) if token is not None else None
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
