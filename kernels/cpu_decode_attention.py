@@ -100,6 +100,8 @@ _failed = False
 def load():
     """The compiled module, or None when it cannot be built here (the reason is logged once)."""
     global _module, _failed
+    if _module is not None or _failed:  # called for every layer of every decode step: no lock once settled
+        return _module
     with _lock:
         if _module is None and not _failed:
             try:

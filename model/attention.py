@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode_attention as kernel
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -165,8 +167,6 @@ class CpuPagedAttention(TorchPagedAttention):
     `kernels/cpu_decode_attention.py`, which reads cached blocks in place instead of gathering them."""
 
     def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
-        from kernels import cpu_decode_attention as kernel
-
         if plan.is_decode and q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and kernel.load():
             self.write_cache(k, v, kv_cache, plan.slot_mapping)
             return kernel.paged_decode_attention(q, kv_cache, plan.block_tables, plan.seq_lens, scale,

@@ -2,7 +2,7 @@
 
 The rotation itself is a kernel (`kernels/rotary.py`), chosen with the model's other ops.
 
-Checkpoints from GGUF are converted to this layout when they are loaded (see `model/gguf_weights.py`),
+Checkpoints from GGUF are converted to this layout when they are loaded (see `model/gguf_checkpoint.py`),
 so one rotation serves both sources.
 """
 

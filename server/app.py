@@ -14,13 +14,14 @@ from typing import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import SampleDelta
 from server import protocol as p
 from server.errors import APIError, error_response, install_error_handlers
-from server.generation import (Job, Prompt, chat_response, check_length, collect, completion_response, new_id,
-                               sampling_params, stream_events)
+from server.generation import (Collected, Job, Prompt, chat_response, check_length, collect,
+                               completion_response, new_id, sampling_params, stream_events)
 from server.metrics import ServerMetrics
 
 ERRORS = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
@@ -97,6 +98,17 @@ def create_app(state: ServerState) -> FastAPI:
                            headers={"Retry-After": "1"})
         return engine
 
+    async def respond(engine: AsyncLLMEngine, job: Job, body: p._Request, request: Request, chat: bool,
+                      build: Callable[[Collected], BaseModel]):
+        """Stream the job as server-sent events, or collect it and `build` the response body."""
+        on_delta = itl_observer(state)
+        if body.stream:
+            events = stream_events(engine, job, engine.engine.tokenizer, chat=chat,
+                                   echo=getattr(body, "echo", False), include_usage=body.include_usage,
+                                   on_delta=on_delta)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return build(await until_disconnected(request, collect(engine, job, on_delta)))
+
     @app.get("/health", responses=ERRORS)
     async def health() -> JSONResponse:
         if state.engine is not None and not state.engine.is_alive:
@@ -131,13 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
             check_length(len(prompt.token_ids), max_tokens, llm.max_model_len, "prompt")
         job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs), state.model_name,
                   body.logprobs)
-        on_delta = itl_observer(state)
-        if body.stream:
-            events = stream_events(engine, job, tokenizer, chat=False, echo=body.echo,
-                                   include_usage=body.include_usage, on_delta=on_delta)
-            return StreamingResponse(events, media_type="text/event-stream")
-        result = await until_disconnected(request, collect(engine, job, on_delta))
-        return completion_response(job, result, tokenizer, body.echo)
+        return await respond(engine, job, body, request, chat=False,
+                             build=lambda result: completion_response(job, result, tokenizer, body.echo))
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
@@ -159,13 +166,8 @@ def create_app(state: ServerState) -> FastAPI:
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         job = Job(new_id("chatcmpl"), [Prompt(ids, text)], sampling_params(body, max_tokens, num_top),
                   state.model_name, num_top)
-        on_delta = itl_observer(state)
-        if body.stream:
-            events = stream_events(engine, job, tokenizer, chat=True, echo=False,
-                                   include_usage=body.include_usage, on_delta=on_delta)
-            return StreamingResponse(events, media_type="text/event-stream")
-        result = await until_disconnected(request, collect(engine, job, on_delta))
-        return chat_response(job, result, tokenizer)
+        return await respond(engine, job, body, request, chat=True,
+                             build=lambda result: chat_response(job, result, tokenizer))
 
     return app
 

@@ -215,42 +215,39 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
     started: set[int] = set()
     offsets: dict[int, int] = {}
     num_output_tokens = 0
-    try:
-        async for index, delta in run_job(engine, job, on_delta):
-            if delta.finish_reason is FinishReason.ERROR:
-                error = request_error(delta)
-                yield sse_error(error.status, error.message)
-                break
-            choice: dict = {"index": index}
-            text = delta.text
-            if index not in started:
-                started.add(index)
-                if chat:
-                    yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-                elif echo:
-                    text = job.prompts[index // job.params.n].text + text
-            logprobs = None
-            if job.num_top_logprobs is not None and delta.logprobs:
-                if chat:
-                    logprobs = chat_logprobs(tokenizer, delta.logprobs).model_dump()
-                else:
-                    logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets.get(index, 0)).model_dump()
-            offsets[index] = offsets.get(index, 0) + len(text)
-            if delta.finished:
-                num_output_tokens += delta.num_output_tokens
-            if not text and not delta.finished and logprobs is None:
-                continue
+    async for index, delta in run_job(engine, job, on_delta):
+        if delta.finish_reason is FinishReason.ERROR:
+            error = request_error(delta)
+            yield sse_error(error.status, error.message)
+            break
+        choice: dict = {"index": index}
+        text = delta.text
+        if index not in started:
+            started.add(index)
             if chat:
-                choice["delta"] = {"content": text} if text else {}
+                yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            elif echo:
+                text = job.prompts[index // job.params.n].text + text
+        logprobs = None
+        if job.num_top_logprobs is not None and delta.logprobs:
+            if chat:
+                logprobs = chat_logprobs(tokenizer, delta.logprobs).model_dump()
             else:
-                choice["text"] = text
-            choice["logprobs"] = logprobs
-            choice["finish_reason"] = finish_reason(delta) if delta.finished else None
-            yield sse({**base, "choices": [choice]})
+                logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets.get(index, 0)).model_dump()
+        offsets[index] = offsets.get(index, 0) + len(text)
+        if delta.finished:
+            num_output_tokens += delta.num_output_tokens
+        if not text and not delta.finished and logprobs is None:
+            continue
+        if chat:
+            choice["delta"] = {"content": text} if text else {}
         else:
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(job, num_output_tokens).model_dump()})
-    except asyncio.CancelledError:
-        raise
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish_reason(delta) if delta.finished else None
+        yield sse({**base, "choices": [choice]})
+    else:
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(job, num_output_tokens).model_dump()})
     yield "data: [DONE]\n\n"
