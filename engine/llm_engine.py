@@ -12,7 +12,7 @@ import time
 import torch
 
 from engine.block_manager import KVBlockManager
-from engine.config import EngineConfig, plan_kv_cache
+from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
 from engine.model_runner import ModelRunner
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
@@ -27,18 +27,26 @@ from model.loader import LoadedModel, load, parse_dtype
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if loaded is None and config.artifact is not None:
+            from compile.artifact import load_artifact  # compile is optional at run time
+
+            loaded = load_artifact(config.artifact, config.device)
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
                                     block_size=config.block_size)
+        if self.model.manifest is not None:
+            config = fit_to_artifact(config, self.model.manifest.shapes)
+            self.config = config
         if self.model.module.block_size != config.block_size:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
                              f"the engine asks for {config.block_size}")
         self.tokenizer = self.model.tokenizer
         device = torch.device(config.device)
-        num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, parse_dtype(config.dtype), device)
+        kv_dtype = self.model.kv_cache_dtype or parse_dtype(config.dtype)
+        num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, kv_dtype, device)
         self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
-        self.runner = ModelRunner(self.model.module, num_blocks)
+        self.runner = ModelRunner(self.model.module, num_blocks, device)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from engine.scheduler import SchedulerOutput
 from engine.request import Request
 from model.attention import AttentionMetadata
-from model.llama import LlamaForCausalLM
+
+
+class StepModel(Protocol):
+    """What the runner drives: the eager `LlamaForCausalLM`, or a compiled artifact's model
+    (`compile/torch_backend.py`, `compile/onnx_backend.py`, `compile/tensorrt_backend.py`)."""
+
+    block_size: int
+    attention: Any  # .plan(AttentionMetadata) -> the plan sample_logits takes
+
+    def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]: ...
+
+    def sample_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      plan: Any, sample_rows: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -22,10 +35,10 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, module: LlamaForCausalLM, num_blocks: int) -> None:
+    def __init__(self, module: StepModel, num_blocks: int, device: torch.device) -> None:
         self.module = module
         self.block_size = module.block_size
-        self.device = module.embed_tokens.weight.device
+        self.device = device
         self.kv_caches = module.allocate_kv_caches(num_blocks)
 
     def prepare(self, plan: SchedulerOutput) -> ModelInputs:
@@ -53,5 +66,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [B, vocab] float32 for the rows to sample (B may be 0 when only prefill chunks ran)."""
-        hidden = self.module(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        return self.module.compute_logits(hidden[inputs.sample_rows])
+        plan = self.module.attention.plan(inputs.attn_metadata)
+        return self.module.sample_logits(inputs.input_ids, inputs.positions, self.kv_caches, plan,
+                                         inputs.sample_rows)

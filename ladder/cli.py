@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from compile.manifest import ArtifactError
 from ladder import bench, generate, serve
+from ladder import compile as compile_cli
 from loadtest import cli as loadtest_cli
 from model.errors import ModelLoadError
 
@@ -16,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(commands)
     serve.add_parser(commands)
     bench.add_parser(commands)
+    compile_cli.add_parser(commands)
     loadtest_cli.add_parser(commands)
     return parser
 
@@ -24,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ModelLoadError, ValueError) as error:
+    except (ArtifactError, ModelLoadError, ValueError) as error:
         print(f"ladder {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -57,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise ValueError(f"ladder serve needs the server extra ({error.name} is missing): "
                          "pip install 'ladder[server]'") from None
-    if args.artifact is not None:
-        raise ValueError("--artifact: compiled artifacts are not served by this version yet")
+    if args.artifact is not None and args.model is not None:
+        raise ValueError("give --model or --artifact, not both")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        model=args.model, artifact=args.artifact, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,

@@ -90,7 +90,7 @@ class TorchAttentionPlan:
     """
 
     query_index: torch.Tensor  # [S, max_q] flat row of each padded query (0 where padding)
-    query_valid: torch.Tensor  # [S, max_q] bool
+    output_index: torch.Tensor  # [T] where each flat row sits in the padded grid flattened to [S * max_q]
     block_tables: torch.Tensor  # [S, num_blocks] only the blocks the longest sequence needs
     mask: torch.Tensor  # [S, 1, max_q, num_blocks * block_size] bool, True = may attend
     slot_mapping: torch.Tensor  # [T]
@@ -122,10 +122,13 @@ class TorchPagedAttention:
         mask = keys[None, None, :] <= query_pos[:, :, None]
         if self.sliding_window is not None:
             mask &= keys[None, None, :] > query_pos[:, :, None] - self.sliding_window
+        # An index, not a boolean mask, so the output's shape [T] is known without reading the data
+        # (exporters and compilers need that).
+        output_index = torch.nonzero(query_valid.flatten()).squeeze(1)
         return TorchAttentionPlan(
             query_index=query_index,
-            query_valid=query_valid,
-            block_tables=meta.block_tables[:, :num_blocks],
+            output_index=output_index,
+            block_tables=meta.block_tables[:, :num_blocks].contiguous(),
             mask=mask[:, None],
             slot_mapping=meta.slot_mapping,
             seq_lens=meta.seq_lens,
@@ -159,7 +162,8 @@ class TorchPagedAttention:
             queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.mask, scale=scale,
             enable_gqa=num_kv_heads != q.shape[1],
         )
-        return out.transpose(1, 2)[plan.query_valid]  # [T, H, d]
+        out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [S * max_q, H, d]
+        return out[plan.output_index]  # [T, H, d]
 
 
 class CpuPagedAttention(TorchPagedAttention):

@@ -81,6 +81,20 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields; `from_dict` reads them back (artifacts store their config this way)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        fields = dict(data)
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        if fields.get("rope_freq_factors") is not None:
+            fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
+        return cls(**fields)
+
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         """Map a Hugging Face `config.json` (transformers 4.x or 5.x spelling) onto a ModelConfig.

@@ -127,7 +127,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] final hidden states (normed); logits come from compute_logits
-        plan = self.attention.plan(attn_metadata)
+        return self.run(input_ids, positions, kv_caches, self.attention.plan(attn_metadata))
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        plan: TorchAttentionPlan,  # the attention backend's plan: tensors only, shared by every layer
+    ) -> torch.Tensor:
+        """`forward` after the plan is built: no Python numbers from the metadata, so one compiled graph
+        serves every batch shape."""
         cos, sin = rotary_cos_sin(positions, self.inv_freq)
         x = self.embed_tokens(input_ids)
         residual = None
@@ -139,6 +149,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (only for the rows that need sampling)."""
         return self.lm_head(hidden).float()
+
+    def sample_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        plan: TorchAttentionPlan,
+        sample_rows: torch.Tensor,  # [B] rows of the flat batch whose next token is drawn
+    ) -> torch.Tensor:  # [B, vocab] float32
+        """One step as the engine runs it: write the cache, return the logits of the rows to sample."""
+        return self.compute_logits(self.run(input_ids, positions, kv_caches, plan)[sample_rows])
 
     def allocate_kv_caches(
         self, num_blocks: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None

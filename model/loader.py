@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class LoadedModel:
     name: str  # the name to serve it under
     path: Path  # the file or directory it came from
     load_seconds: float
+    kv_cache_dtype: torch.dtype | None = None  # None: the module's weight dtype
+    manifest: Any = None  # a compiled artifact's manifest (compile/manifest.py), None for eager models
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

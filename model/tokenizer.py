@@ -128,6 +128,35 @@ class Tokenizer:
             extra_stop_ids=stops,
         )
 
+    # Files `save` writes: the tokenizers model, and the facts kept beside it.
+    SAVED_BACKEND, SAVED_FACTS = "tokenizer.json", "tokenizer_facts.json"
+
+    def save(self, directory: Path) -> list[str]:
+        """Write this tokenizer so `from_saved` rebuilds it exactly, whatever it was built from
+        (a GGUF vocabulary included); returns the file names written."""
+        directory = Path(directory)
+        self.backend.save(str(directory / self.SAVED_BACKEND))
+        facts = {
+            "bos_token": self.bos_token, "eos_token": self.eos_token,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token,
+            "chat_template": self.chat_template, "stop_token_ids": sorted(self.stop_token_ids),
+        }
+        (directory / self.SAVED_FACTS).write_text(json.dumps(facts, indent=1), encoding="utf-8")
+        return [self.SAVED_BACKEND, self.SAVED_FACTS]
+
+    @classmethod
+    def from_saved(cls, directory: Path) -> Tokenizer:
+        directory = Path(directory)
+        backend_file = directory / cls.SAVED_BACKEND
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(backend_file))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise ModelLoadError(f"{backend_file}: cannot parse: {one_line(exc)}") from exc
+        facts = _read_json(directory / cls.SAVED_FACTS)
+        stops = facts.pop("stop_token_ids", [])
+        return cls(backend, extra_stop_ids=stops, **facts)
+
     # -- use ---------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,0 +1,174 @@
+"""The parity report: an artifact against fp32 eager on the same inputs.
+
+Three measures, all through the interface the engine drives (`sample_logits` over a paged cache):
+- logits: max and mean absolute difference over every position of a few prompts;
+- greedy: tokens equal to eager's over 64 greedy steps of fixed prompts (and where the first
+  divergence was, with eager's top-2 margin there, since a near tie may flip under any rounding);
+- perplexity on a built-in English text (Python's own `pydoc_data.topics`), and its change vs fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from engine.model_runner import StepModel
+from model.attention import AttentionMetadata
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Photosynthesis is the process by which green plants",
+)
+GREEDY_TOKENS = 64
+PERPLEXITY_TOKENS = 2048
+CHUNK = 256
+
+
+class Sequences:
+    """A few sequences on a private paged cache, each with its own run of blocks: enough to drive a
+    StepModel directly (parity and benchmarks), without the engine's scheduler."""
+
+    def __init__(self, model: StepModel, num_seqs: int, max_len: int) -> None:
+        self.model = model
+        self.blocks_per_seq = -(-max_len // model.block_size)
+        self.kv_caches = model.allocate_kv_caches(num_seqs * self.blocks_per_seq)
+        self.tables = [list(range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq)) for i in range(num_seqs)]
+        self.lengths = [0] * num_seqs
+
+    @torch.inference_mode()
+    def step(self, new_tokens: list[list[int]], all_rows: bool = False) -> torch.Tensor:
+        """Append new_tokens[s] to sequence s (empty: skip it); logits [rows, vocab] float32 of each
+        sequence's last token, or of every new token with all_rows."""
+        ids, positions, query_lens, seq_lens, tables, rows = [], [], [], [], [], []
+        for s, tokens in enumerate(new_tokens):
+            if not tokens:
+                continue
+            start = self.lengths[s]
+            self.lengths[s] += len(tokens)
+            first_row = len(ids)
+            ids += tokens
+            positions += range(start, self.lengths[s])
+            query_lens.append(len(tokens))
+            seq_lens.append(self.lengths[s])
+            tables.append(self.tables[s])
+            rows += range(first_row, len(ids)) if all_rows else [len(ids) - 1]
+        device = self.kv_caches[0].device
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.model.block_size, device)
+        plan = self.model.attention.plan(meta)
+        as_long = {"dtype": torch.long, "device": device}
+        return self.model.sample_logits(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long),
+                                        self.kv_caches, plan, torch.tensor(rows, **as_long)).float()
+
+
+def greedy(model: StepModel, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy continuations of every prompt, decoded as one batch; also each step's logits [S, vocab]."""
+    seqs = Sequences(model, len(prompts), max(map(len, prompts)) + num_tokens)
+    logits = seqs.step(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    history = []
+    for _ in range(num_tokens):
+        history.append(logits)
+        next_ids = logits.argmax(dim=-1).tolist()
+        for out, token in zip(outputs, next_ids):
+            out.append(token)
+        logits = seqs.step([[t] for t in next_ids])
+    return outputs, history
+
+
+def corpus_text() -> str:
+    """The built-in text: the English help topics that ship with Python (`pydoc_data.topics`)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def token_nll(model: StepModel, token_ids: list[int]) -> torch.Tensor:
+    """Negative log-likelihood [len-1] of each token given the ones before, in chunks of CHUNK tokens
+    (chunked prefill: each chunk attends to the cached ones before it)."""
+    seqs = Sequences(model, 1, len(token_ids))
+    losses = []
+    for start in range(0, len(token_ids) - 1, CHUNK):
+        chunk = token_ids[start:start + CHUNK]
+        logits = seqs.step([chunk], all_rows=True)
+        targets = torch.tensor(token_ids[start + 1:start + 1 + len(chunk)])
+        logits = logits[: len(targets)]
+        losses.append(torch.nn.functional.cross_entropy(logits, targets.to(logits.device), reduction="none").cpu())
+    return torch.cat(losses)
+
+
+@dataclass
+class ParityReport:
+    max_abs_logit_diff: float
+    mean_abs_logit_diff: float
+    greedy_tokens_compared: int
+    greedy_tokens_equal: int  # positions equal before each prompt's first divergence, summed
+    greedy_first_divergence: list[int | None]  # per prompt: step of the first different token
+    greedy_divergence_margin: list[float | None]  # eager's top-2 logit gap at that step (small = near tie)
+    perplexity_tokens: int
+    perplexity: float
+    perplexity_fp32: float
+    perplexity_change: float  # relative: (ppl - ppl_fp32) / ppl_fp32
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Reference:
+    """What fp32 eager gives on the parity inputs, computed once per compile."""
+
+    prompt_ids: list[list[int]]
+    prefill_logits: torch.Tensor  # [sum of prompt lengths, vocab]
+    greedy: list[list[int]]
+    greedy_logits: list[torch.Tensor]
+    corpus_ids: list[int]
+    perplexity: float
+
+
+def encode_inputs(tokenizer, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts and the corpus as token ids (a model without a tokenizer gets fixed pseudo-random ids)."""
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        corpus = tokenizer.encode(corpus_text(), add_special_tokens=False)[:PERPLEXITY_TOKENS]
+        return prompts, corpus
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (5, 17, 33, 9)]
+    corpus = torch.randint(0, vocab_size, (PERPLEXITY_TOKENS,), generator=generator).tolist()
+    return prompts, corpus
+
+
+def reference(model: StepModel, prompt_ids: list[list[int]], corpus_ids: list[int],
+              greedy_tokens: int = GREEDY_TOKENS) -> Reference:
+    prefill = Sequences(model, len(prompt_ids), max(map(len, prompt_ids))).step(prompt_ids, all_rows=True)
+    outputs, history = greedy(model, prompt_ids, greedy_tokens)
+    ppl = math.exp(token_nll(model, corpus_ids).mean().item())
+    return Reference(prompt_ids, prefill.cpu(), outputs, [h.cpu() for h in history], corpus_ids, ppl)
+
+
+def compare(model: StepModel, ref: Reference) -> ParityReport:
+    prefill = Sequences(model, len(ref.prompt_ids), max(map(len, ref.prompt_ids))).step(ref.prompt_ids, all_rows=True)
+    diff = (prefill.cpu() - ref.prefill_logits).abs()
+    outputs, _ = greedy(model, ref.prompt_ids, len(ref.greedy[0]))
+    equal, first, margins = 0, [], []
+    for s, (got, want) in enumerate(zip(outputs, ref.greedy)):
+        step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        first.append(step)
+        equal += len(want) if step is None else step
+        if step is None:
+            margins.append(None)
+        else:
+            top2 = ref.greedy_logits[step][s].topk(2).values
+            margins.append(float(top2[0] - top2[1]))
+    ppl = math.exp(token_nll(model, ref.corpus_ids).mean().item())
+    return ParityReport(
+        max_abs_logit_diff=float(diff.max()), mean_abs_logit_diff=float(diff.mean()),
+        greedy_tokens_compared=sum(map(len, ref.greedy)), greedy_tokens_equal=equal,
+        greedy_first_divergence=first, greedy_divergence_margin=margins,
+        perplexity_tokens=len(ref.corpus_ids), perplexity=ppl, perplexity_fp32=ref.perplexity,
+        perplexity_change=(ppl - ref.perplexity) / ref.perplexity,
+    )

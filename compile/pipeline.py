@@ -1,0 +1,195 @@
+"""`ladder compile`: load, quantize, export, build, verify, benchmark, write.
+
+The fp32 eager model is the reference twice over: its outputs on the parity inputs and its decode speed
+are taken before the precision change. Verification and the benchmark then load the artifact back from
+the files just written, exactly as `ladder serve --artifact` will, so the report describes the artifact
+and not the module that produced it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compile import bench, parity
+from compile.artifact import TOKENIZER_DIR, load_backend
+from compile.manifest import (
+    BACKENDS, PRECISIONS, ArtifactError, Manifest, describe_device, library_versions, sha256_source, write_artifact,
+)
+from model.loader import load
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    model: str | None
+    backend: str
+    precision: str
+    out: Path
+    device: str = "cpu"
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    block_size: int = 16
+    bench_batch: int = 32
+    run_bench: bool = True
+
+
+@dataclass
+class StageLog:
+    """Prints each stage as it starts and ends; keeps the timings for the summary."""
+
+    write: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str, what: str) -> Iterator[None]:
+        self.write(f"[{name}] {what}")
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+        self.write(f"[{name}] done in {self.seconds[name]:.1f} s")
+
+
+def check_options(options: CompileOptions) -> None:
+    """Everything that can be refused before any work is done, with a one-line reason."""
+    if options.backend not in BACKENDS:
+        raise ValueError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
+    if options.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {options.precision!r} (choose from {', '.join(PRECISIONS)})")
+    if Path(options.out).exists():
+        raise ValueError(f"{options.out}: already exists; choose another --out or remove it")
+    if min(options.max_num_seqs, options.max_model_len, options.block_size, options.bench_batch) < 1:
+        raise ValueError("--max-num-seqs, --max-model-len, --block-size and --bench-batch must be positive")
+    device = torch.device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+    if options.backend == "onnx":
+        from compile.onnx_backend import check_available
+
+        check_available(options.precision, device)
+    if options.backend == "tensorrt":
+        from compile.tensorrt_backend import check_available
+
+        check_available(options.precision, device)
+
+
+def export(module, options: CompileOptions, directory: Path) -> list[str]:
+    """The backend's files for the (already precision-changed) module, written into `directory`."""
+    if options.backend == "torch-compile":
+        from compile import torch_backend
+
+        return torch_backend.save(module, directory)
+    from compile import onnx_backend
+
+    files = onnx_backend.export_onnx(module, directory, options.precision)
+    if options.backend == "tensorrt":
+        from compile import tensorrt_backend
+
+        files += tensorrt_backend.build_engine(directory, options, module.config)
+    return files
+
+
+def backend_options(options: CompileOptions) -> dict[str, Any]:
+    if options.backend == "torch-compile":
+        from compile.torch_backend import compile_options
+
+        return compile_options(torch.device(options.device))
+    return {}
+
+
+def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Manifest]:
+    log = log or StageLog()
+    check_options(options)
+    device = torch.device(options.device)
+    with log.stage("load", f"{options.model or 'the default model'} in fp32 on {device}"):
+        loaded = load(options.model, dtype=torch.float32, device=device, block_size=options.block_size)
+        eager = loaded.module
+        source_sha = sha256_source(loaded.path)
+    with log.stage("reference", "fp32 eager: parity inputs and decode speed"):
+        prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)
+        reference = parity.reference(eager, prompts, corpus)
+        baseline = _speeds(eager, options, loaded.config.vocab_size)
+    with log.stage("quantize", f"to {options.precision}"):
+        from compile.quantize import apply_precision
+
+        module = apply_precision(eager, options.precision)
+    staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=Path(options.out).resolve().parent))
+    try:
+        with log.stage("export", f"{options.backend} files"):
+            files = export(module, options, staging)
+            if loaded.tokenizer is not None:
+                (staging / TOKENIZER_DIR).mkdir()
+                loaded.tokenizer.save(staging / TOKENIZER_DIR)
+        del module, eager  # the artifact is verified from its files alone
+        manifest = Manifest(
+            backend=options.backend, precision=options.precision,
+            model={"name": loaded.name, "source": str(loaded.path), "sha256": source_sha,
+                   "config": loaded.config.to_dict()},
+            shapes={"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
+                    "block_size": options.block_size},
+            device=describe_device(device), libraries=library_versions(), backend_options=backend_options(options),
+        )
+        with log.stage("build", "load the artifact back from its files and compile it"):
+            model = load_backend(staging, manifest, device)
+            parity.Sequences(model, 1, 8).step([[1, 2, 3]])  # the first call compiles
+        with log.stage("verify", "parity against fp32 eager"):
+            manifest.parity = parity.compare(model, reference).to_dict()
+        if options.run_bench:
+            with log.stage("benchmark", f"decode tokens/s at batch 1 and {options.bench_batch}"):
+                speeds = _speeds(model, options, loaded.config.vocab_size)
+                manifest.bench = {
+                    f"batch_{b}": {"eager_fp32_tokens_per_s": baseline[b].tokens_per_s,
+                                   "artifact_tokens_per_s": speeds[b].tokens_per_s,
+                                   "speedup": speeds[b].tokens_per_s / baseline[b].tokens_per_s}
+                    for b in speeds
+                }
+        with log.stage("write", str(options.out)):
+            out = write_artifact(Path(options.out), manifest, lambda tmp: _move_all(staging, tmp))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.write(summary(out, manifest, log.seconds, files))
+    return out, manifest
+
+
+def _speeds(model, options: CompileOptions, vocab_size: int) -> dict[int, bench.DecodeSpeed]:
+    if not options.run_bench:
+        return {}
+    batches = sorted({1, min(options.bench_batch, options.max_num_seqs)})
+    return {b: bench.decode_speed(model, b, vocab_size=vocab_size) for b in batches}
+
+
+def _move_all(source: Path, target: Path) -> None:
+    for child in source.iterdir():
+        shutil.move(str(child), target / child.name)
+
+
+def summary(out: Path, manifest: Manifest, seconds: dict[str, float], files: list[str]) -> str:
+    p = manifest.parity
+    size = sum(entry["bytes"] for entry in manifest.files.values()) / 2**20
+    rows = [
+        ("artifact", str(out)),
+        ("backend / precision", f"{manifest.backend} / {manifest.precision}"),
+        ("files", f"{len(manifest.files)} ({size:.1f} MiB)"),
+        ("logit diff max / mean", f"{p['max_abs_logit_diff']:.3g} / {p['mean_abs_logit_diff']:.3g}"),
+        ("greedy tokens equal", f"{p['greedy_tokens_equal']} / {p['greedy_tokens_compared']}"),
+        ("perplexity (fp32)", f"{p['perplexity']:.4f} ({p['perplexity_fp32']:.4f}, "
+                              f"{p['perplexity_change']:+.2%})"),
+    ]
+    for name, figures in manifest.bench.items():
+        rows.append((f"decode tok/s {name.replace('_', ' ')}",
+                     f"{figures['artifact_tokens_per_s']:.1f} vs eager fp32 "
+                     f"{figures['eager_fp32_tokens_per_s']:.1f} ({figures['speedup']:.2f}x)"))
+    rows.append(("stages", ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+__all__ = ["ArtifactError", "CompileOptions", "StageLog", "run"]

@@ -1,0 +1,39 @@
+"""`ladder compile`: turn a model into a verified artifact directory (see compile/pipeline.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from compile.manifest import BACKENDS, PRECISIONS
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("compile", help="compile a model into a verified artifact directory",
+                            description="Export a model through torch.compile, ONNX or TensorRT in a given "
+                                        "precision, check it against fp32 eager, benchmark it, and write an "
+                                        "artifact directory with a manifest.")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded model)")
+    p.add_argument("--backend", required=True, choices=BACKENDS)
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--out", type=Path, required=True, help="the artifact directory to create (must not exist)")
+    p.add_argument("--device", default="cpu", help="where the artifact will run: cpu or cuda")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per step the artifact serves")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence the artifact serves")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--bench-batch", type=int, default=32, help="batch size of the batched decode benchmark")
+    p.add_argument("--no-bench", action="store_true", help="skip the benchmark stage")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from compile.pipeline import CompileOptions
+    from compile.pipeline import run as compile_model
+
+    options = CompileOptions(
+        model=args.model, backend=args.backend, precision=args.precision, out=args.out, device=args.device,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+        bench_batch=args.bench_batch, run_bench=not args.no_bench,
+    )
+    compile_model(options)
+    return 0

@@ -1,0 +1,169 @@
+"""`ladder compile` on a tiny model: every torch-compile precision, the artifact's checks, serving it.
+
+The default model's artifacts are compiled in tests/test_compile_default.py; the speed figures come
+from the compile command's benchmark stage (benchmarks/RESULTS.md), not from tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from compile.artifact import load_artifact
+from compile.manifest import FORMAT_VERSION, MANIFEST_NAME, ArtifactError
+from compile.pipeline import CompileOptions, run
+from engine.config import GIB, bytes_per_block
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tiny_models import make_tiny_chat_model
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+# Relative perplexity increase allowed on the built-in text (issue 7).
+PPL_BOUND = {"fp32": 1e-4, "fp16": 0.005, "bf16": 0.005, "int8": 0.02}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    built = {}
+    for precision in PRECISIONS:
+        out, manifest = run(CompileOptions(model=str(tiny_model), backend="torch-compile", precision=precision,
+                                           out=root / precision, max_model_len=256, max_num_seqs=8,
+                                           run_bench=False))
+        built[precision] = (out, manifest)
+    return built
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_parity_report_within_bounds(artifacts, precision):
+    _, manifest = artifacts[precision]
+    report = manifest.parity
+    assert report["perplexity_change"] <= PPL_BOUND[precision], report
+    assert report["greedy_tokens_compared"] == 4 * 64
+    if precision == "fp32":
+        assert report["greedy_tokens_equal"] == report["greedy_tokens_compared"], report
+        assert report["max_abs_logit_diff"] < 1e-4
+
+
+def test_manifest_records_what_was_built(artifacts):
+    out, manifest = artifacts["int8"]
+    data = json.loads((out / MANIFEST_NAME).read_text())
+    assert data["format_version"] == FORMAT_VERSION
+    assert data["backend"] == "torch-compile" and data["precision"] == "int8"
+    assert data["shapes"] == {"max_num_seqs": 8, "max_model_len": 256, "block_size": 16}
+    assert len(data["model"]["sha256"]) == 64 and data["libraries"]["torch"] == torch.__version__
+    assert data["device"]["type"] == "cpu"
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {MANIFEST_NAME}
+    assert set(data["files"]) == on_disk
+    assert {"model.safetensors", "config.json", "tokenizer/tokenizer.json"} <= on_disk
+    # Every linear layer is stored int8 with float32 per-channel scales; the embedding stays float.
+    with safe_open(out / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert tensors["layers.0.mlp.down_proj.weight"] == "I8" and tensors["lm_head.weight"] == "I8"
+    assert tensors["layers.0.self_attn.qkv_proj.scale"] == "F32" and tensors["embed_tokens.weight"] == "F32"
+    assert not list(out.parent.glob(".*")), "no staging directory left behind"
+
+
+def _prompts():
+    lengths = (3, 40, 17, 70, 5, 33)
+    return [[(7 * i + 3 * n) % 300 + 20 for i in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_artifact_batched_with_preemption_equals_one_at_a_time(artifacts, precision):
+    out, _ = artifacts[precision]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone_llm = LLM(artifact=str(out), kv_cache_memory_gib=0.001)
+    alone = [alone_llm.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
+    # A cache of 14 blocks (the longest request needs 6): the batch preempts and recomputes.
+    per_block = bytes_per_block(alone_llm.engine.model.config, 16, alone_llm.engine.model.kv_cache_dtype)
+    tiny_cache = LLM(artifact=str(out), kv_cache_memory_gib=14 * per_block / GIB, max_model_len=128)
+    batched = [r.outputs[0].token_ids for r in tiny_cache.generate(_prompts(), params)]
+    assert tiny_cache.engine.stats.num_preemptions > 0
+    assert batched == alone
+
+
+def test_llm_serves_artifact_text(artifacts):
+    out, _ = artifacts["fp32"]
+    llm = LLM(artifact=str(out))
+    result = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(result.outputs[0].token_ids) == 8 and isinstance(result.outputs[0].text, str)
+    assert llm.engine.max_model_len == 256
+    with pytest.raises(ValueError, match="exceeds the 256 tokens"):
+        LLM(artifact=str(out), max_model_len=512)
+
+
+@pytest.fixture
+def copy_of(artifacts, tmp_path):
+    def make(precision: str = "fp32"):
+        target = tmp_path / f"copy-{precision}"
+        shutil.copytree(artifacts[precision][0], target)
+        return target
+    return make
+
+
+def test_changed_byte_is_refused(copy_of):
+    art = copy_of()
+    weights = art / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256 does not match"):
+        load_artifact(art)
+
+
+def test_missing_file_is_refused(copy_of):
+    art = copy_of()
+    (art / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        load_artifact(art)
+
+
+def test_newer_format_is_refused(copy_of):
+    art = copy_of()
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    data["format_version"] = FORMAT_VERSION + 1
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="newer than this ladder reads"):
+        load_artifact(art)
+
+
+def test_wrong_device_is_refused(copy_of):
+    art = copy_of()
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    data["device"] = {"type": "cuda", "name": "NVIDIA H200", "capability": [9, 0]}
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="built for cuda"):
+        load_artifact(art, "cpu")
+
+
+def test_not_an_artifact_is_refused(tiny_model):
+    with pytest.raises(ArtifactError, match="not an artifact directory"):
+        load_artifact(tiny_model)
+
+
+def _ladder(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_refusals_are_one_line(tmp_path, tiny_model, artifacts):
+    if not torch.cuda.is_available():
+        result = _ladder("compile", "--model", str(tiny_model), "--backend", "tensorrt", "--out", str(tmp_path / "t"))
+        assert result.returncode == 1 and "needs an NVIDIA GPU" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "t").exists()
+    existing = artifacts["fp32"][0]
+    result = _ladder("compile", "--model", str(tiny_model), "--backend", "torch-compile", "--out", str(existing))
+    assert result.returncode == 1 and "already exists" in result.stderr
+    result = _ladder("serve", "--artifact", str(tmp_path / "nothing"), "--port", "0")
+    assert result.returncode == 1 and "no such artifact directory" in result.stderr
