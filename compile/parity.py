@@ -109,6 +109,9 @@ class ParityReport:
     greedy_tokens_equal: int  # positions equal before each prompt's first divergence, summed
     greedy_first_divergence: list[int | None]  # per prompt: step of the first different token
     greedy_divergence_margin: list[float | None]  # eager's top-2 logit gap at that step (small = near tie)
+    # Fed eager's greedy tokens, how often the artifact's own best token is eager's (no cascading after
+    # a first difference, unlike free-running greedy above).
+    teacher_forced_top1_agreement: float
     perplexity_tokens: int
     perplexity: float
     perplexity_fp32: float
@@ -164,11 +167,20 @@ def compare(model: StepModel, ref: Reference) -> ParityReport:
         else:
             top2 = ref.greedy_logits[step][s].topk(2).values
             margins.append(float(top2[0] - top2[1]))
+    forced = Sequences(model, len(ref.prompt_ids), max(map(len, ref.prompt_ids)) + len(ref.greedy[0]))
+    contexts = [p + g[:-1] for p, g in zip(ref.prompt_ids, ref.greedy)]
+    logits = forced.step(contexts, all_rows=True)  # rows of each sequence end to end
+    agree, start = 0, 0
+    for prompt, want in zip(ref.prompt_ids, ref.greedy):
+        rows = logits[start + len(prompt) - 1: start + len(prompt) - 1 + len(want)]
+        agree += int((rows.argmax(dim=-1).cpu() == torch.tensor(want)).sum())
+        start += len(prompt) + len(want) - 1
     ppl = math.exp(token_nll(model, ref.corpus_ids).mean().item())
     return ParityReport(
         max_abs_logit_diff=float(diff.max()), mean_abs_logit_diff=float(diff.mean()),
         greedy_tokens_compared=sum(map(len, ref.greedy)), greedy_tokens_equal=equal,
         greedy_first_divergence=first, greedy_divergence_margin=margins,
+        teacher_forced_top1_agreement=agree / sum(map(len, ref.greedy)),
         perplexity_tokens=len(ref.corpus_ids), perplexity=ppl, perplexity_fp32=ref.perplexity,
         perplexity_change=(ppl - ref.perplexity) / ref.perplexity,
     )

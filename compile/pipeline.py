@@ -179,7 +179,9 @@ def summary(out: Path, manifest: Manifest, seconds: dict[str, float], files: lis
         ("backend / precision", f"{manifest.backend} / {manifest.precision}"),
         ("files", f"{len(manifest.files)} ({size:.1f} MiB)"),
         ("logit diff max / mean", f"{p['max_abs_logit_diff']:.3g} / {p['mean_abs_logit_diff']:.3g}"),
-        ("greedy tokens equal", f"{p['greedy_tokens_equal']} / {p['greedy_tokens_compared']}"),
+        ("greedy tokens equal", f"{p['greedy_tokens_equal']} / {p['greedy_tokens_compared']} "
+                                f"(first divergences at {p['greedy_first_divergence']})"),
+        ("teacher-forced top-1", f"{p['teacher_forced_top1_agreement']:.1%}"),
         ("perplexity (fp32)", f"{p['perplexity']:.4f} ({p['perplexity_fp32']:.4f}, "
                               f"{p['perplexity_change']:+.2%})"),
     ]

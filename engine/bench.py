@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class BenchConfig:
     model: str | None = None
+    artifact: str | None = None  # a compiled artifact; transformers then runs its source model in fp32
     num_prompts: int = 64
     input_len: int = 128
     output_len: int = 128
@@ -109,10 +110,11 @@ def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_
 
 
 def run_bench(config: BenchConfig) -> dict:
-    engine_config = EngineConfig(model=config.model, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
+    engine_config = EngineConfig(model=config.model, artifact=config.artifact, dtype=config.dtype,
+                                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                  kv_cache_memory_gib=config.kv_cache_memory_gib,
-                                 max_model_len=int((config.input_len + config.output_len) * (1 + config.range_ratio)) + 1)
+                                 max_model_len=int((config.input_len + config.output_len)
+                                                   * (1 + config.range_ratio)) + 1)
     start = time.perf_counter()
     engine = LLMEngine(engine_config)
     load_seconds = time.perf_counter() - start
@@ -126,13 +128,20 @@ def run_bench(config: BenchConfig) -> dict:
     rows = {"ladder": summarize(work, engine_seconds, load_seconds)}
     if not config.skip_hf:
         pad = tokenizer.eos_token_id if tokenizer and tokenizer.eos_token_id is not None else 0
-        hf_load, hf_seconds = run_hf(engine.model.path, engine.model.module.embed_tokens.weight.dtype, work,
-                                     config.hf_batch_size, pad)
+        manifest = engine.model.manifest
+        if manifest is not None:  # the artifact's source weights, at the fp32 the artifact is checked against
+            hf_path, hf_dtype = Path(manifest.model["source"]), torch.float32
+        else:
+            hf_path, hf_dtype = engine.model.path, engine.model.module.embed_tokens.weight.dtype
+        hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad)
         rows["transformers"] = summarize(work, hf_seconds, hf_load)
         rows["ladder"]["speedup"] = rows["transformers"]["seconds"] / engine_seconds
     return {
         "config": asdict(config),
         "model": engine.model.name,
+        "artifact": None if engine.model.manifest is None else {
+            "path": str(engine.model.path), "backend": engine.model.manifest.backend,
+            "precision": engine.model.manifest.precision, "parity": engine.model.manifest.parity},
         "num_prompt_tokens": work.num_prompt_tokens,
         "num_output_tokens": work.num_output_tokens,
         "results": rows,

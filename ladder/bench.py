@@ -14,6 +14,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             description="Run N random prompts through the engine and through transformers "
                                         "generate on the same weights; print one table and write JSON.")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded model)")
+    p.add_argument("--artifact", default=None,
+                   help="a `ladder compile` artifact to run instead (transformers runs its source in fp32)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -31,7 +33,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = BenchConfig(
-        model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        model=args.model, artifact=args.artifact, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
         hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf,

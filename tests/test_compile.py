@@ -53,7 +53,7 @@ def test_parity_report_within_bounds(artifacts, precision):
     assert report["greedy_tokens_compared"] == 4 * 64
     if precision == "fp32":
         assert report["greedy_tokens_equal"] == report["greedy_tokens_compared"], report
-        assert report["max_abs_logit_diff"] < 1e-4
+        assert report["max_abs_logit_diff"] < 1e-4 and report["teacher_forced_top1_agreement"] == 1.0
 
 
 def test_manifest_records_what_was_built(artifacts):
@@ -167,3 +167,26 @@ def test_cli_refusals_are_one_line(tmp_path, tiny_model, artifacts):
     assert result.returncode == 1 and "already exists" in result.stderr
     result = _ladder("serve", "--artifact", str(tmp_path / "nothing"), "--port", "0")
     assert result.returncode == 1 and "no such artifact directory" in result.stderr
+
+
+def test_serve_artifact_over_http(artifacts, tmp_path):
+    import httpx
+
+    from server_process import ServerProcess
+
+    out, _ = artifacts["int8"]
+    server = ServerProcess("--artifact", str(out), "--served-model-name", "tiny-int8", log=tmp_path / "serve.log")
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-int8"]
+        body = {"model": "tiny-int8", "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        assert first["usage"]["completion_tokens"] == 6
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]
+        # The same artifact offline gives the same text.
+        offline = LLM(artifact=str(out)).generate("Hello", SamplingParams(temperature=0, max_tokens=6,
+                                                                          ignore_eos=True))[0]
+        assert offline.outputs[0].text == first["choices"][0]["text"]
+    finally:
+        server.stop()
