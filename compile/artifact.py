@@ -27,7 +27,9 @@ def load_backend(directory: Path, manifest: Manifest, device: torch.device):
         from compile.quantize import activation_dtype
 
         config = ModelConfig.from_dict(manifest.model["config"])
-        return onnx_backend.OnnxModel.load(directory, config, block_size, activation_dtype(manifest.precision))
+        providers = ["CPUExecutionProvider"] if device.type == "cpu" else None  # None: CUDA first
+        return onnx_backend.OnnxModel.load(directory, config, block_size, activation_dtype(manifest.precision),
+                                           providers=providers)
     from compile import tensorrt_backend
 
     return tensorrt_backend.TensorRTModel.load(directory, manifest, device)

@@ -86,7 +86,10 @@ def pack_all(module: nn.Module) -> None:
 def apply_precision(module: LlamaForCausalLM, precision: str) -> LlamaForCausalLM:
     """The module in `precision` (fp32, fp16, bf16: a cast; int8: fp32 activations, int8 linears)."""
     if precision in FLOAT_PRECISIONS:
-        return module.to(FLOAT_PRECISIONS[precision])
+        inv_freq = module.inv_freq  # rotary frequencies stay float32 whatever the weights' dtype
+        module = module.to(FLOAT_PRECISIONS[precision])
+        module.inv_freq = inv_freq
+        return module
     if precision == "int8":
         return quantize_int8(module.float())
     raise ValueError(f"unknown precision {precision!r} (choose from fp32, fp16, bf16, int8)")

@@ -6,6 +6,7 @@ from the compile command's benchmark stage (benchmarks/RESULTS.md), not from tes
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -24,8 +25,14 @@ from engine.sampling_params import SamplingParams
 from tiny_models import make_tiny_chat_model
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
+# ONNX Runtime's CPU provider has no bf16 kernels; its fp16 runs through casts (see compile/onnx_backend.py).
+ONNX_PRECISIONS = ("fp32", "fp16", "int8") if HAS_ONNX else ()
+BUILDS = [("torch-compile", p) for p in PRECISIONS] + [("onnx", p) for p in ONNX_PRECISIONS]
+ALL = list(PRECISIONS) + [f"onnx-{p}" for p in ONNX_PRECISIONS]
 # Relative perplexity increase allowed on the built-in text (issue 7).
 PPL_BOUND = {"fp32": 1e-4, "fp16": 0.005, "bf16": 0.005, "int8": 0.02}
+PPL_BOUND |= {f"onnx-{p}": bound for p, bound in PPL_BOUND.items()}
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +42,17 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_model, tmp_path_factory):
+    """Every torch-compile precision by name, and the ONNX ones as onnx-<precision>."""
     root = tmp_path_factory.mktemp("artifacts")
     built = {}
-    for precision in PRECISIONS:
-        out, manifest = run(CompileOptions(model=str(tiny_model), backend="torch-compile", precision=precision,
-                                           out=root / precision, max_model_len=256, max_num_seqs=8,
-                                           run_bench=False))
-        built[precision] = (out, manifest)
+    for backend, precision in BUILDS:
+        name = precision if backend == "torch-compile" else f"onnx-{precision}"
+        built[name] = run(CompileOptions(model=str(tiny_model), backend=backend, precision=precision,
+                                         out=root / name, max_model_len=256, max_num_seqs=8, run_bench=False))
     return built
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", ALL)
 def test_parity_report_within_bounds(artifacts, precision):
     _, manifest = artifacts[precision]
     report = manifest.parity
@@ -80,7 +87,7 @@ def _prompts():
     return [[(7 * i + 3 * n) % 300 + 20 for i in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", ALL)
 def test_artifact_batched_with_preemption_equals_one_at_a_time(artifacts, precision):
     out, _ = artifacts[precision]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
