@@ -11,13 +11,9 @@ the build is cached). If it cannot be built, `load()` returns None and the torch
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.cpu_extension import LazyExtension, cpu_kernels_enabled
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -92,39 +88,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed = False
+_extension = LazyExtension("ladder_cpu_decode_attention", SOURCE, ["paged_decode_attention"],
+                           "CPU decode attention kernel")
 
 
 def load():
-    """The compiled module, or None when it cannot be built here (the reason is logged once)."""
-    global _module, _failed
-    if _module is not None or _failed:  # called for every layer of every decode step: no lock once settled
-        return _module
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name="ladder_cpu_decode_attention",
-                    cpp_sources=SOURCE,
-                    functions=["paged_decode_attention"],
-                    # -fopenmp: at::parallel_for is OpenMP in the headers; without it the loop runs on one thread.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as error:  # no compiler, no ninja, an unsupported platform
-                _failed = True
-                log.warning("CPU decode attention kernel unavailable, using the torch path: %s",
-                            " ".join(str(error).split())[:300])
-    return _module
+    """The compiled module, or None when it cannot be built here."""
+    return _extension.load()
 
 
 def is_enabled() -> bool:
-    return os.environ.get("LADDER_CPU_KERNELS", "1") != "0"
+    return cpu_kernels_enabled()
 
 
 def paged_decode_attention(

@@ -16,16 +16,11 @@ registers a C++ CPU kernel for it when it loads, so a call under inference mode 
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_extension import LazyExtension, cpu_kernels_enabled
 from kernels.int8_matmul import quantize_int8_ref
-
-log = logging.getLogger(__name__)
 
 BLOCK_N = 16  # output channels interleaved per k in the packed layout
 
@@ -224,39 +219,17 @@ static torch::Tensor int8_linear_op(const torch::Tensor& x, const torch::Tensor&
 TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("int8_linear", &int8_linear_op); }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed = False
+# Loading it also registers the C++ CPU kernel of ladder::int8_linear.
+_extension = LazyExtension("ladder_cpu_int8_linear", SOURCE, ["int8_linear"], "CPU int8 linear kernel")
 
 
 def load():
-    """The compiled module, or None when it cannot be built here (the reason is logged once)."""
-    global _module, _failed
-    if _module is not None or _failed:  # called for every linear of every step: no lock once settled
-        return _module
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name="ladder_cpu_int8_linear",
-                    cpp_sources=SOURCE,
-                    functions=["int8_linear"],  # also registers the CPU kernel of ladder::int8_linear
-                    # -fopenmp: at::parallel_for is OpenMP in the headers; without it the loop runs on one thread.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as error:  # no compiler, no ninja, an unsupported platform
-                _failed = True
-                log.warning("CPU int8 linear kernel unavailable, using the torch path: %s",
-                            " ".join(str(error).split())[:300])
-    return _module
+    """The compiled module, or None when it cannot be built here."""
+    return _extension.load()
 
 
 def is_enabled() -> bool:
-    return os.environ.get("LADDER_CPU_KERNELS", "1") != "0"
+    return cpu_kernels_enabled()
 
 
 def available() -> bool:
