@@ -1,7 +1,8 @@
-"""Decode speed of a step model: single-stream and batched tokens/s, with eager fp32 as the baseline.
+"""Decode speed of step models side by side: eager fp32 and an artifact, interleaved in one run.
 
-Each figure is the median over timed decode steps (after warm-up steps, which also absorb any
-compilation), so one slow step on a shared machine does not move it. Both sides run the same driver
+Each model gets its own batch of prompts, prefilled once; then rounds of decode steps alternate between
+the models, so a slow spell on a shared machine lands on both sides instead of skewing one. A figure is
+the median step time over every timed step of that model. Both sides run the same driver
 (`parity.Sequences`), so the ratio compares the models, not the harness.
 """
 
@@ -17,7 +18,8 @@ from compile.parity import Sequences, StepModel
 
 PROMPT_LEN = 128
 WARMUP_STEPS = 3
-TIMED_STEPS = 16
+ROUNDS = 4
+STEPS_PER_ROUND = 6
 
 
 @dataclass
@@ -25,24 +27,44 @@ class DecodeSpeed:
     batch: int
     median_step_ms: float
     tokens_per_s: float
+    steps: int
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def decode_speed(model: StepModel, batch: int, prompt_len: int = PROMPT_LEN, steps: int = TIMED_STEPS,
-                 vocab_size: int = 1000) -> DecodeSpeed:
-    """Prefill `batch` prompts of `prompt_len` tokens, then time `steps` decode steps of the whole batch."""
+class _Decoder:
+    """One model decoding its own batch greedily, one timed step at a time."""
+
+    def __init__(self, model: StepModel, prompts: list[list[int]], max_len: int) -> None:
+        self.seqs = Sequences(model, len(prompts), max_len)
+        self.logits = self.seqs.step(prompts)
+        self.times: list[float] = []
+
+    def step(self, timed: bool) -> None:
+        tokens = self.logits.argmax(dim=-1).tolist()
+        start = time.perf_counter()
+        self.logits = self.seqs.step([[t] for t in tokens])
+        if timed:
+            self.times.append(time.perf_counter() - start)
+
+
+def compare_decode(models: dict[str, StepModel], batch: int, vocab_size: int, prompt_len: int = PROMPT_LEN,
+                   rounds: int = ROUNDS, steps: int = STEPS_PER_ROUND) -> dict[str, DecodeSpeed]:
+    """Decode speed of each model at `batch` sequences of `prompt_len` tokens, rounds interleaved."""
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab_size, (batch, prompt_len), generator=generator).tolist()
-    seqs = Sequences(model, batch, prompt_len + WARMUP_STEPS + steps + 1)
-    logits = seqs.step(prompts)
-    times = []
-    for i in range(WARMUP_STEPS + steps):
-        tokens = logits.argmax(dim=-1).tolist()
-        start = time.perf_counter()
-        logits = seqs.step([[t] for t in tokens])
-        if i >= WARMUP_STEPS:
-            times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    return DecodeSpeed(batch, median * 1e3, batch / median)
+    max_len = prompt_len + WARMUP_STEPS + rounds * steps + 1
+    decoders = {name: _Decoder(model, prompts, max_len) for name, model in models.items()}
+    for decoder in decoders.values():
+        for _ in range(WARMUP_STEPS):  # first calls: allocation, and compilation for compiled models
+            decoder.step(timed=False)
+    for _ in range(rounds):
+        for decoder in decoders.values():
+            for _ in range(steps):
+                decoder.step(timed=True)
+    speeds = {}
+    for name, decoder in decoders.items():
+        median = statistics.median(decoder.times)
+        speeds[name] = DecodeSpeed(batch, median * 1e3, batch / median, len(decoder.times))
+    return speeds

@@ -1,9 +1,9 @@
-"""`ladder compile`: load, quantize, export, build, verify, benchmark, write.
+"""`ladder compile`: load, reference, quantize, export, build, verify, benchmark, write.
 
-The fp32 eager model is the reference twice over: its outputs on the parity inputs and its decode speed
-are taken before the precision change. Verification and the benchmark then load the artifact back from
-the files just written, exactly as `ladder serve --artifact` will, so the report describes the artifact
-and not the module that produced it.
+The fp32 eager model's outputs on the parity inputs are taken before the precision change. Verification
+and the benchmark then load the artifact back from the files just written, exactly as
+`ladder serve --artifact` will, so the report describes the artifact and not the module that produced
+it. The benchmark runs a fresh fp32 eager model beside the artifact, their decode steps interleaved.
 """
 
 from __future__ import annotations
@@ -81,6 +81,16 @@ def check_options(options: CompileOptions) -> None:
         check_available(options.precision, device)
 
 
+def quantize(module, options: CompileOptions):
+    """The module in the artifact's precision; for ONNX and TensorRT INT8 the module stays fp32 and the
+    ONNX quantizer works on the exported graph (quantizing twice would add the errors of both)."""
+    from compile.quantize import apply_precision
+
+    if options.backend != "torch-compile" and options.precision == "int8":
+        return module
+    return apply_precision(module, options.precision)
+
+
 def export(module, options: CompileOptions, directory: Path) -> list[str]:
     """The backend's files for the (already precision-changed) module, written into `directory`."""
     if options.backend == "torch-compile":
@@ -113,14 +123,11 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
         loaded = load(options.model, dtype=torch.float32, device=device, block_size=options.block_size)
         eager = loaded.module
         source_sha = sha256_source(loaded.path)
-    with log.stage("reference", "fp32 eager: parity inputs and decode speed"):
+    with log.stage("reference", "fp32 eager outputs on the parity inputs"):
         prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)
         reference = parity.reference(eager, prompts, corpus)
-        baseline = _speeds(eager, options, loaded.config.vocab_size)
     with log.stage("quantize", f"to {options.precision}"):
-        from compile.quantize import apply_precision
-
-        module = apply_precision(eager, options.precision)
+        module = quantize(eager, options)
     staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=Path(options.out).resolve().parent))
     try:
         with log.stage("export", f"{options.backend} files"):
@@ -143,14 +150,9 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
         with log.stage("verify", "parity against fp32 eager"):
             manifest.parity = parity.compare(model, reference).to_dict()
         if options.run_bench:
-            with log.stage("benchmark", f"decode tokens/s at batch 1 and {options.bench_batch}"):
-                speeds = _speeds(model, options, loaded.config.vocab_size)
-                manifest.bench = {
-                    f"batch_{b}": {"eager_fp32_tokens_per_s": baseline[b].tokens_per_s,
-                                   "artifact_tokens_per_s": speeds[b].tokens_per_s,
-                                   "speedup": speeds[b].tokens_per_s / baseline[b].tokens_per_s}
-                    for b in speeds
-                }
+            batches = sorted({1, min(options.bench_batch, options.max_num_seqs)})
+            with log.stage("benchmark", f"decode tokens/s at batch {batches}, eager fp32 interleaved"):
+                manifest.bench = benchmark(model, options, batches)
         with log.stage("write", str(options.out)):
             out = write_artifact(Path(options.out), manifest, lambda tmp: _move_all(staging, tmp))
     finally:
@@ -159,11 +161,21 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
     return out, manifest
 
 
-def _speeds(model, options: CompileOptions, vocab_size: int) -> dict[int, bench.DecodeSpeed]:
-    if not options.run_bench:
-        return {}
-    batches = sorted({1, min(options.bench_batch, options.max_num_seqs)})
-    return {b: bench.decode_speed(model, b, vocab_size=vocab_size) for b in batches}
+def benchmark(model, options: CompileOptions, batches: list[int]) -> dict[str, dict[str, float]]:
+    """The artifact against a fresh fp32 eager model, decode rounds interleaved (compile/bench.py)."""
+    eager = load(options.model, dtype=torch.float32, device=options.device, block_size=options.block_size)
+    figures = {}
+    for batch in batches:
+        speeds = bench.compare_decode({"eager": eager.module, "artifact": model}, batch, eager.config.vocab_size)
+        figures[f"batch_{batch}"] = {
+            "eager_fp32_tokens_per_s": speeds["eager"].tokens_per_s,
+            "artifact_tokens_per_s": speeds["artifact"].tokens_per_s,
+            "speedup": speeds["artifact"].tokens_per_s / speeds["eager"].tokens_per_s,
+            "eager_median_step_ms": speeds["eager"].median_step_ms,
+            "artifact_median_step_ms": speeds["artifact"].median_step_ms,
+            "timed_steps_each": speeds["artifact"].steps,
+        }
+    return figures
 
 
 def _move_all(source: Path, target: Path) -> None:

@@ -159,25 +159,20 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("precision, kv_dtype, tolerance", [("int8", torch.float32, 0.15),
                                                             ("fp16", torch.float16, 0.01)])
 def test_reduced_precision_stays_close(tiny_llama, tmp_path, precision, kv_dtype, tolerance):
-    """Against fp32 eager. int8 exports the module as the compile pipeline hands it over, after
-    `compile.quantize.apply_precision` (Int8Linear layers); fp16 exports the fp32 module."""
-    import copy
-
-    from compile.quantize import apply_precision
-
-    source = apply_precision(copy.deepcopy(tiny_llama), "int8") if precision == "int8" else tiny_llama
-    files = export_onnx(source, tmp_path, precision)
+    """Against fp32 eager, exporting the fp32 module as `ladder compile` does (int8 quantizes the graph)."""
+    files = export_onnx(tiny_llama, tmp_path, precision)
     onnx.checker.check_model(str(tmp_path / files[0]))
     onnx_model = OnnxModel.load(tmp_path, tiny_llama.config, tiny_llama.block_size, kv_dtype, num_threads=1)
-    same = total = 0
     for got, ref, caches, ref_caches in run_both(tiny_llama, onnx_model, kv_dtype):
         assert torch.isfinite(got).all()
         assert relative_error(got, ref) < tolerance
         for cache, ref_cache in zip(caches, ref_caches, strict=True):
             assert relative_error(cache.float(), ref_cache) < tolerance
-        same += (got.argmax(-1) == ref.argmax(-1)).sum().item()
-        total += got.shape[0]
-    assert same >= 0.9 * total
+        # A different best token only where eager's own margin is within the measured error (a near tie
+        # on this random model's flat logits).
+        error = (got - ref).abs().max(dim=-1).values
+        chosen = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        assert (ref.max(dim=-1).values - chosen <= 2 * error).all()
 
 
 def test_unsupported_precisions_are_refused(tiny_llama, tmp_path):
