@@ -86,6 +86,17 @@ class TorchCompiledModel:
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         return self.module.allocate_kv_caches(num_blocks, dtype=self.kv_cache_dtype)
 
+    def warm_up(self) -> None:
+        """Compile now, not on the first requests: run the kinds of step the engine makes (one prompt,
+        one decode, decodes beside a prefill chunk) on a scratch cache."""
+        from compile.parity import Sequences  # the same small driver the parity report uses
+
+        seqs = Sequences(self, 3, 4 * self.block_size)
+        seqs.step([[1, 2, 3], [], []])  # a prompt alone
+        seqs.step([[4], [], []])  # one decode
+        seqs.step([[5], [1] * 19, [2, 3]])  # a decode beside two prompts of other lengths
+        seqs.step([[6], [7], [8]])  # a decode batch
+
     def sample_logits(self, input_ids, positions, kv_caches, plan, sample_rows) -> torch.Tensor:
         # Size-oblivious shapes: a batch of one sequence or one token is not a special case, so the
         # same graph serves every step instead of one graph per pattern of 1s in the shapes.
@@ -125,4 +136,6 @@ def load(directory: Path, precision: str, block_size: int, device: torch.device,
         module.lm_head.weight = module.embed_tokens.weight
     module.inv_freq = inverse_frequencies(config).to(device)
     pack_all(module)
-    return TorchCompiledModel(module.eval().requires_grad_(False), precision, options)
+    model = TorchCompiledModel(module.eval().requires_grad_(False), precision, options)
+    model.warm_up()
+    return model
