@@ -321,6 +321,57 @@ def _quantize_int8(source: Path, target: Path) -> Path:
     return target
 
 
+def _weight_qdq(path: Path) -> None:
+    """INT8 weights as Q/DQ, in place: every MatMul with a constant weight W [K, N] reads
+    DequantizeLinear(W_int8, scale[N], axis=1) instead (symmetric, one scale per output channel), the
+    explicit quantization TensorRT builds int8 weights from. Activations stay float."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)  # [K, N]
+            scale = np.maximum(np.abs(weight).max(axis=0), 1e-12) / 127.0
+            quantized = np.clip(np.round(weight / scale), -127, 127).astype(np.int8)
+            base = node.input[1]
+            graph.initializer.extend([numpy_helper.from_array(quantized, base + ".int8"),
+                                      numpy_helper.from_array(scale.astype(np.float32), base + ".scale")])
+            nodes.append(helper.make_node("DequantizeLinear", [base + ".int8", base + ".scale"], [base + ".dq"],
+                                          name=node.name + ".dq", axis=1))
+            node.input[1] = base + ".dq"
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input}
+    kept = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    _save(model, path)
+
+
+def export_for_tensorrt(module: LlamaForCausalLM, out_dir: Path, precision: str) -> list[str]:
+    """The graph TensorRT builds from: the fp32 step (TensorRT picks fp16/bf16 kernels itself from
+    builder flags), with Q/DQ int8 weights for int8; not optimised by ONNX Runtime, whose constant
+    folding would undo the Q/DQ. Writes `model.onnx` and `model.onnx.data`."""
+    import onnx
+
+    if module_precision(module) != "fp32":
+        raise ValueError("the TensorRT export takes the fp32 module")
+    out_dir = Path(out_dir)
+    target = out_dir / MODEL_FILE
+    _export_graph(module, target, torch.float32)
+    if precision == "int8":
+        _gemm_to_matmul(target)
+        _weight_qdq(target)
+    onnx.checker.check_model(str(target), full_check=True)
+    return [MODEL_FILE, DATA_FILE]
+
+
 def _save(model, path: Path) -> None:
     import onnx
 

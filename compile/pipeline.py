@@ -82,11 +82,12 @@ def check_options(options: CompileOptions) -> None:
 
 
 def quantize(module, options: CompileOptions):
-    """The module in the artifact's precision; for ONNX and TensorRT INT8 the module stays fp32 and the
-    ONNX quantizer works on the exported graph (quantizing twice would add the errors of both)."""
+    """The module in the artifact's precision. ONNX INT8 keeps the fp32 module (the ONNX quantizer works
+    on the exported graph; quantizing twice would add both errors); TensorRT always takes fp32 (its
+    builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ in the graph)."""
     from compile.quantize import apply_precision
 
-    if options.backend != "torch-compile" and options.precision == "int8":
+    if options.backend == "tensorrt" or (options.backend == "onnx" and options.precision == "int8"):
         return module
     return apply_precision(module, options.precision)
 
@@ -99,12 +100,12 @@ def export(module, options: CompileOptions, directory: Path) -> list[str]:
         return torch_backend.save(module, directory)
     from compile import onnx_backend
 
-    files = onnx_backend.export_onnx(module, directory, options.precision)
-    if options.backend == "tensorrt":
-        from compile import tensorrt_backend
+    if options.backend == "onnx":
+        return onnx_backend.export_onnx(module, directory, options.precision)
+    from compile import tensorrt_backend
 
-        files += tensorrt_backend.build_engine(directory, options, module.config)
-    return files
+    files = onnx_backend.export_for_tensorrt(module, directory, options.precision)
+    return files + tensorrt_backend.build_engine(directory, options, module.config)
 
 
 def backend_options(options: CompileOptions) -> dict[str, Any]:

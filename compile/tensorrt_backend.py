@@ -6,8 +6,10 @@ builder serializes the engine to `model.plan`. At run time the engine reads and 
 in place (the KV caches are bound as both input and output buffers).
 
 TensorRT needs an NVIDIA GPU and the `tensorrt` package; without them `check_available` stops the
-command before any work. Precisions: fp32, fp16 and bf16 (builder flags). INT8 through Q/DQ nodes is not
-built yet and is refused with that reason. This module has not run on a machine with TensorRT.
+command before any work. The graph is the fp32 ONNX step (`onnx_backend.export_for_tensorrt`); fp16 and
+bf16 are builder flags; INT8 is explicit quantization, int8 weights behind DequantizeLinear nodes (one
+scale per output channel), with fp16 allowed elsewhere. The caches and logits stay fp32 at the engine's
+boundary. This module has not run on a machine with TensorRT: it follows the TensorRT Python API docs.
 """
 
 from __future__ import annotations
@@ -18,13 +20,11 @@ from typing import Any
 import torch
 
 from compile.manifest import ArtifactError, Manifest
+from compile.onnx_backend import MODEL_FILE, STEP_INPUTS, cache_input, cache_output
 from model.attention import TorchPagedAttention
 from model.config import ModelConfig
 
 ENGINE_FILE = "model.plan"
-ONNX_FILE = "model.onnx"
-PLAN_INPUTS = ("input_ids", "positions", "query_index", "output_index", "block_tables", "mask", "slot_mapping",
-               "seq_lens", "sample_rows")
 
 
 def check_available(precision: str, device: torch.device) -> None:
@@ -34,9 +34,6 @@ def check_available(precision: str, device: torch.device) -> None:
         import tensorrt  # noqa: F401
     except ImportError:
         raise ValueError("the tensorrt backend needs the `tensorrt` Python package (pip install tensorrt)") from None
-    if precision == "int8":
-        raise ValueError("tensorrt int8 (Q/DQ) is not built yet; use --precision fp16 or bf16, or the "
-                         "torch-compile backend for int8")
 
 
 def _profile_shapes(config: ModelConfig, shapes: dict[str, int], tokens: int) -> dict[str, tuple[tuple, tuple, tuple]]:
@@ -53,7 +50,7 @@ def _profile_shapes(config: ModelConfig, shapes: dict[str, int], tokens: int) ->
                 for name, dims in one.items()}
     cache = (2, cache_blocks, bs, config.num_kv_heads, config.head_dim)
     for i in range(config.num_layers):
-        profiles[f"kv_cache.{i}"] = ((2, 1, bs, config.num_kv_heads, config.head_dim), cache, cache)
+        profiles[cache_input(i)] = ((2, 1, bs, config.num_kv_heads, config.head_dim), cache, cache)
     return profiles
 
 
@@ -65,14 +62,16 @@ def build_engine(directory: Path, options: Any, model_config: ModelConfig) -> li
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(directory / ONNX_FILE)):
+    if not parser.parse_from_file(str(directory / MODEL_FILE)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise ValueError(f"TensorRT cannot parse the ONNX export: {errors}")
     config = builder.create_builder_config()
-    if options.precision == "fp16":
+    if options.precision in ("fp16", "int8"):  # int8: Q/DQ weights; the rest may run in fp16
         config.set_flag(trt.BuilderFlag.FP16)
-    elif options.precision == "bf16":
+    if options.precision == "bf16":
         config.set_flag(trt.BuilderFlag.BF16)
+    if options.precision == "int8":
+        config.set_flag(trt.BuilderFlag.INT8)
     shapes = {"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
               "block_size": options.block_size}
     profile = builder.create_optimization_profile()
@@ -108,19 +107,20 @@ class TensorRTModel:
         if engine is None:
             raise ArtifactError(f"{directory / ENGINE_FILE}: TensorRT cannot deserialize this engine "
                                 "(built by another TensorRT version or for another GPU)")
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(manifest.precision, torch.float32)
-        return cls(engine, ModelConfig.from_dict(manifest.model["config"]), manifest.shapes["block_size"], dtype)
+        # The graph's inputs and outputs are fp32 whatever kernels the builder chose, the caches included.
+        return cls(engine, ModelConfig.from_dict(manifest.model["config"]), manifest.shapes["block_size"],
+                   torch.float32)
 
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device="cuda") for _ in range(self.config.num_layers)]
 
     def sample_logits(self, input_ids, positions, kv_caches, plan, sample_rows) -> torch.Tensor:
-        inputs = dict(zip(PLAN_INPUTS, (input_ids, positions, plan.query_index, plan.output_index,
+        inputs = dict(zip(STEP_INPUTS, (input_ids, positions, plan.query_index, plan.output_index,
                                         plan.block_tables, plan.mask, plan.slot_mapping, plan.seq_lens,
                                         sample_rows)))
         for i, cache in enumerate(kv_caches):
-            inputs[f"kv_cache.{i}"] = cache
+            inputs[cache_input(i)] = cache
         for name, tensor in inputs.items():
             tensor = tensor.contiguous()
             inputs[name] = tensor
@@ -129,7 +129,7 @@ class TensorRTModel:
         logits = torch.empty((sample_rows.shape[0], self.config.vocab_size), dtype=torch.float32, device="cuda")
         self.context.set_tensor_address("logits", logits.data_ptr())
         for i, cache in enumerate(kv_caches):  # written in place: the output buffer is the input's
-            self.context.set_tensor_address(f"kv_cache_out.{i}", cache.data_ptr())
+            self.context.set_tensor_address(cache_output(i), cache.data_ptr())
         if not self.context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
             raise RuntimeError("TensorRT execution failed")
         return logits

@@ -183,3 +183,19 @@ def test_unsupported_precisions_are_refused(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="bf16"):
         onnx_backend.check_available("bf16", "cpu")
     onnx_backend.check_available("int8", "cpu")
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("int8", 0.15)])
+def test_tensorrt_graph_runs_in_onnx_runtime(tiny_llama, tmp_path, precision, tolerance):
+    """The graph TensorRT is built from (fp32 step; int8 weights as DequantizeLinear per output channel),
+    checked here by ONNX Runtime against eager, since TensorRT itself needs a GPU."""
+    files = onnx_backend.export_for_tensorrt(tiny_llama, tmp_path, precision)
+    graph = onnx.load(str(tmp_path / files[0]), load_external_data=False).graph
+    dequantized = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    linears = 4 * tiny_llama.config.num_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert len(dequantized) == (linears if precision == "int8" else 0)
+    onnx_model = OnnxModel.load(tmp_path, tiny_llama.config, tiny_llama.block_size, torch.float32, num_threads=1)
+    for got, ref, caches, ref_caches in run_both(tiny_llama, onnx_model):
+        assert relative_error(got, ref) < tolerance
+        for cache, ref_cache in zip(caches, ref_caches, strict=True):
+            assert relative_error(cache, ref_cache) < tolerance
