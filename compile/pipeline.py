@@ -129,7 +129,9 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
         reference = parity.reference(eager, prompts, corpus)
     with log.stage("quantize", f"to {options.precision}"):
         module = quantize(eager, options)
-    staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=Path(options.out).resolve().parent))
+    parent = Path(options.out).resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=parent))
     try:
         with log.stage("export", f"{options.backend} files"):
             files = export(module, options, staging)
