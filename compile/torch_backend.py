@@ -24,7 +24,7 @@ import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from safetensors.torch import load_file, save_file
 
-from compile.quantize import activation_dtype, apply_precision, int8_skeleton, pack_all
+from compile.quantize import activation_dtype, int8_skeleton, pack_all
 from model.attention import CpuPagedAttention, TorchAttentionPlan, TorchPagedAttention
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
@@ -102,11 +102,6 @@ class TorchCompiledModel:
         # same graph serves every step instead of one graph per pattern of 1s in the shapes.
         with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
             return self._compiled(input_ids, positions, kv_caches, plan, sample_rows)
-
-
-def prepare(module: LlamaForCausalLM, precision: str) -> LlamaForCausalLM:
-    """The eager module in the artifact's precision (what gets saved and compiled)."""
-    return apply_precision(module, precision)
 
 
 def save(module: LlamaForCausalLM, directory: Path) -> list[str]:
