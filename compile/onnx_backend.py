@@ -293,13 +293,7 @@ def _gemm_to_matmul(path: Path) -> None:
         nodes.append(helper.make_node("MatMul", [node.input[0], name], [mm_out], name=node.name + ".matmul"))
         if has_bias:
             nodes.append(helper.make_node("Add", [mm_out, node.input[2]], [node.output[0]], name=node.name + ".bias"))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {i for n in graph.node for i in n.input}
-    kept = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    _save(model, path)
+    _save_with_nodes(model, nodes, path)
 
 
 def _quantize_int8(source: Path, target: Path) -> Path:
@@ -345,13 +339,7 @@ def _weight_qdq(path: Path) -> None:
                                           name=node.name + ".dq", axis=1))
             node.input[1] = base + ".dq"
         nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {i for n in graph.node for i in n.input}
-    kept = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    _save(model, path)
+    _save_with_nodes(model, nodes, path)
 
 
 def export_for_tensorrt(module: LlamaForCausalLM, out_dir: Path, precision: str) -> list[str]:
@@ -370,6 +358,18 @@ def export_for_tensorrt(module: LlamaForCausalLM, out_dir: Path, precision: str)
         _weight_qdq(target)
     onnx.checker.check_model(str(target), full_check=True)
     return [MODEL_FILE, DATA_FILE]
+
+
+def _save_with_nodes(model, nodes: list, path: Path) -> None:
+    """Give `model`'s graph the node list `nodes`, drop the initializers nothing reads any more, save."""
+    graph = model.graph
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input}
+    kept = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    _save(model, path)
 
 
 def _save(model, path: Path) -> None:

@@ -26,7 +26,6 @@ from model.loader import LoadedModel, load, parse_dtype
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
         if loaded is None and config.artifact is not None:
             from compile.artifact import load_artifact  # compile is optional at run time
 
@@ -35,7 +34,7 @@ class LLMEngine:
                                     block_size=config.block_size)
         if self.model.manifest is not None:
             config = fit_to_artifact(config, self.model.manifest.shapes)
-            self.config = config
+        self.config = config
         if self.model.module.block_size != config.block_size:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
                              f"the engine asks for {config.block_size}")

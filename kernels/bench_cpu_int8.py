@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_int8_linear as kernel
+from kernels.int8_matmul import quantize_int8_ref
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # (N, K)
 
@@ -59,7 +60,7 @@ def main() -> None:
     print("-" * len(header))
     for n, k in SHAPES:
         weight = torch.randn(n, k) * 0.05
-        q, scale = kernel.quantize_per_channel(weight)
+        q, scale = quantize_int8_ref(weight)
         packed = kernel.pack(q)
         w32 = q.float() * scale[:, None]
         w16 = w32.bfloat16()

@@ -122,10 +122,5 @@ def paged_decode_attention(
 
 if __name__ == "__main__":
     import sys
-    import time
 
-    start = time.perf_counter()
-    built = load() is not None
-    print(f"CPU decode attention kernel: {'ready' if built else 'unavailable, the torch path will be used'} "
-          f"({time.perf_counter() - start:.1f} s)")
-    sys.exit(0)
+    sys.exit(_extension.build_and_report())

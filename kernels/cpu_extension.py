@@ -50,3 +50,13 @@ class LazyExtension:
                     log.warning("%s unavailable, using the torch path: %s", self.what,
                                 " ".join(str(error).split())[:300])
         return self._module
+
+    def build_and_report(self) -> int:
+        """`python -m kernels.<module>`: build (or load from the cache) now and say how it went."""
+        import time
+
+        start = time.perf_counter()
+        built = self.load() is not None
+        print(f"{self.what}: {'ready' if built else 'unavailable, the torch path will be used'} "
+              f"({time.perf_counter() - start:.1f} s)")
+        return 0

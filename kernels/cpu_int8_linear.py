@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_extension import LazyExtension, cpu_kernels_enabled
-from kernels.int8_matmul import quantize_int8_ref
 
 BLOCK_N = 16  # output channels interleaved per k in the packed layout
 
@@ -237,11 +236,6 @@ def available() -> bool:
     return is_enabled() and load() is not None
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel quantization: weight [N, K] float -> (int8 [N, K], scale [N] float32)."""
-    return quantize_int8_ref(weight)
-
-
 def pack(weight_int8: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> the kernel's layout, int8 [ceil(N / 16), K, 16], output channels past N zero."""
     if weight_int8.dim() != 2 or weight_int8.dtype != torch.int8:
@@ -297,10 +291,5 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias
 
 if __name__ == "__main__":
     import sys
-    import time
 
-    start = time.perf_counter()
-    built = load() is not None
-    print(f"CPU int8 linear kernel: {'ready' if built else 'unavailable, the torch path will be used'} "
-          f"({time.perf_counter() - start:.1f} s)")
-    sys.exit(0)
+    sys.exit(_extension.build_and_report())

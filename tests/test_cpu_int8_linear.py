@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import cpu_int8_linear as kernel
-from kernels.int8_matmul import int8_matmul_ref
+from kernels.int8_matmul import int8_matmul_ref, quantize_int8_ref
 
 pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU int8 linear kernel could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch path is used instead")
@@ -22,7 +22,7 @@ def _case(m, n, k, seed=0):
     weight = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
-    q, scale = kernel.quantize_per_channel(weight)
+    q, scale = quantize_int8_ref(weight)
     return x, q, scale, bias
 
 
@@ -47,7 +47,7 @@ def test_matches_reference(m, n, k, with_bias):
 
 def test_quantize_and_pack_roundtrip():
     weight = torch.randn(37, 20)
-    q, scale = kernel.quantize_per_channel(weight)
+    q, scale = quantize_int8_ref(weight)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (37,)
     assert ((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
     packed = kernel.pack(q)
@@ -84,7 +84,7 @@ def test_non_contiguous_input():
 def test_large_values_and_zero_rows_are_finite():
     weight = torch.randn(48, 64) * 1e3
     weight[5] = 0  # an all-zero output channel: scale is clamped, output is exactly zero
-    q, scale = kernel.quantize_per_channel(weight)
+    q, scale = quantize_int8_ref(weight)
     x = torch.randn(4, 64) * 1e3
     out = kernel.int8_linear(x, kernel.pack(q), scale, None, 48)
     assert out.isfinite().all()
