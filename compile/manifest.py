@@ -26,7 +26,7 @@ import torch
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BACKENDS = ("torch-compile", "onnx", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
 
 
 class ArtifactError(Exception):

@@ -71,6 +71,9 @@ def check_options(options: CompileOptions) -> None:
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here")
+    if options.precision == "w8a8" and (options.backend != "torch-compile" or device.type != "cpu"):
+        raise ValueError("--precision w8a8 is built for --backend torch-compile on --device cpu only; "
+                         "use --precision int8 (weight-only) elsewhere")
     if options.backend == "onnx":
         from compile.onnx_backend import check_available
 
@@ -81,14 +84,19 @@ def check_options(options: CompileOptions) -> None:
         check_available(options.precision, device)
 
 
-def quantize(module, options: CompileOptions):
+def quantize(module, options: CompileOptions, tokenizer):
     """The module in the artifact's precision. ONNX INT8 keeps the fp32 module (the ONNX quantizer works
     on the exported graph; quantizing twice would add both errors); TensorRT always takes fp32 (its
-    builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ in the graph)."""
+    builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ in the graph). W8A8 is
+    smoothed first on calibration text (compile/smooth.py)."""
     from compile.quantize import apply_precision
 
     if options.backend == "tensorrt" or (options.backend == "onnx" and options.precision == "int8"):
         return module
+    if options.precision == "w8a8":
+        from compile import smooth
+
+        smooth.smooth(module, smooth.calibration_ids(tokenizer, module.config.vocab_size))
     return apply_precision(module, options.precision)
 
 
@@ -128,7 +136,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
         prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)
         reference = parity.reference(eager, prompts, corpus)
     with log.stage("quantize", f"to {options.precision}"):
-        module = quantize(eager, options)
+        module = quantize(eager, options, loaded.tokenizer)
     parent = Path(options.out).resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=parent))

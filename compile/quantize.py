@@ -1,9 +1,16 @@
-"""Precision changes applied to a built model: 16-bit casts and INT8 weight-only linear layers.
+"""Precision changes applied to a built model: 16-bit casts and two INT8 forms of the linear layers.
 
-INT8 weight-only swaps every `nn.Linear` of the decoder (and the LM head) for `Int8Linear`, as gpt-fast
-does: weights stored int8 with one float32 scale per output channel, activations stay float. Decode
-reads a quarter of the fp32 weight bytes, which is what bounds it. The embedding stays float: a lookup
+Both INT8 forms swap every `nn.Linear` of the decoder (and the LM head) for an int8 module with weights
+stored int8 and one float32 scale per output channel (symmetric). The embedding stays float: a lookup
 reads a few rows, not the whole table.
+
+- `int8`, weight-only (`Int8Linear`), as gpt-fast does: activations stay float32. Decode reads a quarter
+  of the fp32 weight bytes, which is what bounds it at small batches; the arithmetic is still float32.
+- `w8a8`, weights and activations (`W8A8Linear`): each row of the input is quantized to int8 on the fly
+  with its own scale (per token), the product is an integer matmul (`torch._int_mm`, int32 accumulation;
+  VNNI dot products on x86 CPUs), rescaled to float32. Prefill and batched decode, which are compute
+  bound, run on integer arithmetic at four to six times the float32 rate. Activation outliers are first
+  moved into the weights by SmoothQuant (`compile/smooth.py`), which the pipeline runs before this.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from model.llama import LlamaForCausalLM
 FLOAT_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (weight_int8 * scale[:, None]).T + bias, weights int8 [N, K], scale float32 [N]."""
+class Int8Weights(nn.Module):
+    """A linear layer's weights as int8 [N, K] with one float32 scale per output channel [N] (and a float
+    bias); subclasses say how the product is computed."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -27,16 +35,27 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
-        # The CPU kernel's interleaved layout, rebuilt from `weight` by `pack()` (not saved).
-        self.register_buffer("packed", None, persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear) -> Int8Weights:
         module = cls(linear.in_features, linear.out_features, linear.bias is not None)
         module.weight, module.scale = quantize_int8_ref(linear.weight.detach())
         if linear.bias is not None:
             module.bias = linear.bias.detach().float()
         return module.pack()
+
+    def pack(self) -> Int8Weights:
+        """Derive any run-time layout from `weight` (after loading too); none by default."""
+        return self
+
+
+class Int8Linear(Int8Weights):
+    """Weight-only: y = x @ (weight_int8 * scale[:, None]).T + bias, x float32."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        # The CPU kernel's interleaved layout, rebuilt from `weight` by `pack()` (not saved).
+        self.register_buffer("packed", None, persistent=False)
 
     def pack(self) -> Int8Linear:
         if self.weight.device.type == "cpu":
@@ -51,50 +70,70 @@ class Int8Linear(nn.Module):
         return cpu_int8_linear.int8_linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 
+class W8A8Linear(Int8Weights):
+    """y = (q(x) @ weight_int8.T) * x_scale * scale + bias: x [.., K] quantized per row to int8 with
+    x_scale = max|row| / 127; int32 accumulation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # [M, K]
+        x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # [M, 1]
+        q = torch.round(rows / x_scale).to(torch.int8)  # |rows / x_scale| <= 127 by construction
+        y = torch._int_mm(q, self.weight.t()).float() * x_scale * self.scale  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+INT8_LINEARS: dict[str, type[Int8Weights]] = {"int8": Int8Linear, "w8a8": W8A8Linear}
+
+
 def linear_names(module: LlamaForCausalLM) -> list[str]:
     """Every linear layer INT8 replaces: q/k/v, o, gate/up, down of each layer, and the LM head."""
     return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_int8(module: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Swap the linear layers for Int8Linear in place (a tied LM head gets its own int8 copy)."""
+def quantize_int8(module: LlamaForCausalLM, precision: str = "int8") -> LlamaForCausalLM:
+    """Swap the linear layers for the precision's int8 module in place (a tied LM head gets its own
+    int8 copy)."""
+    linear_type = INT8_LINEARS[precision]
     for name in linear_names(module):
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child, Int8Linear.from_linear(getattr(parent, child)))
+        setattr(parent, child, linear_type.from_linear(getattr(parent, child)))
     return module
 
 
-def int8_skeleton(module: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Empty Int8Linear layers in place of the linears (on the module's device, e.g. meta), ready for
-    `load_state_dict(..., assign=True)` of a saved INT8 model; call `pack_all` after loading."""
+def int8_skeleton(module: LlamaForCausalLM, precision: str = "int8") -> LlamaForCausalLM:
+    """Empty int8 layers of the precision in place of the linears (on the module's device, e.g. meta),
+    ready for `load_state_dict(..., assign=True)` of a saved INT8 model; call `pack_all` after loading."""
+    linear_type = INT8_LINEARS[precision]
     for name in linear_names(module):
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
         with torch.device(old.weight.device):
-            setattr(parent, child, Int8Linear(old.in_features, old.out_features, old.bias is not None))
+            setattr(parent, child, linear_type(old.in_features, old.out_features, old.bias is not None))
     return module
 
 
 def pack_all(module: nn.Module) -> None:
     for m in module.modules():
-        if isinstance(m, Int8Linear):
+        if isinstance(m, Int8Weights):
             m.pack()
 
 
 def apply_precision(module: LlamaForCausalLM, precision: str) -> LlamaForCausalLM:
-    """The module in `precision` (fp32, fp16, bf16: a cast; int8: fp32 activations, int8 linears)."""
+    """The module in `precision` (fp32, fp16, bf16: a cast; int8 and w8a8: int8 linears, see above)."""
     if precision in FLOAT_PRECISIONS:
         inv_freq = module.inv_freq  # rotary frequencies stay float32 whatever the weights' dtype
         module = module.to(FLOAT_PRECISIONS[precision])
         module.inv_freq = inv_freq
         return module
-    if precision == "int8":
-        return quantize_int8(module.float())
-    raise ValueError(f"unknown precision {precision!r} (choose from fp32, fp16, bf16, int8)")
+    if precision in INT8_LINEARS:
+        return quantize_int8(module.float(), precision)
+    raise ValueError(f"unknown precision {precision!r} (choose from fp32, fp16, bf16, int8, w8a8)")
 
 
 def activation_dtype(precision: str) -> torch.dtype:
-    """The dtype of activations and of the KV cache for a precision (INT8 weight-only keeps fp32)."""
+    """The dtype of activations and of the KV cache for a precision (both INT8 forms keep fp32)."""
     return FLOAT_PRECISIONS.get(precision, torch.float32)

@@ -1,14 +1,15 @@
 """The `torch-compile` backend: the model's own module, compiled by `torch.compile` (Inductor).
 
 The artifact holds the weights after the precision change (`model.safetensors`: float, or int8 with
-per-channel scales), the model config and the tokenizer; the manifest's `backend_options` hold the
+per-channel scales, the LM head's own copy when quantized or smoothed), the model config and the tokenizer; the manifest's `backend_options` hold the
 `torch.compile` arguments. Loading rebuilds exactly that module and compiles it again; Inductor's
 on-disk cache, warmed by `ladder compile` on the same machine, makes that quick.
 
 What Inductor sees: one step, `sample_logits(input_ids, positions, kv_caches, plan, sample_rows)`,
 with every batch dimension dynamic. Paged attention stays one opaque custom op (`ladder::paged_attention`,
 which writes the cache in place and runs the C++ decode kernel or the torch path): Inductor fuses the
-norms, rotary and SwiGLU around it and calls the matmuls and the INT8 kernel directly, with no Python
+norms, rotary, SwiGLU and W8A8's per-token quantization around it and calls the matmuls (float, the
+INT8 weight-only kernel, or `_int_mm`) directly, with no Python
 per layer. On CUDA the plain-torch attention is traced instead and CUDA graphs are captured
 (`mode="reduce-overhead"`); that path has not been run on a GPU yet.
 """
@@ -24,7 +25,7 @@ import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from safetensors.torch import load_file, save_file
 
-from compile.quantize import activation_dtype, int8_skeleton, pack_all
+from compile.quantize import INT8_LINEARS, activation_dtype, int8_skeleton, pack_all
 from model.attention import CpuPagedAttention, TorchAttentionPlan, TorchPagedAttention
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
@@ -121,13 +122,14 @@ def load(directory: Path, precision: str, block_size: int, device: torch.device,
     config = ModelConfig.from_dict(json.loads((directory / CONFIG).read_text(encoding="utf-8")))
     with torch.device("meta"):
         module = LlamaForCausalLM(config, block_size=block_size, ops=select_ops(device))
-        if precision == "int8":
-            int8_skeleton(module)
+        if precision in INT8_LINEARS:
+            int8_skeleton(module, precision)
     state = load_file(str(directory / WEIGHTS), device=str(device))
-    if config.tie_word_embeddings and precision != "int8":
+    tied = "lm_head.weight" not in state  # saved without its own head: the embedding is the head
+    if tied:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     module.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings and precision != "int8":
+    if tied:
         module.lm_head.weight = module.embed_tokens.weight
     module.inv_freq = inverse_frequencies(config).to(device)
     pack_all(module)

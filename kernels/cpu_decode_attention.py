@@ -5,6 +5,11 @@ on a CPU that copy is as expensive as the attention itself. This kernel walks th
 instead, one (sequence, KV head) pair per task, with a float32 softmax over the whole context, so K
 and V are read once and never copied. Grouped-query heads share each key they read.
 
+On AVX-512 machines the common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads
+per KV head) run a specialised version: 16 scores at once with one transposing reduction, a vector
+exp, and software prefetch of the next block, since a sequence's blocks lie anywhere in the cache and
+the hardware prefetcher cannot follow a block table. Other shapes run the portable loop.
+
 It is compiled on first use with torch's C++ extension builder (a C++ compiler and ninja are needed;
 the build is cached). If it cannot be built, `load()` returns None and the torch path is used.
 """
@@ -21,80 +26,253 @@ SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // q [S, H, D] float32; kv_cache [2, num_blocks, block_size, KVH, D] float32; block_tables [S, max_blocks]
 // int64; seq_lens [S] int64 (tokens in the cache, the query's own included). Query head j reads KV head
-// j / (H / KVH). Returns [S, H, D].
+// j / (H / KVH). Tokens [first, len) are attended (first > 0 only with a sliding window).
+struct Problem {
+  const float* q; const float* k; const float* v; const int64_t* tables; float* out;
+  int64_t H, D, KVH, G, BS, max_blocks;
+  float scale;
+};
+
+// Portable version: any G and D, vectorised by the compiler where it can.
+static void task_generic(const Problem& p, int64_t s, int64_t h, int64_t first, int64_t len,
+                         std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t G = p.G, D = p.D, n = len - first;
+  scores.assign(G * n, 0.f);
+  acc.assign(G * D, 0.f);
+  const float* qs = p.q + (s * p.H + h * G) * D;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = first + t;
+    const int64_t slot = p.tables[s * p.max_blocks + pos / p.BS] * p.BS + pos % p.BS;
+    const float* k = p.k + (slot * p.KVH + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+      scores[g * n + t] = dot * p.scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores.data() + g * n;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, row[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) { row[t] = std::exp(row[t] - top); total += row[t]; }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < n; ++t) row[t] *= inv;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = first + t;
+    const int64_t slot = p.tables[s * p.max_blocks + pos / p.BS] * p.BS + pos % p.BS;
+    const float* v = p.v + (slot * p.KVH + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + t];
+      float* a = acc.data() + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+    }
+  }
+  std::copy(acc.begin(), acc.end(), p.out + (s * p.H + h * G) * D);
+}
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2,
+// e^r by its Taylor series to degree 7 (relative error under 1e-8); below -87 the result flushes to 0.
+static inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693147180559945309f), x);
+  __m512 e = _mm512_set1_ps(1.f / 5040);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(e, k);
+}
+
+// v[i] holds 16 partial sums of dot product i; returns the 16 dot products, lane i = sum of v[i]'s lanes.
+// A transposing tree of 15 adds instead of 16 separate horizontal reductions.
+static inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pair[8], quad[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane j: the lane-j sums of four vectors
+    quad[i] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0x44),
+                            _mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0xEE));
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88), _mm512_shuffle_f32x4(quad[0], quad[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88), _mm512_shuffle_f32x4(quad[2], quad[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+static inline void prefetch_rows(const float* base, int64_t stride, int64_t rows, int64_t lines) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(base + r * stride + l * 16), _MM_HINT_T0);
+}
+
+// G query heads sharing one KV head, head size 16 * DV; cache blocks of 16 tokens. Two passes over the
+// context: scores (block by block, 16 tokens at a time), softmax, then the weighted sum of V; the next
+// block's rows are prefetched while one block is computed, since blocks lie anywhere in the cache.
+template <int G, int DV>
+static void task_avx512(const Problem& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores) {
+  constexpr int64_t BS = 16, D = 16 * DV;
+  const int64_t row_stride = p.KVH * D;  // floats between consecutive tokens of a block
+  const int64_t first_block = first / BS, last_block = (len - 1) / BS;
+  const int64_t n = (last_block - first_block + 1) * BS;  // scores cover whole blocks; masked outside
+  const int64_t* table = p.tables + s * p.max_blocks;
+  auto block_rows = [&](const float* base, int64_t b) { return base + (table[b] * BS * p.KVH + h) * D; };
+  const float* qs = p.q + (s * p.H + h * G) * D;
+  __m512 qv[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * D + 16 * d), _mm512_set1_ps(p.scale));
+  __m512 top[G];
+  for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY);
+  prefetch_rows(block_rows(p.k, first_block), row_stride, BS, DV);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const float* rows = block_rows(p.k, b);
+    if (b < last_block) prefetch_rows(block_rows(p.k, b + 1), row_stride, BS, DV);
+    else prefetch_rows(block_rows(p.v, first_block), row_stride, BS, DV);
+    __m512 partial[G][BS];
+    for (int64_t t = 0; t < BS; ++t) {
+      __m512 kv[DV];
+      for (int d = 0; d < DV; ++d) kv[d] = _mm512_loadu_ps(rows + t * row_stride + 16 * d);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int d = 1; d < DV; ++d) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
+        partial[g][t] = a;
+      }
+    }
+    // Tokens outside [first, len) (a block's unused tail, or before a sliding window) get -inf.
+    const int64_t lo = std::max<int64_t>(first - b * BS, 0), hi = std::min<int64_t>(len - b * BS, BS);
+    const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    for (int g = 0; g < G; ++g) {
+      const __m512 dots = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(partial[g]));
+      _mm512_storeu_ps(scores + g * n + (b - first_block) * BS, dots);
+      top[g] = _mm512_max_ps(top[g], dots);
+    }
+  }
+  float inv_total[G];
+  for (int g = 0; g < G; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + g * n + t), m));
+      _mm512_storeu_ps(scores + g * n + t, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv_total[g] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  __m512 acc[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const float* rows = block_rows(p.v, b);
+    if (b < last_block) prefetch_rows(block_rows(p.v, b + 1), row_stride, BS, DV);
+    const float* w = scores + (b - first_block) * BS;
+    // Only attended tokens: a block's unused tail may hold anything, and 0 * NaN is not 0.
+    const int64_t lo = std::max<int64_t>(first - b * BS, 0), hi = std::min<int64_t>(len - b * BS, BS);
+    for (int64_t t = lo; t < hi; ++t) {
+      __m512 vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(rows + t * row_stride + 16 * d);
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(w[g * n + t]);
+        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(weight, vv[d], acc[g][d]);
+      }
+    }
+  }
+  float* os = p.out + (s * p.H + h * G) * D;
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(os + g * D + 16 * d, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv_total[g])));
+}
+
+using Avx512Task = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*);
+
+template <int DV>
+static Avx512Task pick_group(int64_t G) {
+  switch (G) {
+    case 1: return task_avx512<1, DV>;
+    case 2: return task_avx512<2, DV>;
+    case 3: return task_avx512<3, DV>;
+    case 4: return task_avx512<4, DV>;
+    case 5: return task_avx512<5, DV>;
+    case 6: return task_avx512<6, DV>;
+    case 7: return task_avx512<7, DV>;
+    case 8: return task_avx512<8, DV>;
+    default: return nullptr;
+  }
+}
+
+// The specialised task for this shape, or nullptr (then the portable one runs).
+static Avx512Task pick_avx512(int64_t G, int64_t D, int64_t BS) {
+  if (BS != 16) return nullptr;
+  if (D == 64) return pick_group<4>(G);
+  if (D == 128) return pick_group<8>(G);
+  return nullptr;
+}
+#endif
+
+bool has_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// portable: run the portable loop even where the AVX-512 version exists (tests and benchmarks).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                                     torch::Tensor seq_lens, double scale, int64_t sliding_window, bool portable) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
-  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
   const float* kp = kv_cache.data_ptr<float>();
-  const float* vp = kp + num_blocks * BS * KVH * D;
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const Problem p{q.data_ptr<float>(), kp, kp + num_blocks * BS * KVH * D, block_tables.data_ptr<int64_t>(),
+                  out.data_ptr<float>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale)};
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  const Avx512Task fast = portable ? nullptr : pick_avx512(p.G, D, BS);
+#endif
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc;
+    std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, len = sl[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t n = len - first;
-      scores.assign(G * n, 0.f);
-      acc.assign(G * D, 0.f);
-      const float* qs = qp + (s * H + h * G) * D;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const int64_t slot = bt[s * max_blocks + pos / BS] * BS + pos % BS;
-        const float* k = kp + (slot * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qs + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-          scores[g * n + t] = dot * fscale;
-        }
+#if defined(__AVX512F__)
+      if (fast) {
+        scores.resize(p.G * ((len - 1) / BS - first / BS + 1) * BS);
+        fast(p, s, h, first, len, scores.data());
+        continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * n;
-        float top = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) top = std::max(top, row[t]);
-        float total = 0.f;
-        for (int64_t t = 0; t < n; ++t) { row[t] = std::exp(row[t] - top); total += row[t]; }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const int64_t slot = bt[s * max_blocks + pos / BS] * BS + pos % BS;
-        const float* v = vp + (slot * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      }
-      float* os = op + (s * H + h * G) * D;
-      std::copy(acc.begin(), acc.end(), os);
+#endif
+      task_generic(p, s, h, first, len, scores, acc);
     }
   });
   return out;
 }
 """
 
-_extension = LazyExtension("ladder_cpu_decode_attention", SOURCE, ["paged_decode_attention"],
+_extension = LazyExtension("ladder_cpu_decode_attention", SOURCE, ["paged_decode_attention", "has_avx512"],
                            "CPU decode attention kernel")
 
 
 def load():
     """The compiled module, or None when it cannot be built here."""
     return _extension.load()
+
+
+def has_avx512() -> bool:
+    """Whether the build has the AVX-512 version (compiled for this machine's CPU with -march=native)."""
+    module = load()
+    return module is not None and module.has_avx512()
 
 
 def is_enabled() -> bool:
@@ -108,6 +286,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [S] int64
     scale: float,
     sliding_window: int | None = None,
+    portable: bool = False,  # the portable loop even where the AVX-512 version exists
 ) -> torch.Tensor:  # [S, H, D]
     module = load()
     if module is None:
@@ -117,7 +296,7 @@ def paged_decode_attention(
     if q.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"{q.shape[1]} query heads do not group over {kv_cache.shape[3]} KV heads")
     return module.paged_decode_attention(q.contiguous(), kv_cache.contiguous(), block_tables.long().contiguous(),
-                                         seq_lens.long().contiguous(), scale, sliding_window or 0)
+                                         seq_lens.long().contiguous(), scale, sliding_window or 0, portable)
 
 
 if __name__ == "__main__":

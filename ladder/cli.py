@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     compile_cli.add_parser(commands)
     loadtest_cli.add_parser(commands)
+    for command in commands.choices.values():
+        command.allow_abbrev = False  # a misspelt `--output` must not quietly become `--output-len`
     return parser
 
 

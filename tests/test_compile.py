@@ -24,14 +24,14 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tiny_models import make_tiny_chat_model
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
 HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
 # ONNX Runtime's CPU provider has no bf16 kernels; its fp16 runs through casts (see compile/onnx_backend.py).
 ONNX_PRECISIONS = ("fp32", "fp16", "int8") if HAS_ONNX else ()
 BUILDS = [("torch-compile", p) for p in PRECISIONS] + [("onnx", p) for p in ONNX_PRECISIONS]
 ALL = list(PRECISIONS) + [f"onnx-{p}" for p in ONNX_PRECISIONS]
 # Relative perplexity increase allowed on the built-in text (issue 7).
-PPL_BOUND = {"fp32": 1e-4, "fp16": 0.005, "bf16": 0.005, "int8": 0.02}
+PPL_BOUND = {"fp32": 1e-4, "fp16": 0.005, "bf16": 0.005, "int8": 0.02, "w8a8": 0.02}
 PPL_BOUND |= {f"onnx-{p}": bound for p, bound in PPL_BOUND.items()}
 
 
@@ -172,6 +172,10 @@ def test_cli_refusals_are_one_line(tmp_path, tiny_model, artifacts):
     existing = artifacts["fp32"][0]
     result = _ladder("compile", "--model", str(tiny_model), "--backend", "torch-compile", "--out", str(existing))
     assert result.returncode == 1 and "already exists" in result.stderr
+    result = _ladder("compile", "--model", str(tiny_model), "--backend", "onnx", "--precision", "w8a8",
+                     "--out", str(tmp_path / "w"))
+    assert result.returncode == 1 and "w8a8 is built for --backend torch-compile" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "w").exists()
     result = _ladder("serve", "--artifact", str(tmp_path / "nothing"), "--port", "0")
     assert result.returncode == 1 and "no such artifact directory" in result.stderr
 

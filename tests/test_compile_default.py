@@ -2,8 +2,9 @@
 model, and its artifact served through the engine.
 
 Each compile loads the model, measures fp32 eager, compiles and verifies (two to four minutes on two
-cores), so the suite compiles one artifact of the default model: INT8 torch-compile, the fastest here
-and the one furthest from fp32. Every backend and precision is compiled by
+cores), so the suite compiles the two INT8 torch-compile artifacts of the default model, the ones
+furthest from fp32: weight-only `int8`, and `w8a8` (int8 activations too, after SmoothQuant), the
+fastest here. Every backend and precision is compiled by
 `bash benchmarks/compile_matrix.sh`, whose table is recorded in benchmarks/RESULTS.md.
 """
 
@@ -16,10 +17,10 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def int8_artifact(tmp_path_factory):
-    out, manifest = run(CompileOptions(model=None, backend="torch-compile", precision="int8",
-                                       out=tmp_path_factory.mktemp("default") / "int8", max_model_len=1024,
+@pytest.fixture(scope="module", params=["int8", "w8a8"])
+def int8_artifact(request, tmp_path_factory):
+    out, manifest = run(CompileOptions(model=None, backend="torch-compile", precision=request.param,
+                                       out=tmp_path_factory.mktemp("default") / request.param, max_model_len=1024,
                                        max_num_seqs=16, run_bench=False))
     return out, manifest
 
@@ -42,6 +43,10 @@ def test_int8_artifact_batched_equals_alone(int8_artifact):
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     together = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
     assert together == alone
-    text = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                    SamplingParams(temperature=0, max_tokens=16)).outputs[0].text
-    assert "Paris" in text
+    # fp32 eager puts " Paris" 2.5 logits ahead here; the artifact must keep a choice that clear. (Asked as
+    # a chat question, fp32's own first token is a near tie, 0.08 logits, which any rounding may flip.)
+    text = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    assert text.startswith(" Paris")
+    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=16)).outputs[0]
+    assert reply.text.strip() and reply.finish_reason in ("stop", "length")

@@ -1,0 +1,107 @@
+"""W8A8 (int8 weights and per-token int8 activations) and the SmoothQuant folding it relies on.
+
+The compiled artifact is covered with the other precisions in tests/test_compile.py (tiny model) and
+tests/test_compile_default.py (perplexity bound on the default model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from compile import smooth
+from compile.parity import Sequences
+from compile.quantize import W8A8Linear, apply_precision
+from kernels.int8_matmul import quantize_int8_ref
+from model.loader import load
+from tiny_models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w8a8")
+    dirs = {}
+    for family in ("llama3", "qwen2"):  # qwen2: tied embeddings (smoothing unties the head) and q/k/v biases
+        make_hf_model(family, root / family)
+        dirs[family] = root / family
+    return dirs
+
+
+def test_linear_is_integer_matmul_of_per_token_quantized_rows():
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=gen))
+        linear.bias.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(2, 5, 96, generator=gen) * torch.linspace(0.1, 10, 96)  # channels of very different sizes
+    x[0, 1] = 0.0  # an all-zero row quantizes to zeros, not NaN
+    module = W8A8Linear.from_linear(linear)
+    y = module(x)
+    # Reference in float64 from the same integers: each row's scale, then the exact integer products.
+    w_q, w_scale = quantize_int8_ref(linear.weight)
+    rows = x.reshape(-1, 96).double()
+    x_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    x_q = torch.round(rows / x_scale)
+    ref = (x_q @ w_q.double().T) * x_scale * w_scale.double() + linear.bias.double()
+    assert y.shape == (2, 5, 40) and y.dtype == torch.float32
+    assert torch.allclose(y.reshape(-1, 40).double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[0, 1], linear.bias.detach())
+    # and close to the float layer it stands for (int8 keeps about two decimal digits)
+    assert ((y - linear(x)).norm() / linear(x).norm()).item() < 0.03
+
+
+def test_rows_are_quantized_independently():
+    """Each token's scale is its own: a row's output does not depend on what else is in the batch."""
+    linear = nn.Linear(64, 32, bias=False)
+    module = W8A8Linear.from_linear(linear)
+    x = torch.randn(7, 64)
+    alone = torch.cat([module(x[i:i + 1]) for i in range(7)])
+    x_loud = torch.cat([x, 1000 * torch.randn(1, 64)])
+    assert torch.equal(module(x), alone) and torch.equal(module(x_loud)[:7], alone)
+
+
+def _logits(module, token_ids: list[list[int]]) -> torch.Tensor:
+    seqs = Sequences(module, len(token_ids), 64)
+    return seqs.step(token_ids, all_rows=True)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_smoothing_leaves_the_float_model_unchanged(tiny_dirs, family):
+    module = load(tiny_dirs[family]).module
+    prompts = [[5, 9, 30, 31, 2], [7, 7, 8, 100, 250, 3, 4]]
+    before = _logits(module, prompts)
+    embedding = module.embed_tokens.weight.detach().clone()
+    norm_before = module.layers[0].input_layernorm.weight.detach().clone()
+    calibration = smooth.calibration_ids(None, module.config.vocab_size)
+    smooth.smooth(module, calibration[:300])
+    assert not torch.equal(module.layers[0].input_layernorm.weight, norm_before), "scales were folded"
+    assert torch.equal(module.embed_tokens.weight, embedding), "the embedding lookup keeps its table"
+    assert module.lm_head.weight is not module.embed_tokens.weight
+    after = _logits(module, prompts)
+    assert ((after - before).abs().max() / before.abs().max()).item() < 1e-4
+
+
+def test_smoothing_evens_out_activation_channels(tiny_dirs):
+    """What smoothing is for: after it, the largest channel of a linear's input is much closer to the rest."""
+    module = load(tiny_dirs["llama3"]).module
+    with torch.no_grad():  # an outlier channel, as RMSNorm weights produce in real models
+        module.layers[0].input_layernorm.weight[3] *= 50
+    calibration = smooth.calibration_ids(None, module.config.vocab_size)[:300]
+    spread = lambda m: (lambda a: (a.max() / a.median()).item())(smooth.activation_absmax(m, calibration)[
+        "layers.0.self_attn.qkv_proj"])
+    before = spread(module)
+    smooth.smooth(module, calibration)
+    assert spread(module) < before / 4
+
+
+def test_w8a8_model_tracks_fp32(tiny_dirs):
+    module = load(tiny_dirs["llama3"]).module
+    prompts = [[5, 9, 30, 31, 2, 17, 40], [7, 7, 8, 100, 250, 3, 4]]
+    reference = _logits(module, prompts)
+    smooth.smooth(module, smooth.calibration_ids(None, module.config.vocab_size)[:300])
+    quantized = apply_precision(module, "w8a8")
+    assert all(not isinstance(m, nn.Linear) for m in quantized.modules())
+    logits = _logits(quantized, prompts)
+    assert ((logits - reference).norm() / reference.norm()).item() < 0.05
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
