@@ -114,9 +114,10 @@ static inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
+// Into L2 (T1): measured 10-20% faster than into L1 (T0) here, the L1's few miss buffers being the limit.
 static inline void prefetch_rows(const float* base, int64_t stride, int64_t rows, int64_t lines) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(base + r * stride + l * 16), _MM_HINT_T0);
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(base + r * stride + l * 16), _MM_HINT_T1);
 }
 
 // G query heads sharing one KV head, head size 16 * DV; cache blocks of 16 tokens. Two passes over the
