@@ -7,7 +7,7 @@ OUT=${1:-benchmarks/results/artifacts}
 LADDER=${LADDER:-.venv/bin/ladder}
 PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
-builds=("torch-compile int8" "torch-compile fp32" "torch-compile bf16" "torch-compile fp16" "onnx fp32" "onnx int8" "onnx fp16")
+builds=("torch-compile w8a8" "torch-compile int8" "torch-compile fp32" "torch-compile bf16" "torch-compile fp16" "onnx fp32" "onnx int8" "onnx fp16")
 dirs=()
 for build in "${builds[@]}"; do
   read -r backend precision <<<"$build"

@@ -20,6 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from model.loader import parse_dtype
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class BenchConfig:
     kv_cache_memory_gib: float | None = None
     hf_batch_size: int = 64
     skip_hf: bool = False
+    hf_dtype: str | None = None  # transformers' dtype; default: the engine's, float32 for an artifact
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -133,8 +135,11 @@ def run_bench(config: BenchConfig) -> dict:
             hf_path, hf_dtype = Path(manifest.model["source"]), torch.float32
         else:
             hf_path, hf_dtype = engine.model.path, engine.model.module.embed_tokens.weight.dtype
+        if config.hf_dtype is not None:
+            hf_dtype = parse_dtype(config.hf_dtype)
         hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad)
         rows["transformers"] = summarize(work, hf_seconds, hf_load)
+        rows["transformers"]["dtype"] = str(hf_dtype).removeprefix("torch.")
         rows["ladder"]["speedup"] = rows["transformers"]["seconds"] / engine_seconds
     return {
         "config": asdict(config),
@@ -170,6 +175,8 @@ def format_table(report: dict) -> str:
         ratio = row.get("speedup", 1.0 if name == "transformers" else float("nan"))
         lines.append(f"{name:<14}{row['seconds']:>10.2f}{row['requests_per_s']:>10.2f}"
                      f"{row['output_tokens_per_s']:>12.1f}{row['total_tokens_per_s']:>13.1f}{ratio:>16.2f}x")
+    if "transformers" in report["results"]:
+        lines.append(f"transformers ran in {report['results']['transformers']['dtype']}")
     steps = report["engine_step_seconds"]
     total = sum(steps.values()) or 1.0
     split = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))

@@ -26,6 +26,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers generate")
+    p.add_argument("--hf-dtype", default=None, choices=sorted(DTYPES),
+                   help="dtype of transformers (default: the engine's --dtype; float32 for an artifact)")
     p.add_argument("--skip-hf", action="store_true", help="run the engine alone")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON report path")
     p.set_defaults(run=run)
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
-        hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf,
+        hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype,
     )
     report = run_bench(config)
     print(format_table(report))
