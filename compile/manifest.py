@@ -42,6 +42,7 @@ class Manifest:
     device: dict[str, Any]  # type, name, compute capability (CUDA)
     libraries: dict[str, str]
     backend_options: dict[str, Any] = field(default_factory=dict)  # what rebuilds the same module
+    quantization: dict[str, Any] = field(default_factory=dict)  # how weights were changed (w8a8: calibration)
     parity: dict[str, Any] = field(default_factory=dict)
     bench: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {sha256, bytes}

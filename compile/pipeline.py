@@ -84,20 +84,25 @@ def check_options(options: CompileOptions) -> None:
         check_available(options.precision, device)
 
 
-def quantize(module, options: CompileOptions, tokenizer):
-    """The module in the artifact's precision. ONNX INT8 keeps the fp32 module (the ONNX quantizer works
-    on the exported graph; quantizing twice would add both errors); TensorRT always takes fp32 (its
-    builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ in the graph). W8A8 is
-    smoothed first on calibration text (compile/smooth.py)."""
+def quantize(module, options: CompileOptions, tokenizer) -> tuple[Any, dict[str, Any]]:
+    """The module in the artifact's precision, and what the manifest records of how. ONNX INT8 keeps the
+    fp32 module (the ONNX quantizer works on the exported graph; quantizing twice would add both errors);
+    TensorRT always takes fp32 (its builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ
+    in the graph). W8A8 is smoothed first on calibration text (compile/smooth.py)."""
     from compile.quantize import apply_precision
 
     if options.backend == "tensorrt" or (options.backend == "onnx" and options.precision == "int8"):
-        return module
+        return module, {}
+    record: dict[str, Any] = {}
     if options.precision == "w8a8":
         from compile import smooth
 
-        smooth.smooth(module, smooth.calibration_ids(tokenizer, module.config.vocab_size))
-    return apply_precision(module, options.precision)
+        calibration = smooth.calibration_ids(tokenizer, module.config.vocab_size)
+        record = {"method": "smoothquant, per-token int8 activations, per-channel int8 weights",
+                  "calibration_tokens": len(calibration),
+                  "calibration_text": "pydoc_data.topics" if tokenizer is not None else "pseudo-random ids",
+                  "alphas": smooth.smooth(module, calibration)}
+    return apply_precision(module, options.precision), record
 
 
 def export(module, options: CompileOptions, directory: Path) -> list[str]:
@@ -136,7 +141,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
         prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)
         reference = parity.reference(eager, prompts, corpus)
     with log.stage("quantize", f"to {options.precision}"):
-        module = quantize(eager, options, loaded.tokenizer)
+        module, quantization = quantize(eager, options, loaded.tokenizer)
     parent = Path(options.out).resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=parent))
@@ -154,6 +159,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
             shapes={"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
                     "block_size": options.block_size},
             device=describe_device(device), libraries=library_versions(), backend_options=backend_options(options),
+            quantization=quantization,
         )
         with log.stage("build", "load the artifact back from its files (and compile it)"):
             model = load_backend(staging, manifest, device)

@@ -70,15 +70,19 @@ class Int8Linear(Int8Weights):
         return cpu_int8_linear.int8_linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 
+def w8a8_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] float32 quantized per row to int8 (x_scale = max|row| / 127), times weight int8 [N, K]
+    with scale [N], int32 accumulation -> [M, N] float32."""
+    x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # [M, 1]
+    q = torch.round(rows / x_scale).to(torch.int8)  # |rows / x_scale| <= 127 by construction
+    return torch._int_mm(q, weight.t()).float() * x_scale * scale
+
+
 class W8A8Linear(Int8Weights):
-    """y = (q(x) @ weight_int8.T) * x_scale * scale + bias: x [.., K] quantized per row to int8 with
-    x_scale = max|row| / 127; int32 accumulation."""
+    """y = w8a8_matmul(x, weight_int8, scale) + bias for x [.., K]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # [M, 1]
-        q = torch.round(rows / x_scale).to(torch.int8)  # |rows / x_scale| <= 127 by construction
-        y = torch._int_mm(q, self.weight.t()).float() * x_scale * self.scale  # [M, N]
+        y = w8a8_matmul(x.reshape(-1, self.in_features).float(), self.weight, self.scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from compile.artifact import load_artifact
-from compile.manifest import FORMAT_VERSION, MANIFEST_NAME, ArtifactError
+from compile.manifest import FORMAT_VERSION, MANIFEST_NAME, ArtifactError, read_manifest
 from compile.pipeline import CompileOptions, run
 from engine.config import GIB, bytes_per_block
 from engine.llm import LLM
@@ -80,6 +80,14 @@ def test_manifest_records_what_was_built(artifacts):
     assert tensors["layers.0.mlp.down_proj.weight"] == "I8" and tensors["lm_head.weight"] == "I8"
     assert tensors["layers.0.self_attn.qkv_proj.scale"] == "F32" and tensors["embed_tokens.weight"] == "F32"
     assert not list(out.parent.glob(".*")), "no staging directory left behind"
+
+
+def test_w8a8_manifest_records_its_calibration(artifacts):
+    out, _ = artifacts["w8a8"]
+    record = read_manifest(out).quantization
+    assert record["calibration_tokens"] == 2048 and record["calibration_text"] == "pydoc_data.topics"
+    assert len(record["alphas"]) == 2 * 3 + 1 and "lm_head" in record["alphas"]
+    assert read_manifest(artifacts["fp32"][0]).quantization == {}
 
 
 def _prompts():

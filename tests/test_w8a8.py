@@ -74,7 +74,10 @@ def test_smoothing_leaves_the_float_model_unchanged(tiny_dirs, family):
     embedding = module.embed_tokens.weight.detach().clone()
     norm_before = module.layers[0].input_layernorm.weight.detach().clone()
     calibration = smooth.calibration_ids(None, module.config.vocab_size)
-    smooth.smooth(module, calibration[:300])
+    alphas = smooth.smooth(module, calibration[:300])
+    assert set(alphas) == {f"layers.{i}.{name}" for i in range(2) for name in
+                           ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")} | {"lm_head"}
+    assert set(alphas.values()) <= set(smooth.ALPHAS)
     assert not torch.equal(module.layers[0].input_layernorm.weight, norm_before), "scales were folded"
     assert torch.equal(module.embed_tokens.weight, embedding), "the embedding lookup keeps its table"
     assert module.lm_head.weight is not module.embed_tokens.weight
@@ -88,8 +91,8 @@ def test_smoothing_evens_out_activation_channels(tiny_dirs):
     with torch.no_grad():  # an outlier channel, as RMSNorm weights produce in real models
         module.layers[0].input_layernorm.weight[3] *= 50
     calibration = smooth.calibration_ids(None, module.config.vocab_size)[:300]
-    spread = lambda m: (lambda a: (a.max() / a.median()).item())(smooth.activation_absmax(m, calibration)[
-        "layers.0.self_attn.qkv_proj"])
+    spread = lambda m: (lambda a: (a.max() / a.median()).item())(smooth.linear_inputs(m, calibration)[
+        "layers.0.self_attn.qkv_proj"].absmax)
     before = spread(module)
     smooth.smooth(module, calibration)
     assert spread(module) < before / 4
