@@ -1,17 +1,18 @@
 """The `torch-compile` backend: the model's own module, compiled by `torch.compile` (Inductor).
 
 The artifact holds the weights after the precision change (`model.safetensors`: float, or int8 with
-per-channel scales, the LM head's own copy when quantized or smoothed), the model config and the tokenizer; the manifest's `backend_options` hold the
-`torch.compile` arguments. Loading rebuilds exactly that module and compiles it again; Inductor's
-on-disk cache, warmed by `ladder compile` on the same machine, makes that quick.
+per-channel scales; a tied LM head gets its own copy once quantized or smoothed), the model config and the
+tokenizer; the manifest's `backend_options` hold the `torch.compile` arguments. Loading rebuilds exactly
+that module and compiles it again; Inductor's on-disk cache, warmed by `ladder compile` on the same
+machine, makes that quick.
 
-What Inductor sees: one step, `sample_logits(input_ids, positions, kv_caches, plan, sample_rows)`,
-with every batch dimension dynamic. Paged attention stays one opaque custom op (`ladder::paged_attention`,
+What Inductor sees: one step, `sample_logits(input_ids, positions, kv_caches, plan, sample_rows)`, with
+every batch dimension dynamic. Paged attention stays one opaque custom op (`ladder::paged_attention`,
 which writes the cache in place and runs the C++ decode kernel or the torch path): Inductor fuses the
-norms, rotary, SwiGLU and W8A8's per-token quantization around it and calls the matmuls (float, the
-INT8 weight-only kernel, or `_int_mm`) directly, with no Python
-per layer. On CUDA the plain-torch attention is traced instead and CUDA graphs are captured
-(`mode="reduce-overhead"`); that path has not been run on a GPU yet.
+norms, rotary, SwiGLU and W8A8's per-token quantization around it and calls the matmuls (float, the INT8
+weight-only kernel, or `_int_mm`) directly, with no Python per layer. On CUDA the plain-torch attention
+is traced instead and CUDA graphs are captured (`mode="reduce-overhead"`); that path has not been run on
+a GPU yet.
 """
 
 from __future__ import annotations
