@@ -1,6 +1,6 @@
 """CPU paged decode attention: the plain-torch path, the C++ portable loop and its AVX-512 version.
 
-    python -m kernels.bench_cpu_attention [--out benchmarks/cpu_decode_attention.json] [--threads T]
+    python -m kernels.bench_cpu_attention [--out benchmarks/results/cpu_decode_attention.json] [--threads T]
                                           [--batches 16,64] [--contexts 128,256,1024] [--min-time 0.3]
 
 The default model's heads (9 query heads over 3 KV heads of 64), blocks of 16 tokens scattered over the
@@ -13,15 +13,11 @@ call; GB/s counts the K and V bytes a call must read once; ratios are over the t
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import time
 
 import torch
 
 from kernels import cpu_decode_attention as kernel
-from kernels.bench_cpu_int8 import median_us
+from kernels.cpu_bench import median_us, write_report
 from model.attention import AttentionMetadata, TorchPagedAttention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -45,7 +41,7 @@ def case(batch: int, context: int, generator: torch.Generator):
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/cpu_decode_attention.json")
+    parser.add_argument("--out", default="benchmarks/results/cpu_decode_attention.json")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--batches", default="16,64", help="comma-separated sequence counts")
     parser.add_argument("--contexts", default="128,256,1024", help="comma-separated context lengths")
@@ -89,13 +85,7 @@ def main() -> None:
             print(f"{batch:>5} {context:>5} | {times['torch']:>9.2f} {times['portable']:>11.2f} "
                   f"{times['avx512']:>9.2f} | {times['torch'] / times['portable']:>10.2f} "
                   f"{times['torch'] / times['avx512']:>8.2f} {gb_per_s:>11.1f}")
-    result = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-              "avx512": kernel.has_avx512(), "rows": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(args.out, rows, avx512=kernel.has_avx512())
 
 
 if __name__ == "__main__":

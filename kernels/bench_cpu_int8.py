@@ -1,6 +1,6 @@
 """CPU weight-only INT8 linear against float32 / bfloat16 F.linear and torch's _weight_int8pack_mm.
 
-    python -m kernels.bench_cpu_int8 [--out benchmarks/cpu_int8_linear.json] [--m 1,8,32] [--threads T] [--min-time 0.3]
+    python -m kernels.bench_cpu_int8 [--out benchmarks/results/cpu_int8_linear.json] [--m 1,8,32] [--threads T] [--min-time 0.3]
 
 Shapes are SmolLM2-135M's linears (N, K); times are medians over repeated calls with torch's default
 thread count, under inference mode. Ratios are each time over the float32 F.linear time (below 1 is faster).
@@ -9,37 +9,22 @@ thread count, under inference mode. Ratios are each time over the float32 F.line
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_int8_linear as kernel
+from kernels.cpu_bench import median_us, write_report
 from kernels.int8_matmul import quantize_int8_ref
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # (N, K)
 
 
-def median_us(fn, min_time: float, min_reps: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    deadline = time.perf_counter() + min_time
-    while len(times) < min_reps or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 @torch.inference_mode()  # as the engine runs: the op then dispatches straight to its C++ CPU kernel
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/cpu_int8_linear.json")
+    parser.add_argument("--out", default="benchmarks/results/cpu_int8_linear.json")
     parser.add_argument("--m", default="1,8,32", help="comma-separated row counts")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per measurement")
@@ -79,18 +64,7 @@ def main() -> None:
             rows.append({"n": n, "k": k, "m": m, "times_us": times, "ratio_vs_fp32": ratios, "max_rel_error": err})
             print(f"{n:>6} {k:>5} {m:>3} | {times['fp32']:>9.1f} {times['bf16']:>9.1f} {times['int8pack']:>11.1f} "
                   f"{times['ours']:>9.1f} | {ratios['bf16']:>9.2f} {ratios['int8pack']:>11.2f} {ratios['ours']:>9.2f}")
-    result = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "kernel_load_s": build_s,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(args.out, rows, kernel_load_s=build_s)
 
 
 if __name__ == "__main__":
