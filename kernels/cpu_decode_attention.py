@@ -25,6 +25,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -131,6 +132,10 @@ static void task_avx512(const Problem& p, int64_t s, int64_t h, int64_t first, i
   const int64_t n = (last_block - first_block + 1) * BS;  // scores cover whole blocks; masked outside
   const int64_t* table = p.tables + s * p.max_blocks;
   auto block_rows = [&](const float* base, int64_t b) { return base + (table[b] * BS * p.KVH + h) * D; };
+  // The attended tokens [lo, hi) of block b: all 16 but for a window's start or the context's end.
+  auto attended = [&](int64_t b) {
+    return std::make_pair(std::max<int64_t>(first - b * BS, 0), std::min<int64_t>(len - b * BS, BS));
+  };
   const float* qs = p.q + (s * p.H + h * G) * D;
   __m512 qv[G][DV];
   for (int g = 0; g < G; ++g)
@@ -153,7 +158,7 @@ static void task_avx512(const Problem& p, int64_t s, int64_t h, int64_t first, i
       }
     }
     // Tokens outside [first, len) (a block's unused tail, or before a sliding window) get -inf.
-    const int64_t lo = std::max<int64_t>(first - b * BS, 0), hi = std::min<int64_t>(len - b * BS, BS);
+    const auto [lo, hi] = attended(b);
     const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
     for (int g = 0; g < G; ++g) {
       const __m512 dots = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(partial[g]));
@@ -180,7 +185,7 @@ static void task_avx512(const Problem& p, int64_t s, int64_t h, int64_t first, i
     if (b < last_block) prefetch_rows(block_rows(p.v, b + 1), row_stride, BS, DV);
     const float* w = scores + (b - first_block) * BS;
     // Only attended tokens: a block's unused tail may hold anything, and 0 * NaN is not 0.
-    const int64_t lo = std::max<int64_t>(first - b * BS, 0), hi = std::min<int64_t>(len - b * BS, BS);
+    const auto [lo, hi] = attended(b);
     for (int64_t t = lo; t < hi; ++t) {
       __m512 vv[DV];
       for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(rows + t * row_stride + 16 * d);
