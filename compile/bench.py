@@ -3,7 +3,7 @@
 Each model gets its own batch of prompts, prefilled once; then rounds of decode steps alternate between
 the models, so a slow spell on a shared machine lands on both sides instead of skewing one. A figure is
 the median step time over every timed step of that model. Both sides run the same driver
-(`parity.Sequences`), so the ratio compares the models, not the harness.
+(`model.sequences.Sequences`), so the ratio compares the models, not the harness.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from compile.parity import Sequences, StepModel
+from model.sequences import Sequences
+from model.step import StepModel
 
 PROMPT_LEN = 128
 WARMUP_STEPS = 3

@@ -1,6 +1,7 @@
 """The parity report: an artifact against fp32 eager on the same inputs.
 
-Three measures, all through the interface the engine drives (`sample_logits` over a paged cache):
+Three measures, all through the step interface the engine drives (model/step.py), on the `Sequences`
+driver:
 - logits: max and mean absolute difference over every position of a few prompts;
 - greedy: tokens equal to eager's over 64 greedy steps of fixed prompts (and where the first
   divergence was, with eager's top-2 margin there, since a near tie may flip under any rounding);
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-from engine.model_runner import StepModel
-from model.attention import AttentionMetadata
+from model.sequences import Sequences
+from model.step import StepModel
 
 PROMPTS = (
     "The capital of France is",
@@ -27,42 +28,6 @@ PROMPTS = (
 GREEDY_TOKENS = 64
 PERPLEXITY_TOKENS = 2048
 CHUNK = 256
-
-
-class Sequences:
-    """A few sequences on a private paged cache, each with its own run of blocks: enough to drive a
-    StepModel directly (parity and benchmarks), without the engine's scheduler."""
-
-    def __init__(self, model: StepModel, num_seqs: int, max_len: int) -> None:
-        self.model = model
-        self.blocks_per_seq = -(-max_len // model.block_size)
-        self.kv_caches = model.allocate_kv_caches(num_seqs * self.blocks_per_seq)
-        self.tables = [list(range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq)) for i in range(num_seqs)]
-        self.lengths = [0] * num_seqs
-
-    @torch.inference_mode()
-    def step(self, new_tokens: list[list[int]], all_rows: bool = False) -> torch.Tensor:
-        """Append new_tokens[s] to sequence s (empty: skip it); logits [rows, vocab] float32 of each
-        sequence's last token, or of every new token with all_rows."""
-        ids, positions, query_lens, seq_lens, tables, rows = [], [], [], [], [], []
-        for s, tokens in enumerate(new_tokens):
-            if not tokens:
-                continue
-            start = self.lengths[s]
-            self.lengths[s] += len(tokens)
-            first_row = len(ids)
-            ids += tokens
-            positions += range(start, self.lengths[s])
-            query_lens.append(len(tokens))
-            seq_lens.append(self.lengths[s])
-            tables.append(self.tables[s])
-            rows += range(first_row, len(ids)) if all_rows else [len(ids) - 1]
-        device = self.kv_caches[0].device
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.model.block_size, device)
-        plan = self.model.attention.plan(meta)
-        as_long = {"dtype": torch.long, "device": device}
-        return self.model.sample_logits(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long),
-                                        self.kv_caches, plan, torch.tensor(rows, **as_long)).float()
 
 
 def greedy(model: StepModel, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -8,6 +8,7 @@ it. The benchmark runs a fresh fp32 eager model beside the artifact, their decod
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import tempfile
@@ -21,11 +22,11 @@ from typing import Any
 import torch
 
 from compile import bench, parity
-from compile.artifact import TOKENIZER_DIR, load_backend
-from compile.manifest import (
-    BACKENDS, PRECISIONS, ArtifactError, Manifest, describe_device, library_versions, sha256_source, write_artifact,
-)
+from compile.manifest import describe_device, library_versions, sha256_source, write_artifact
+from engine.backends.artifact import TOKENIZER_DIR, load_backend
+from engine.backends.manifest import BACKENDS, ArtifactError, Manifest
 from model.loader import load
+from model.quantization import PRECISIONS, apply_precision
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,11 @@ def check_options(options: CompileOptions) -> None:
         raise ValueError("--precision w8a8 is built for --backend torch-compile on --device cpu only; "
                          "use --precision int8 (weight-only) elsewhere")
     if options.backend == "onnx":
-        from compile.onnx_backend import check_available
+        from compile.onnx_export import check_available
 
         check_available(options.precision, device)
     if options.backend == "tensorrt":
-        from compile.tensorrt_backend import check_available
+        from compile.tensorrt_build import check_available
 
         check_available(options.precision, device)
 
@@ -89,8 +90,6 @@ def quantize(module, options: CompileOptions, tokenizer) -> tuple[Any, dict[str,
     fp32 module (the ONNX quantizer works on the exported graph; quantizing twice would add both errors);
     TensorRT always takes fp32 (its builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ
     in the graph). W8A8 is smoothed first on calibration text (compile/smooth.py)."""
-    from compile.quantize import apply_precision
-
     if options.backend == "tensorrt" or (options.backend == "onnx" and options.precision == "int8"):
         return module, {}
     record: dict[str, Any] = {}
@@ -108,22 +107,35 @@ def quantize(module, options: CompileOptions, tokenizer) -> tuple[Any, dict[str,
 def export(module, options: CompileOptions, directory: Path) -> list[str]:
     """The backend's files for the (already precision-changed) module, written into `directory`."""
     if options.backend == "torch-compile":
-        from compile import torch_backend
-
-        return torch_backend.save(module, directory)
-    from compile import onnx_backend
+        return save_weights(module, directory)
+    from compile import onnx_export
 
     if options.backend == "onnx":
-        return onnx_backend.export_onnx(module, directory, options.precision)
-    from compile import tensorrt_backend
+        return onnx_export.export_onnx(module, directory, options.precision)
+    from compile import tensorrt_build
 
-    files = onnx_backend.export_for_tensorrt(module, directory, options.precision)
-    return files + tensorrt_backend.build_engine(directory, options, module.config)
+    files = onnx_export.export_for_tensorrt(module, directory, options.precision)
+    return files + tensorrt_build.build_engine(directory, options, module.config)
+
+
+def save_weights(module, directory: Path) -> list[str]:
+    """The torch-compile artifact's files: the weights after the precision change, and the config
+    (`engine/backends/torch_compiled.py` rebuilds the module from them)."""
+    from safetensors.torch import save_file
+
+    from engine.backends.torch_compiled import CONFIG, WEIGHTS
+
+    state = {name: t.contiguous() for name, t in module.state_dict().items()}
+    if module.lm_head.weight is module.embed_tokens.weight:
+        del state["lm_head.weight"]  # the embedding itself; safetensors stores no aliases
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(json.dumps(module.config.to_dict(), indent=1), encoding="utf-8")
+    return [WEIGHTS, CONFIG]
 
 
 def backend_options(options: CompileOptions) -> dict[str, Any]:
     if options.backend == "torch-compile":
-        from compile.torch_backend import compile_options
+        from engine.backends.torch_compiled import compile_options
 
         return compile_options(torch.device(options.device))
     return {}

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from compile.manifest import read_manifest
+from engine.backends.manifest import read_manifest
 
 
 def rows(directories: list[Path]) -> list[dict]:

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from compile import parity
-from compile.quantize import w8a8_matmul
 from kernels.int8_matmul import quantize_int8_ref
 from model.llama import LlamaForCausalLM
+from model.quantization import w8a8_matmul
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CALIBRATION_START = 4096  # tokens of the built-in text skipped: the perplexity slice lies before

@@ -14,12 +14,14 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
-from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,25 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of the engine it fronts, fixed once the model is loaded."""
+
+    model_name: str
+    model_path: Path
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.engine = engine  # used from the engine thread only
+        self.info = EngineInfo(engine.model.name, engine.model.path, engine.tokenizer, engine.model.config.vocab_size,
+                               engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size)
+        self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         self.commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         # request id -> (the caller's loop, its queue, n)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
@@ -143,8 +161,7 @@ class AsyncLLMEngine:
                     pass
 
     def _fail_request(self, request_id: str, n: int, message: str) -> None:
-        self._dispatch([SampleDelta(request_id, i, [], "", [], 0, 0, finish_reason=FinishReason.ERROR, error=message)
-                        for i in range(n)])
+        self._dispatch([SampleDelta.failure(request_id, i, message) for i in range(n)])
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.backends.artifact import LoadedArtifact
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -128,13 +129,13 @@ def run_bench(config: BenchConfig) -> dict:
     engine_seconds = run_engine(engine, work)
     stats = engine.stats
     rows = {"ladder": summarize(work, engine_seconds, load_seconds)}
+    manifest = engine.model.manifest if isinstance(engine.model, LoadedArtifact) else None
     if not config.skip_hf:
         pad = tokenizer.eos_token_id if tokenizer and tokenizer.eos_token_id is not None else 0
-        manifest = engine.model.manifest
         if manifest is not None:  # the artifact's source weights, at the fp32 the artifact is checked against
             hf_path, hf_dtype = Path(manifest.model["source"]), torch.float32
         else:
-            hf_path, hf_dtype = engine.model.path, engine.model.module.embed_tokens.weight.dtype
+            hf_path, hf_dtype = engine.model.path, engine.model.module.kv_cache_dtype
         if config.hf_dtype is not None:
             hf_dtype = parse_dtype(config.hf_dtype)
         hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad)
@@ -144,9 +145,9 @@ def run_bench(config: BenchConfig) -> dict:
     return {
         "config": asdict(config),
         "model": engine.model.name,
-        "artifact": None if engine.model.manifest is None else {
-            "path": str(engine.model.path), "backend": engine.model.manifest.backend,
-            "precision": engine.model.manifest.precision, "parity": engine.model.manifest.parity},
+        "artifact": None if manifest is None else {
+            "path": str(engine.model.path), "backend": manifest.backend, "precision": manifest.precision,
+            "parity": manifest.parity},
         "num_prompt_tokens": work.num_prompt_tokens,
         "num_output_tokens": work.num_output_tokens,
         "results": rows,

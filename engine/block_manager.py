@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from engine.request import Request
+from kernels.kv_layout import blocks_for_tokens
 
 
 class CachedPrefix(NamedTuple):
@@ -47,7 +48,7 @@ class KVBlockManager:
         return 1.0 - len(self.free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest run of the request's leading full blocks already in the cache.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
 
 GIB = 1 << 30
@@ -69,8 +71,9 @@ def available_memory(device: torch.device) -> int:
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+    """One block's bytes across every layer's cache."""
+    elements = math.prod(kv_cache_shape(1, block_size, model.num_kv_heads, model.head_dim))
+    return model.num_layers * elements * dtype.itemsize
 
 
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
@@ -87,7 +90,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
         source = f"{config.kv_cache_memory_fraction:.0%} of available memory"
         if device.type == "cpu" and budget > CPU_DEFAULT_KV_GIB * GIB:
             budget, source = CPU_DEFAULT_KV_GIB * GIB, f"the CPU default of {CPU_DEFAULT_KV_GIB} GiB"
-    blocks_per_seq = -(-max_model_len // config.block_size)
+    blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.
     num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
     if config.max_model_len is None and num_blocks < blocks_per_seq:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
+from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
 from engine.model_runner import ModelRunner
@@ -21,31 +20,29 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
-from model.loader import LoadedModel, load, parse_dtype
+from model.loader import LoadedModel, load
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         if loaded is None and config.artifact is not None:
-            from compile.artifact import load_artifact  # compile is optional at run time
-
             loaded = load_artifact(config.artifact, config.device)
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
                                     block_size=config.block_size)
-        if self.model.manifest is not None:
+        if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
         self.config = config
         if self.model.module.block_size != config.block_size:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
                              f"the engine asks for {config.block_size}")
         self.tokenizer = self.model.tokenizer
-        device = torch.device(config.device)
-        kv_dtype = self.model.kv_cache_dtype or parse_dtype(config.dtype)
-        num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, kv_dtype, device)
+        module = self.model.module
+        num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
+                                                       module.device)
         self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
-        self.runner = ModelRunner(self.model.module, num_blocks, device)
+        self.runner = ModelRunner(module, num_blocks)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples
@@ -97,22 +94,22 @@ class LLMEngine:
     def step(self) -> list[SampleDelta]:
         started = time.perf_counter()
         self._release_finished()
-        plan = self.scheduler.schedule()
-        for sample in plan.rejected:
+        batch = self.scheduler.schedule()
+        for sample in batch.rejected:
             self._finish(sample, FinishReason.ERROR, sample.error)
         scheduled_at = time.perf_counter()
         deltas = self.pending
         self.pending = []
-        if not plan.is_empty:
-            inputs = self.runner.prepare(plan)
+        if not batch.is_empty:
+            inputs = self.runner.prepare(batch)
             prepared_at = time.perf_counter()
             logits = self.runner.forward(inputs)
             forward_at = time.perf_counter()
             sampled = self.sampler(logits, inputs.sample_requests) if inputs.sample_requests else None
             sampled_at = time.perf_counter()
-            self.stats.record_step(plan, len(inputs.sample_requests), scheduled_at - started,
+            self.stats.record_step(batch, len(inputs.sample_requests), scheduled_at - started,
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
-            self.scheduler.finish_step(plan)
+            self.scheduler.finish_step(batch)
             if sampled is not None:
                 for i, request in enumerate(inputs.sample_requests):
                     deltas.extend(self._append_token(request, sampled.token_ids[i], sampled.logprobs[i]))
@@ -150,9 +147,11 @@ class LLMEngine:
         self.pending.append(self._delta(request, [], text, []))
 
     def _delta(self, request: Request, token_ids: list[int], text: str, logprobs: list) -> SampleDelta:
-        return SampleDelta(request.parent_id, request.index, token_ids, text, logprobs, request.num_prompt_tokens,
-                           len(request.output_token_ids), request.num_cached_tokens, request.finish_reason,
-                           request.error)
+        return SampleDelta(request_id=request.parent_id, index=request.index, token_ids=token_ids, text=text,
+                           logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
+                           num_output_tokens=len(request.output_token_ids),
+                           num_cached_tokens=request.num_cached_tokens, finish_reason=request.finish_reason,
+                           error=request.error)
 
     def _release_finished(self) -> None:
         self.scheduler.remove_finished()

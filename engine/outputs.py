@@ -26,6 +26,12 @@ class SampleDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failure(cls, request_id: str, index: int, error: str) -> SampleDelta:
+        """The last delta of a sample that ends with an error and no output."""
+        return cls(request_id=request_id, index=index, token_ids=[], text="", logprobs=[], num_prompt_tokens=0,
+                   num_output_tokens=0, finish_reason=FinishReason.ERROR, error=error)
+
 
 @dataclass
 class CompletionOutput:

@@ -12,7 +12,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.block_manager import KVBlockManager
 from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -48,18 +50,18 @@ class EngineStats:
     observers: list[Callable[[RequestTiming], None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record_step(self, plan, num_sampled: int, schedule: float, prepare: float, forward: float,
+    def record_step(self, batch: SchedulerOutput, num_sampled: int, schedule: float, prepare: float, forward: float,
                     sample: float) -> None:
-        """Call before the plan's tokens are counted as computed."""
+        """Call before the batch's tokens are counted as computed."""
         with self.lock:
             self.num_steps += 1
-            for item in plan.scheduled:
+            for item in batch.scheduled:
                 prompt_left = max(item.request.num_prompt_tokens - item.request.num_computed_tokens, 0)
                 self.num_prompt_tokens += min(item.num_new_tokens, prompt_left)
             self.num_generation_tokens += num_sampled
             self.seconds.update({"schedule": schedule, "prepare": prepare, "forward": forward, "sample": sample})
 
-    def observe_queue(self, scheduler, blocks) -> None:
+    def observe_queue(self, scheduler: Scheduler, blocks: KVBlockManager) -> None:
         with self.lock:
             self.num_running = len(scheduler.running)
             self.num_waiting = len(scheduler.waiting)

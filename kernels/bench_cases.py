@@ -16,9 +16,10 @@ import torch
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.int8_matmul import int8_matmul, int8_matmul_ref, quantize_int8_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from kernels.kv_layout import blocks_for_tokens
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.rotary import rotary_cos_sin_ref, rotary_embedding_, rotary_embedding_ref
+from kernels.rotary import rope_frequencies, rotary_cos_sin_ref, rotary_embedding_, rotary_embedding_ref
 from kernels.swiglu import silu_and_mul, silu_and_mul_ref
 
 
@@ -66,7 +67,7 @@ def norm_cases(tokens: int, hidden: int, dtype: torch.dtype) -> list[Case]:
 def rotary_case(tokens: int, num_q: int, num_kv: int, head_dim: int, dtype: torch.dtype) -> Case:
     def inputs(device):
         g = _generator(device)
-        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+        inv_freq = rope_frequencies(head_dim, 500000.0).to(device)
         cos, sin = rotary_cos_sin_ref(torch.randint(0, 8192, (tokens,), generator=g, device=device), inv_freq)
         return {"q": _randn(g, tokens, num_q, head_dim, dtype=dtype, device=device),
                     "k": _randn(g, tokens, num_kv, head_dim, dtype=dtype, device=device), "cos": cos, "sin": sin}
@@ -109,7 +110,7 @@ def kv_write_case(tokens: int, num_kv: int, head_dim: int, block_size: int, dtyp
 
 
 def _paged_cache(g, num_seqs, seq_len, num_kv, head_dim, block_size, dtype, device):
-    blocks_per_seq = -(-seq_len // block_size)
+    blocks_per_seq = blocks_for_tokens(seq_len, block_size)
     cache = _randn(g, 2, num_seqs * blocks_per_seq, block_size, num_kv, head_dim, dtype=dtype, device=device)
     tables = torch.randperm(num_seqs * blocks_per_seq, generator=g, device=device).view(num_seqs, blocks_per_seq)
     return cache, tables

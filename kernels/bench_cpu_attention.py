@@ -18,7 +18,9 @@ import torch
 
 from kernels import cpu_decode_attention as kernel
 from kernels.cpu_bench import median_us, write_report
-from model.attention import AttentionMetadata, TorchPagedAttention
+from kernels.kv_cache import write_kv_cache_ref
+from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
+from kernels.paged_attention import gathered_attention, plan_gather
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -28,11 +30,12 @@ POOL_BYTES = 512 * 2**20
 
 def case(batch: int, context: int, generator: torch.Generator):
     """q [batch, H, D], one cache per layer [2, blocks, BLOCK, KVH, D], block tables, seq_lens."""
-    blocks_per_seq = -(-context // BLOCK)
+    blocks_per_seq = blocks_for_tokens(context, BLOCK)
     num_blocks = batch * blocks_per_seq
     cache_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * 4
     layers = max(2, -(-POOL_BYTES // cache_bytes))
-    caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(layers)]
+    shape = kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [torch.randn(shape, generator=generator) for _ in range(layers)]
     tables = torch.randperm(num_blocks, generator=generator).view(batch, blocks_per_seq)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator)
     return q, caches, tables, torch.full((batch,), context)
@@ -53,7 +56,6 @@ def main() -> None:
     if kernel.load() is None:
         raise SystemExit("the CPU decode attention kernel could not be built here")
     generator = torch.Generator().manual_seed(0)
-    torch_path = TorchPagedAttention(BLOCK)
     scale = HEAD_DIM**-0.5
     rows = []
     header = (f"{'batch':>5} {'ctx':>5} | {'torch ms':>9} {'portable ms':>11} {'avx512 ms':>9} | "
@@ -65,12 +67,19 @@ def main() -> None:
         for context in [int(v) for v in args.contexts.split(",")]:
             q, caches, tables, seq_lens = case(batch, context, generator)
             cache = caches[0]
-            meta = AttentionMetadata.build([1] * batch, seq_lens.tolist(), tables.tolist(), BLOCK, "cpu")
-            plan = torch_path.plan(meta)
+            # The plain-torch path as the model runs it: the plan once per step, then per layer the
+            # cache write and the gathered attention.
+            plan = plan_gather(torch.arange(batch + 1), seq_lens, tables, 1, context, BLOCK)
+            slots = tables[:, -1] * BLOCK + (context - 1) % BLOCK
             k_new = cache[0, tables[:, -1], (context - 1) % BLOCK]  # rewrites the last token: same values
             v_new = cache[1, tables[:, -1], (context - 1) % BLOCK]
+
+            def torch_path(c: torch.Tensor) -> torch.Tensor:
+                write_kv_cache_ref(k_new, v_new, c, slots)
+                return gathered_attention(q, c, plan, scale)
+
             calls = {
-                "torch": lambda c: torch_path.forward(q, k_new, v_new, c, plan, scale),
+                "torch": torch_path,
                 "portable": lambda c: kernel.paged_decode_attention(q, c, tables, seq_lens, scale, portable=True),
                 "avx512": lambda c: kernel.paged_decode_attention(q, c, tables, seq_lens, scale),
             }

@@ -1,8 +1,4 @@
-"""Writing the new tokens' keys and values into the paged KV cache.
-
-A layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values); slot s is
-row s % block_size of block s // block_size.
-"""
+"""Writing the new tokens' keys and values into the paged KV cache (layout: kernels/kv_layout.py)."""
 
 from __future__ import annotations
 

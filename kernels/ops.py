@@ -12,15 +12,10 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kernels import cpu_decode_attention as cpu_kernel
-from kernels.decode_attention import paged_decode_attention
-from kernels.int8_matmul import int8_matmul, int8_matmul_ref
-from kernels.kv_cache import write_kv_cache
-from kernels.prefill_attention import paged_prefill_attention
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding_, rotate_ref
 from kernels.runtime import HAS_TRITON, INTERPRETING, require_triton
@@ -35,44 +30,14 @@ Tensor = torch.Tensor
 class Ops:
     """One implementation of each op; all take and return tensors of the model's dtype unless noted."""
 
-    name: str
+    # Names the side too: the model picks its attention backend by it (model/attention.py), since
+    # attention backends hold state per model and live above the kernels.
+    name: str  # "torch", "cpu" (torch, with the C++ decode attention) or "triton"
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps) -> normed
     fused_add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # -> (normed, x + residual)
     # (q [T, Hq, D], k [T, Hk, D], cos, sin [T, D/2] float32) -> rotated (q, k); may rotate in place
     apply_rotary: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]  # gate_up [..., 2I] -> [..., I]
-    int8_matmul: Callable[[Tensor, Tensor, Tensor], Tensor]  # (x [M, K], int8 weight [N, K], scale [N]) -> [M, N]
-    # (block_size, sliding_window) -> an attention backend with plan(metadata) and
-    # forward(q, k, v, kv_cache, plan, scale); None: the model's own plain-torch attention.
-    paged_attention: Callable[[int, int | None], Any] | None
-
-
-class TritonPagedAttention:
-    """Attention backend on the kernels, with the interface of `model.attention.TorchPagedAttention`."""
-
-    def __init__(self, block_size: int, sliding_window: int | None = None) -> None:
-        self.block_size = block_size
-        self.sliding_window = sliding_window
-
-    def plan(self, meta: Any) -> Any:
-        # The kernels read the metadata's tensors directly; nothing to precompute per step.
-        return meta
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, plan: Any, scale: float) -> Tensor:
-        if kv_cache.shape[2] != self.block_size:
-            raise ValueError(f"kv_cache block size {kv_cache.shape[2]} differs from the model's {self.block_size}")
-        write_kv_cache(k, v, kv_cache, plan.slot_mapping)
-        if plan.max_query_len == 1:  # every sequence brings one token: pure decode
-            return paged_decode_attention(q, kv_cache, plan.seq_lens, plan.block_tables, plan.max_seq_len, scale,
-                                          self.sliding_window)
-        return paged_prefill_attention(q, kv_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
-                                       plan.max_query_len, scale, self.sliding_window)
-
-
-def _cpu_paged_attention(block_size: int, sliding_window: int | None) -> Any:
-    from model.attention import CpuPagedAttention  # imported late: model imports this module
-
-    return CpuPagedAttention(block_size, sliding_window)
 
 
 def _rotate_both_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,13 +50,13 @@ def _rotate_both_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tenso
 
 TORCH_OPS = Ops(
     name="torch", rms_norm=rms_norm_ref, fused_add_rms_norm=fused_add_rms_norm_ref, apply_rotary=_rotate_both_ref,
-    silu_and_mul=silu_and_mul_ref, int8_matmul=int8_matmul_ref, paged_attention=None,
+    silu_and_mul=silu_and_mul_ref,
 )
 # The CPU default: the references, with decode attention on the C++ kernel when it builds.
-CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", paged_attention=_cpu_paged_attention)
+CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu")
 TRITON_OPS = Ops(
     name="triton", rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, apply_rotary=_rotate_both_,
-    silu_and_mul=silu_and_mul, int8_matmul=int8_matmul, paged_attention=TritonPagedAttention,
+    silu_and_mul=silu_and_mul,
 )
 
 

@@ -1,24 +1,103 @@
 """The reference for attention over a paged KV cache, and the checks its kernels share.
 
-Semantics (those of `model.attention.TorchPagedAttention`): the flat batch holds the new tokens of S
-sequences end to end, sequence s owning rows query_start_loc[s]:query_start_loc[s+1]. Its seq_lens[s]
-tokens (cached context, then the new ones, already written to the cache) sit at positions 0..seq_len-1,
+Semantics: the flat batch holds the new tokens of S sequences end to end, sequence s owning rows
+query_start_loc[s]:query_start_loc[s+1]. Its seq_lens[s] tokens (cached context, then the new ones, already written to the cache) sit at positions 0..seq_len-1,
 token p in block block_tables[s, p // block_size] at row p % block_size. New token i of sequence s is at
 position seq_lens[s] - num_new[s] + i and attends causally to positions <= its own, and with a sliding
 window w only to positions > its own - w. Queries may have more heads than the cache (grouped-query
 attention: query head h reads KV head h // (num_heads / num_kv_heads)).
 
 Decode (one new token per sequence) and prefill chunks compute the same function; their kernels live
-in decode_attention.py and prefill_attention.py.
+in decode_attention.py and prefill_attention.py. `plan_gather` and `gathered_attention` are that function
+in plain torch, split so a model builds the plan once per step and every layer reuses it: the model's
+torch attention backend, the ONNX export and `paged_attention_ref` all run them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kernels.kv_cache import check_kv_cache
+from kernels.kv_layout import blocks_for_tokens
 from kernels.runtime import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+
+
+class GatherPlan(NamedTuple):
+    """Index tensors that turn a flat batch into a padded [S, max_q] grid of queries over each
+    sequence's gathered blocks; built once per step and shared by every layer."""
+
+    query_index: torch.Tensor  # [S, max_q] flat row of each padded query (0 where padding)
+    output_index: torch.Tensor  # [T] where each flat row sits in the padded grid flattened to [S * max_q]
+    block_tables: torch.Tensor  # [S, NB] only the blocks the longest sequence needs
+    mask: torch.Tensor  # [S, 1, max_q, NB * block_size] bool, True = may attend
+
+
+def plan_gather(
+    query_start_loc: torch.Tensor,  # [S + 1]
+    seq_lens: torch.Tensor,  # [S]
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    max_query_len: int,
+    max_seq_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> GatherPlan:
+    device = seq_lens.device
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    rows = torch.arange(max_query_len, device=device)  # [max_q]
+    query_valid = rows[None, :] < query_lens[:, None]
+    query_index = torch.where(query_valid, query_start_loc[:-1, None] + rows[None, :], 0)
+    num_blocks = blocks_for_tokens(max_seq_len, block_size)
+    keys = torch.arange(num_blocks * block_size, device=device)  # [L]
+    # Absolute position of each padded query; causality then also hides slots past seq_len.
+    query_pos = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, max_q]
+    mask = keys[None, None, :] <= query_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= keys[None, None, :] > query_pos[:, :, None] - sliding_window
+    # An index, not a boolean mask, so the output's shape [T] is known without reading the data
+    # (exporters and compilers get the plan as inputs).
+    output_index = torch.nonzero(query_valid.flatten()).squeeze(1)
+    return GatherPlan(query_index, output_index, block_tables[:, :num_blocks].contiguous(), mask[:, None])
+
+
+def gathered_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], this step's tokens written
+    plan: GatherPlan,
+    scale: float,
+    heads_by_reshape: bool = False,
+) -> torch.Tensor:  # [T, num_heads, head_dim] of q's dtype
+    """Attention of the flat batch's queries over their sequences' cached blocks, gathered.
+
+    heads_by_reshape: lay the query heads that share a KV head side by side (explicit matmuls, softmax in
+    float32) instead of SDPA's `enable_gqa`; the same function, written so an exporter neither repeats
+    K/V heads nor needs an SDPA with grouped heads."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    num_heads = q.shape[1]
+    num_seqs, max_q = plan.query_index.shape
+    # [S, NB, bs, kvh, d] -> [S, kvh, L, d]
+    keys = kv_cache[0][plan.block_tables].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = kv_cache[1][plan.block_tables].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if not heads_by_reshape:
+        queries = q[plan.query_index].transpose(1, 2)  # [S, H, max_q, d]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale,
+                                             enable_gqa=num_kv_heads != num_heads)
+        out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [S * max_q, H, d]
+        return out[plan.output_index]
+    group = num_heads // num_kv_heads
+    # Queries [S, Q, H, d] -> [S, kvh, Q * group, d]: the heads sharing a kv head side by side.
+    queries = q[plan.query_index].reshape(num_seqs, max_q, num_kv_heads, group, head_dim)
+    queries = queries.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
+    scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [S, kvh, Q * group, L]
+    scores = scores.reshape(num_seqs, num_kv_heads, max_q, group, -1)
+    scores = scores.masked_fill(~plan.mask[:, :, :, None, :], float("-inf"))  # mask [S, 1, Q, 1, L]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(num_seqs, num_kv_heads, max_q * group, -1)
+    out = torch.matmul(probs, values)  # [S, kvh, Q * group, d]
+    out = out.reshape(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(num_seqs * max_q, num_heads, head_dim)[plan.output_index]
 
 
 def paged_attention_ref(
@@ -32,35 +111,10 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim] of q's dtype, computed in float32
-    num_tokens = q.shape[0]
-    block_size = kv_cache.shape[2]
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    num_seqs = seq_lens.shape[0]
-    starts = query_start_loc[:-1]
-    query_lens = query_start_loc[1:] - starts  # [S]
-    rows = torch.arange(max_query_len, device=q.device)  # [max_q]
-    # Pad queries into a [S, max_q] grid; padding rows repeat row 0 and are dropped at the end.
-    query_index = torch.where(rows[None, :] < query_lens[:, None], starts[:, None] + rows[None, :], 0)
-    num_blocks = -(-max_seq_len // block_size)
-    tables = block_tables[:, :num_blocks]
-    keys = kv_cache[0][tables].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    values = kv_cache[1][tables].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    key_pos = torch.arange(num_blocks * block_size, device=q.device)  # [L]
-    query_pos = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, max_q]
-    # Causality also hides slots past seq_len, since no query sits beyond its sequence's end.
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, max_q, L]
-    if sliding_window is not None:
-        mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
-    out = F.scaled_dot_product_attention(
-        q[query_index].transpose(1, 2).float(),  # [S, H, max_q, d]
-        keys.transpose(1, 2).float(),  # [S, kvh, L, d]
-        values.transpose(1, 2).float(),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=num_kv_heads != q.shape[1],
-    ).transpose(1, 2)  # [S, max_q, H, d]
-    # Back to the flat batch without a host sync: token t is row t - starts[s] of its sequence s.
-    tokens = torch.arange(num_tokens, device=q.device)
-    seq_of_token = torch.searchsorted(query_start_loc[1:], tokens, right=True)
-    return out[seq_of_token, tokens - starts[seq_of_token]].to(q.dtype)
+    """What every paged attention kernel must compute (the cache already holds this step's tokens)."""
+    plan = plan_gather(query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, kv_cache.shape[2],
+                       sliding_window)
+    return gathered_attention(q.float(), kv_cache.float(), plan, scale).to(q.dtype)
 
 
 def check_paged_inputs(

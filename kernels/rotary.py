@@ -22,6 +22,11 @@ from kernels.runtime import (
 )
 
 
+def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """[head_dim / 2] float32 angular frequency theta^(-2j / head_dim) of each rotated pair, unscaled."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 def rotary_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] -> (cos, sin), each [T, head_dim / 2] float32."""
     angles = positions.float()[:, None] * inv_freq[None, :]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from compile.manifest import ArtifactError
+from engine.backends.manifest import ArtifactError
 from ladder import bench, generate, serve
 from ladder import compile as compile_cli
 from loadtest import cli as loadtest_cli

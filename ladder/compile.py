@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from compile.manifest import BACKENDS, PRECISIONS
+from engine.backends.manifest import BACKENDS
+from model.quantization import PRECISIONS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

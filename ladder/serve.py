@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             start = time.perf_counter()
             state.attach(AsyncLLMEngine(LLMEngine(config)))
-            engine = state.engine.engine
+            info = state.engine.info
             log.info("serving %s as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens, "
-                     "max_model_len %d)", engine.model.path, state.model_name, args.host, args.port,
-                     time.perf_counter() - start, engine.blocks.num_blocks, config.block_size, engine.max_model_len)
+                     "max_model_len %d)", info.model_path, state.model_name, args.host, args.port,
+                     time.perf_counter() - start, info.num_kv_blocks, info.block_size, info.max_model_len)
         except Exception as error:  # report one line and stop the server
             failure.append(" ".join(str(error).split()) or type(error).__name__)
             state.load_error = "the model failed to load"

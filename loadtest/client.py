@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
 import aiohttp
 
+from loadtest.clock import Clock, SystemClock
 from loadtest.config import LoadTestError
 from loadtest.sse import SseParser
 from loadtest.tokens import TokenCounter
@@ -79,10 +80,19 @@ def api_root(base_url: str) -> str:
     return root.removesuffix("/v1")
 
 
+def tcp_connector() -> aiohttp.BaseConnector:
+    # No pool limit: a request must never wait for a free connection inside the client.
+    return aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+
+
 class OpenAIClient:
+    """`clock` stamps every request and event (the runner schedules on the same clock, so that send lag
+    compares like with like); `connector` makes the connection pool, inside the running event loop."""
+
     def __init__(self, base_url: str, api_key: str | None, endpoint: str, timeout: float,
                  ignore_eos: bool = True, temperature: float = 0.0, extra_body: dict | None = None,
-                 counter: TokenCounter | None = None) -> None:
+                 counter: TokenCounter | None = None, *, clock: Clock = SystemClock(),
+                 connector: Callable[[], aiohttp.BaseConnector] = tcp_connector) -> None:
         self.root = api_root(base_url)
         self.endpoint = endpoint
         self.url = self.root + ENDPOINT_PATHS[endpoint]
@@ -91,6 +101,8 @@ class OpenAIClient:
         self.temperature = temperature
         self.extra_body = extra_body or {}
         self.counter = counter
+        self.clock = clock
+        self.connector = connector
         self.model: str | None = None
         self.headers = {"Content-Type": "application/json"}
         if api_key:
@@ -98,9 +110,7 @@ class OpenAIClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
-        # No pool limit: a request must never wait for a free connection inside the client.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
+        self._session = aiohttp.ClientSession(connector=self.connector(), headers=self.headers,
                                               timeout=aiohttp.ClientTimeout(total=None))
         return self
 
@@ -145,17 +155,18 @@ class OpenAIClient:
 
     async def send(self, request: PreparedRequest, origin: float, scheduled: float | None) -> RequestRecord:
         """Sends one request and reads its stream; never raises for a failed request."""
-        sent_at = time.perf_counter()
+        sent_at = self.clock.now()
         record = RequestRecord(request.spec.index, scheduled, sent_at - origin, request.spec.max_tokens)
         try:
             await self._send(request, record, sent_at)
         finally:
-            record.finished = time.perf_counter() - origin
+            record.finished = self.clock.now() - origin
         return record
 
     async def _send(self, request: PreparedRequest, record: RequestRecord, sent_at: float) -> None:
         stream = _StreamState(record, sent_at, keep_text=self.counter is not None)
         try:
+            # On the event loop's own clock: a timeout is a limit, not a figure, and needs no stamp of `clock`.
             async with asyncio.timeout(self.timeout):
                 async with self._session.post(self.url, data=request.body) as response:
                     stream.got_headers = True
@@ -164,17 +175,17 @@ class OpenAIClient:
                         return
                     parser = SseParser()
                     async for chunk in response.content.iter_any():
-                        now = time.perf_counter()
+                        now = self.clock.now()
                         for data in parser.feed(chunk):
                             stream.handle(data, now)
                         if stream.failed:
                             return
-                    stream.end(time.perf_counter())
+                    stream.end(self.clock.now())
         except TimeoutError:
             if not stream.done:
                 record.fail(TIMEOUT, f"no complete answer within {self.timeout:g} s")
                 return
-            stream.end(time.perf_counter())  # all was received; only the body's close was late
+            stream.end(self.clock.now())  # all was received; only the body's close was late
         except aiohttp.ClientError as error:
             if not stream.got_headers:
                 record.fail(CONNECTION_ERROR, describe(error))
@@ -182,7 +193,7 @@ class OpenAIClient:
             if not stream.done:
                 record.fail(BROKEN_STREAM, describe(error))
                 return
-            stream.end(time.perf_counter())
+            stream.end(self.clock.now())
         if record.ok:
             self._count_tokens(record, request.spec, stream)
 

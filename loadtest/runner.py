@@ -26,6 +26,9 @@ class RunResult:
 
 async def run_shape(client: OpenAIClient, workload: BaseWorkload, shape: LoadShape, first_index: int,
                     seed: int, progress: Progress) -> RunResult:
+    # The schedule, the deadline and the client's timestamps all read the client's clock: send lag and
+    # duration are differences between them.
+    clock = client.clock
     records: list[RequestRecord] = []
     in_flight = 0
     max_in_flight = 0
@@ -53,16 +56,16 @@ async def run_shape(client: OpenAIClient, workload: BaseWorkload, shape: LoadSha
             async with limiter:
                 await send(request, origin, scheduled)
 
-        started_at, origin = time.time(), time.perf_counter()
+        started_at, origin = time.time(), clock.now()
         progress.start()
         tasks = []
         for i, offset in enumerate(offsets):
             # Each request is built in the gap before it is due (memory stays flat over long runs);
             # a build slower than the gap shows up as send lag.
             request = prepare(i)
-            delay = origin + offset - time.perf_counter()
+            delay = origin + offset - clock.now()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await clock.sleep(delay)
             task = send_capped(request, origin, offset) if limiter else send(request, origin, offset)
             tasks.append(asyncio.create_task(task))
             await asyncio.sleep(0)  # let it start (and stamp its send time) before building the next
@@ -76,11 +79,11 @@ async def run_shape(client: OpenAIClient, workload: BaseWorkload, shape: LoadSha
                     return
                 request = prepare(i)
                 # Checked after building the request, so nothing is sent once the duration is over.
-                if deadline is not None and time.perf_counter() >= deadline:
+                if deadline is not None and clock.now() >= deadline:
                     return
                 await send(request, origin, None)
 
-        started_at, origin = time.time(), time.perf_counter()
+        started_at, origin = time.time(), clock.now()
         deadline = origin + shape.duration if shape.duration else None
         progress.start()
         await asyncio.gather(*(worker(deadline) for _ in range(shape.max_concurrency)))
@@ -94,7 +97,7 @@ async def warm_up(client: OpenAIClient, workload: BaseWorkload, num_requests: in
                   concurrency: int) -> list[RequestRecord]:
     """Requests sent before the measured run and left out of its figures."""
     limiter = asyncio.Semaphore(concurrency)
-    origin = time.perf_counter()
+    origin = client.clock.now()
 
     async def send(i: int) -> RequestRecord:
         async with limiter:

@@ -1,6 +1,6 @@
 """Layer 1, the model definition: the Llama-family decoder, its weights, tokenizer and chat template."""
 
-from model.attention import AttentionMetadata
+from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.llama import LlamaForCausalLM

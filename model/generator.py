@@ -1,8 +1,8 @@
 """Token-by-token generation of one sequence over the paged cache.
 
-This is the smallest driver of the model's flat-batch `forward`: one sequence, blocks allocated in
-order, the whole prompt prefilled in one step, then one token per step. `ladder generate` and the
-parity tests use it; the continuous-batching engine drives the same `forward` for many sequences.
+One sequence on the `Sequences` driver: the whole prompt prefilled in one step, then one token per
+step. `ladder generate` and the parity tests use it; the continuous-batching engine drives the same
+step interface for many sequences.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import AttentionMetadata
-from model.llama import LlamaForCausalLM
+from model.sequences import Sequences
+from model.step import StepModel
 
 
 @dataclass(frozen=True)
@@ -23,27 +23,16 @@ class GenerationStep:
 
 
 class Generator:
-    def __init__(self, module: LlamaForCausalLM, max_len: int) -> None:
+    def __init__(self, module: StepModel, max_len: int) -> None:
         """Reserve a cache for one sequence of up to `max_len` tokens (prompt plus output)."""
         self.module = module
-        self.block_size = module.block_size
         self.max_len = max_len
-        num_blocks = -(-max_len // self.block_size)
-        self.block_table = list(range(num_blocks))
-        self.kv_caches = module.allocate_kv_caches(num_blocks)
-        self.device = module.embed_tokens.weight.device
+        self.device = module.device
+        self.sequence = Sequences(module, 1, max_len)
 
-    @torch.inference_mode()
-    def step(self, new_tokens: list[int], num_cached: int) -> torch.Tensor:
-        """Run `new_tokens` after `num_cached` cached ones; returns logits of every new token [N, vocab]."""
-        total = num_cached + len(new_tokens)
-        if total > self.max_len:
-            raise ValueError(f"sequence of {total} tokens exceeds the reserved {self.max_len}")
-        meta = AttentionMetadata.build([len(new_tokens)], [total], [self.block_table], self.block_size, self.device)
-        input_ids = torch.tensor(new_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_cached, total, device=self.device)
-        hidden = self.module(input_ids, positions, self.kv_caches, meta)
-        return self.module.compute_logits(hidden)
+    def step(self, new_tokens: list[int]) -> torch.Tensor:
+        """Append `new_tokens` to the sequence; returns the logits of every new token [N, vocab]."""
+        return self.sequence.step([new_tokens], all_rows=True)
 
     def generate(
         self,
@@ -62,8 +51,7 @@ class Generator:
             )
         rng = torch.Generator(device=self.device)
         rng.manual_seed(seed if seed is not None else torch.seed())
-        logits = self.step(prompt, 0)[-1]
-        num_cached = len(prompt)
+        logits = self.step(prompt)[-1]
         for i in range(max_tokens):
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1)
@@ -73,5 +61,4 @@ class Generator:
             yield GenerationStep(token, logits)
             if token in stop_token_ids or i == max_tokens - 1:
                 return
-            logits = self.step([token], num_cached)[-1]
-            num_cached += 1
+            logits = self.step([token])[-1]

@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from kernels.ops import Ops, select_ops
-from model.attention import AttentionMetadata, TorchAttentionPlan, TorchPagedAttention
+from kernels.rotary import rotary_cos_sin_ref
+from model.attention import AttentionBackend, AttentionPlan, attention_for
+from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
-from model.rope import inverse_frequencies, rotary_cos_sin
+from model.rope import inverse_frequencies
+from model.step import allocate_kv_caches
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +37,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchPagedAttention, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -54,7 +57,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [T, head_dim / 2]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
-        plan: TorchAttentionPlan,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -80,7 +83,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchPagedAttention, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, backend, ops)
@@ -94,7 +97,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        plan: TorchAttentionPlan,
+        plan: AttentionPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each add fuses with the norm that follows it.
         h, residual = self.input_layernorm(x, residual)
@@ -110,8 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.block_size = block_size
         self.ops = ops if ops is not None else select_ops()
-        make_attention = self.ops.paged_attention or TorchPagedAttention
-        self.attention = make_attention(block_size, config.sliding_window)
+        self.attention = attention_for(self.ops, block_size, config.sliding_window)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.attention, self.ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
@@ -127,18 +129,31 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] final hidden states (normed); logits come from compute_logits
-        return self.run(input_ids, positions, kv_caches, self.attention.plan(attn_metadata))
+        return self.run(input_ids, positions, kv_caches, self.plan(attn_metadata))
+
+    # -- the step interface (model/step.py) ----------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def plan(self, attn_metadata: AttentionMetadata) -> AttentionPlan:
+        return self.attention.plan(attn_metadata)
 
     def run(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        plan: TorchAttentionPlan,  # the attention backend's plan: tensors only, shared by every layer
+        plan: AttentionPlan,  # the attention backend's plan: tensors only, shared by every layer
     ) -> torch.Tensor:
         """`forward` after the plan is built: no Python numbers from the metadata, so one compiled graph
         serves every batch shape."""
-        cos, sin = rotary_cos_sin(positions, self.inv_freq)
+        cos, sin = rotary_cos_sin_ref(positions, self.inv_freq)  # [T, head_dim / 2] each
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -155,19 +170,11 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        plan: TorchAttentionPlan,
+        plan: AttentionPlan,
         sample_rows: torch.Tensor,  # [B] rows of the flat batch whose next token is drawn
     ) -> torch.Tensor:  # [B, vocab] float32
         """One step as the engine runs it: write the cache, return the logits of the rows to sample."""
         return self.compute_logits(self.run(input_ids, positions, kv_caches, plan)[sample_rows])
 
-    def allocate_kv_caches(
-        self, num_blocks: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-    ) -> list[torch.Tensor]:
-        """Zeroed paged caches, one per layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
-        weight = self.embed_tokens.weight
-        shape = (2, num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [
-            torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device)
-            for _ in range(self.config.num_layers)
-        ]
+    def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        return allocate_kv_caches(self.config, self.block_size, num_blocks, self.kv_cache_dtype, self.device)

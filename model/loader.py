@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -14,7 +13,7 @@ from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
 from model.gguf_checkpoint import GGUFCheckpoint
 from model.hf_checkpoint import read_config, read_tensors, safetensors_files
-from model.llama import LlamaForCausalLM
+from model.step import StepModel
 from model.tokenizer import Tokenizer
 from model.weights import build_model
 
@@ -25,13 +24,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    module: LlamaForCausalLM
+    module: StepModel  # the eager LlamaForCausalLM, or an artifact's runtime (engine/backends/)
     tokenizer: Tokenizer | None  # None for a directory without tokenizer.json (weights-only tests)
     name: str  # the name to serve it under
     path: Path  # the file or directory it came from
     load_seconds: float
-    kv_cache_dtype: torch.dtype | None = None  # None: the module's weight dtype
-    manifest: Any = None  # a compiled artifact's manifest (compile/manifest.py), None for eager models
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -12,13 +12,13 @@ import math
 
 import torch
 
+from kernels.rotary import rope_frequencies
 from model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """[head_dim / 2] float32 angular frequency of each rotated pair, with Llama 3 scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = rope_frequencies(config.head_dim, config.rope_theta)
     if config.rope_freq_factors is not None:
         return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     scaling = config.rope_scaling
@@ -37,8 +37,4 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> (cos, sin), each [T, head_dim / 2] float32. Computed once per forward pass."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
 

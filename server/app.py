@@ -16,7 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import AsyncLLMEngine, EngineInfo
 from engine.outputs import SampleDelta
 from server import protocol as p
 from server.errors import APIError, error_response, install_error_handlers
@@ -51,15 +51,15 @@ class ServerState:
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
 
     def _stats(self):
-        return self.engine.engine.stats if self.engine else None
+        return self.engine.stats if self.engine else None
 
     def attach(self, engine: AsyncLLMEngine) -> None:
-        engine.engine.stats.observers.append(self.metrics.observe_finished)
+        engine.stats.observers.append(self.metrics.observe_finished)
         self.engine = engine
 
     @property
     def model_name(self) -> str:
-        return self.settings.served_model_name or (self.engine.engine.model.name if self.engine else "")
+        return self.settings.served_model_name or (self.engine.info.model_name if self.engine else "")
 
     def ready_engine(self) -> AsyncLLMEngine:
         if self.draining:
@@ -103,7 +103,7 @@ def create_app(state: ServerState) -> FastAPI:
         """Stream the job as server-sent events, or collect it and `build` the response body."""
         on_delta = itl_observer(state)
         if body.stream:
-            events = stream_events(engine, job, engine.engine.tokenizer, chat=chat,
+            events = stream_events(engine, job, engine.info.tokenizer, chat=chat,
                                    echo=getattr(body, "echo", False), include_usage=body.include_usage,
                                    on_delta=on_delta)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -128,19 +128,19 @@ def create_app(state: ServerState) -> FastAPI:
     async def models() -> p.ModelList:
         engine = state.ready_engine()
         card = p.ModelCard(id=state.model_name, created=state.settings.created,
-                           max_model_len=engine.engine.max_model_len)
+                           max_model_len=engine.info.max_model_len)
         return p.ModelList(data=[card])
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def completions(body: p.CompletionRequest, request: Request):
         engine = admit(body)
-        llm = engine.engine
-        tokenizer = llm.tokenizer
-        prompts = to_prompts(body.prompt, llm)
+        info = engine.info
+        tokenizer = info.tokenizer
+        prompts = to_prompts(body.prompt, info)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         for prompt in prompts:
-            check_length(len(prompt.token_ids), max_tokens, llm.max_model_len, "prompt")
+            check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
         job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs), state.model_name,
                   body.logprobs)
         return await respond(engine, job, body, request, chat=False,
@@ -150,8 +150,8 @@ def create_app(state: ServerState) -> FastAPI:
               dependencies=[Depends(authorize)])
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         engine = admit(body)
-        llm = engine.engine
-        tokenizer = llm.tokenizer
+        info = engine.info
+        tokenizer = info.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in body.messages]
@@ -161,8 +161,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
         requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = requested if requested is not None else max(llm.max_model_len - len(ids), 1)
-        check_length(len(ids), max_tokens, llm.max_model_len, "messages")
+        max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
+        check_length(len(ids), max_tokens, info.max_model_len, "messages")
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         job = Job(new_id("chatcmpl"), [Prompt(ids, text)], sampling_params(body, max_tokens, num_top),
                   state.model_name, num_top)
@@ -200,14 +200,14 @@ class BodyLimit:
         await self.app(scope, counted_receive, send)
 
 
-def to_prompts(prompt, llm) -> list[Prompt]:
-    tokenizer = llm.tokenizer
+def to_prompts(prompt, info: EngineInfo) -> list[Prompt]:
+    tokenizer = info.tokenizer
     if isinstance(prompt, str):
         prompt = [prompt]
     if isinstance(prompt[0], int):
         prompt = [prompt]
     prompts = []
-    vocab = llm.model.config.vocab_size
+    vocab = info.vocab_size
     for item in prompt:
         if isinstance(item, str):
             if tokenizer is None:

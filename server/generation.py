@@ -85,8 +85,8 @@ async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDe
                 await merged.put((prompt_index * job.params.n + delta.index, delta))
         except EngineDeadError:
             for i in range(job.params.n):
-                await merged.put((prompt_index * job.params.n + i, SampleDelta(
-                    job.request_id, i, [], "", [], 0, 0, finish_reason=FinishReason.ERROR, error=ENGINE_FAILED)))
+                failure = SampleDelta.failure(job.request_id, i, ENGINE_FAILED)
+                await merged.put((prompt_index * job.params.n + i, failure))
         finally:
             await merged.put(None)
 

@@ -17,3 +17,11 @@ def ladder_server(tmp_path_factory):
                          "--max-body-bytes", "65536", "--max-num-seqs", "32", log=log)
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded default model in fp32, loaded once for every test that only reads it."""
+    import model
+
+    return model.load()

@@ -13,6 +13,9 @@ halfway through the stream), "error_event" (streams an error object halfway thro
     GET /_stats    {"num_requests", "max_in_flight", "arrivals": [seconds], "last_body",
                     "last_authorization"}
 
+Its time comes from a loadtest `Clock`: in a process of its own (ServerProcess, or by hand) the real
+clock with punctual sleeps; in-process, whatever clock the test gives, such as a virtual one.
+
 Run by hand: python tests/loadtest_server.py --port 8000
 """
 
@@ -26,6 +29,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for type checkers: run by hand, this file needs nothing but the standard library
+    from loadtest.clock import Clock
 
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 MODEL = "fake-model"
@@ -54,8 +61,24 @@ class Histogram:
         return out + [f"{name}_sum {self.total}", f"{name}_count {self.num}"]
 
 
+class PunctualClock:
+    """The real clock, with sleeps that end within a few microseconds of their deadline: asyncio's timers
+    wake up to a millisecond late, so the last stretch yields in a loop instead."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    async def sleep(self, seconds: float) -> None:
+        deadline = time.perf_counter() + seconds
+        if seconds > SPIN_SECONDS:
+            await asyncio.sleep(seconds - SPIN_SECONDS)
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(0)
+
+
 class FakeServer:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self.behaviour = dict(DEFAULTS)
         self.in_flight = 0
         self.reset()
@@ -64,6 +87,11 @@ class FakeServer:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = 0
+
+    def configure(self, behaviour: dict) -> None:
+        """Sets the behaviour (defaults for what is not given) and resets the statistics."""
+        self.behaviour = {**DEFAULTS, **behaviour}
+        self.reset()
 
     def reset(self) -> None:
         self.num_requests = 0
@@ -103,8 +131,7 @@ class FakeServer:
                 return await send_json(writer, 404, {"detail": "Not Found"})
             return await send(writer, 200, "text/plain; version=0.0.4", self.metrics_text().encode())
         if method == "POST" and path == "/_control":
-            self.behaviour = {**DEFAULTS, **json.loads(body or b"{}")}
-            self.reset()
+            self.configure(json.loads(body or b"{}"))
             return await send_json(writer, 200, {})
         if method == "GET" and path == "/_stats":
             return await send_json(writer, 200, {"num_requests": self.num_requests, "in_flight": self.in_flight,
@@ -112,7 +139,7 @@ class FakeServer:
                                                  "last_body": self.last_body,
                                                  "last_authorization": self.last_authorization})
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
-            arrived = time.perf_counter()
+            arrived = self.clock.now()
             self.arrivals.append(arrived)
             faults = self.behaviour["faults"]
             fault = faults[self.num_requests % len(faults)] if faults else "ok"
@@ -144,7 +171,7 @@ class FakeServer:
             await reader.read(1)  # until the client gives up and closes the connection
             return False
         for i in range(num_tokens):
-            await sleep_until(arrived + ttft + i * itl)
+            await self.clock.sleep(arrived + ttft + i * itl - self.clock.now())
             await send_event(writer, chunk(chat, f" tok{i}"))
             if fault == "break" and i == num_tokens // 2:
                 writer.transport.abort()
@@ -203,16 +230,6 @@ def chunk(chat: bool, text: str | None, finish_reason: str | None = None, role: 
     return {"id": "x", "object": "text_completion", "model": MODEL, "choices": [choice]}
 
 
-async def sleep_until(deadline: float) -> None:
-    # asyncio's timers wake up to a millisecond late; the last stretch yields in a loop instead,
-    # so that tokens leave within a few microseconds of their deadline.
-    delay = deadline - time.perf_counter()
-    if delay > SPIN_SECONDS:
-        await asyncio.sleep(delay - SPIN_SECONDS)
-    while time.perf_counter() < deadline:
-        await asyncio.sleep(0)
-
-
 async def send_event(writer: asyncio.StreamWriter, data: dict | str) -> None:
     payload = f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
     writer.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -265,7 +282,7 @@ class ServerProcess:
 
 
 async def serve(port: int) -> None:
-    fake = FakeServer()
+    fake = FakeServer(PunctualClock())
     server = await asyncio.start_server(fake.handle, "127.0.0.1", port, backlog=1024)
     print(f"PORT {server.sockets[0].getsockname()[1]}", flush=True)
     async with server:

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compile.artifact import load_artifact
-from compile.manifest import FORMAT_VERSION, MANIFEST_NAME, ArtifactError, read_manifest
+from engine.backends import load_artifact
+from engine.backends.manifest import FORMAT_VERSION, MANIFEST_NAME, ArtifactError, read_manifest
 from compile.pipeline import CompileOptions, run
 from engine.config import GIB, bytes_per_block
 from engine.llm import LLM
@@ -26,7 +26,7 @@ from tiny_models import make_tiny_chat_model
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
 HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
-# ONNX Runtime's CPU provider has no bf16 kernels; its fp16 runs through casts (see compile/onnx_backend.py).
+# ONNX Runtime's CPU provider has no bf16 kernels; its fp16 runs through casts (see compile/onnx_export.py).
 ONNX_PRECISIONS = ("fp32", "fp16", "int8") if HAS_ONNX else ()
 BUILDS = [("torch-compile", p) for p in PRECISIONS] + [("onnx", p) for p in ONNX_PRECISIONS]
 ALL = list(PRECISIONS) + [f"onnx-{p}" for p in ONNX_PRECISIONS]
@@ -102,7 +102,7 @@ def test_artifact_batched_with_preemption_equals_one_at_a_time(artifacts, precis
     alone_llm = LLM(artifact=str(out), kv_cache_memory_gib=0.001)
     alone = [alone_llm.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
     # A cache of 14 blocks (the longest request needs 6): the batch preempts and recomputes.
-    per_block = bytes_per_block(alone_llm.engine.model.config, 16, alone_llm.engine.model.kv_cache_dtype)
+    per_block = bytes_per_block(alone_llm.engine.model.config, 16, alone_llm.engine.model.module.kv_cache_dtype)
     tiny_cache = LLM(artifact=str(out), kv_cache_memory_gib=14 * per_block / GIB, max_model_len=128)
     batched = [r.outputs[0].token_ids for r in tiny_cache.generate(_prompts(), params)]
     assert tiny_cache.engine.stats.num_preemptions > 0

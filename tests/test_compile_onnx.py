@@ -13,9 +13,11 @@ import onnx
 from tiny_models import make_hf_model
 
 import model
-from compile import onnx_backend
-from compile.onnx_backend import OnnxModel, export_onnx
-from model.attention import AttentionMetadata
+from compile import onnx_export
+from engine.backends import onnx_runtime
+from compile.onnx_export import export_onnx
+from engine.backends.onnx_runtime import OnnxModel
+from model.attention_metadata import AttentionMetadata
 
 NUM_BLOCKS = 12
 TABLES = [[3, 7, 1], [5, 2, 9], [10, 0, 4]]
@@ -90,14 +92,14 @@ def test_fp32_export_files_and_checker(tiny, fp32_artifact):
     onnx.checker.check_model(str(out / "model.onnx"))
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     layers = tiny.config.num_layers
-    assert [i.name for i in graph.input] == [*onnx_backend.STEP_INPUTS, *(f"kv_cache.{i}" for i in range(layers))]
+    assert [i.name for i in graph.input] == [*onnx_runtime.STEP_INPUTS, *(f"kv_cache.{i}" for i in range(layers))]
     assert [o.name for o in graph.output] == ["logits", *(f"kv_cache_out.{i}" for i in range(layers))]
     # Batch-dependent dims are symbolic; the cache's block count is one symbol shared by every layer.
     for tensor in (*graph.input, *graph.output):
         dims = tensor.type.tensor_type.shape.dim
         if tensor.name.startswith("kv_cache"):
             assert [d.dim_value for d in dims[2:]] == [tiny.block_size, 2, tiny.config.head_dim]
-            assert dims[1].dim_param == graph.input[len(onnx_backend.STEP_INPUTS)].type.tensor_type.shape.dim[1].dim_param
+            assert dims[1].dim_param == graph.input[len(onnx_runtime.STEP_INPUTS)].type.tensor_type.shape.dim[1].dim_param
         elif tensor.name == "logits":
             assert dims[0].dim_param and dims[1].dim_value == tiny.config.vocab_size
         else:
@@ -111,12 +113,12 @@ def test_fp32_export_files_and_checker(tiny, fp32_artifact):
 def test_export_leaves_module_unchanged(tiny, fp32_artifact):
     attention = tiny.attention
     assert all(layer.self_attn.backend is attention for layer in tiny.layers)
-    assert not isinstance(attention, onnx_backend.ExportPagedAttention)
+    assert not isinstance(attention, onnx_export.ExportPagedAttention)
     assert tiny.layers[0].self_attn.ops is tiny.ops
 
 
 @pytest.mark.parametrize("alias_caches", [True, False], ids=["caches-aliased", "caches-copied"])
-def test_fp32_matches_eager(tiny, fp32_artifact, alias_caches):
+def test_fp32_artifact_matches_eager(tiny, fp32_artifact, alias_caches):
     out, _ = fp32_artifact
     onnx_model = OnnxModel.load(out, tiny.config, tiny.block_size, torch.float32, num_threads=1,
                                 alias_caches=alias_caches)
@@ -181,15 +183,15 @@ def test_unsupported_precisions_are_refused(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="unknown precision"):
         export_onnx(tiny_llama, tmp_path, "int4")
     with pytest.raises(ValueError, match="bf16"):
-        onnx_backend.check_available("bf16", "cpu")
-    onnx_backend.check_available("int8", "cpu")
+        onnx_export.check_available("bf16", "cpu")
+    onnx_export.check_available("int8", "cpu")
 
 
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("int8", 0.15)])
 def test_tensorrt_graph_runs_in_onnx_runtime(tiny_llama, tmp_path, precision, tolerance):
     """The graph TensorRT is built from (fp32 step; int8 weights as DequantizeLinear per output channel),
     checked here by ONNX Runtime against eager, since TensorRT itself needs a GPU."""
-    files = onnx_backend.export_for_tensorrt(tiny_llama, tmp_path, precision)
+    files = onnx_export.export_for_tensorrt(tiny_llama, tmp_path, precision)
     graph = onnx.load(str(tmp_path / files[0]), load_external_data=False).graph
     dequantized = [n for n in graph.node if n.op_type == "DequantizeLinear"]
     linears = 4 * tiny_llama.config.num_layers + 1  # qkv, o, gate_up, down per layer, and the LM head

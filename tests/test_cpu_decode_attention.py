@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU kernel co
     (3, 50, 4, 2, 128, None),
 ])
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
-def test_matches_reference(num_seqs, max_len, num_heads, num_kv_heads, head_dim, window, portable):
+def test_decode_kernel_matches_reference(num_seqs, max_len, num_heads, num_kv_heads, head_dim, window, portable):
     gen = torch.Generator().manual_seed(num_seqs * 100 + max_len)
     block_size = 16
     blocks_per_seq = -(-max_len // block_size) + 1

@@ -36,7 +36,7 @@ def _close(out, ref, tol=1e-4):
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 33])
 @pytest.mark.parametrize("n,k", [(37, 100), (960, 576), (16, 1), (130, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_reference(m, n, k, with_bias):
+def test_int8_linear_matches_reference(m, n, k, with_bias):
     x, q, scale, bias = _case(m, n, k)
     ref = int8_matmul_ref(x, q, scale)
     if with_bias:
@@ -57,7 +57,7 @@ def test_quantize_and_pack_roundtrip():
 
 
 @pytest.mark.parametrize("m", [1, 9])
-def test_bfloat16_input(m):
+def test_bfloat16_input_gives_bfloat16_close_to_reference(m):
     x, q, scale, bias = _case(m, 960, 576, seed=1)
     xb = x.bfloat16()
     out = kernel.int8_linear(xb, kernel.pack(q), scale, bias, 960)
@@ -66,7 +66,7 @@ def test_bfloat16_input(m):
     _close(out, ref, tol=1e-2)
 
 
-def test_leading_dims():
+def test_leading_dims_are_kept():
     x, q, scale, bias = _case(6, 37, 100, seed=2)
     x3 = x.view(2, 3, 100)
     out = kernel.int8_linear(x3, kernel.pack(q), scale, bias, 37)
@@ -93,7 +93,7 @@ def test_large_values_and_zero_rows_are_finite():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fallback_matches(monkeypatch, dtype):
+def test_fallback_matches_the_kernel(monkeypatch, dtype):
     x, q, scale, bias = _case(17, 130, 96, seed=4)
     x = x.to(dtype).view(17, 1, 96)
     packed = kernel.pack(q)
@@ -109,7 +109,7 @@ def test_fallback_matches(monkeypatch, dtype):
     assert kernel.available()
 
 
-def test_inference_mode():
+def test_runs_under_inference_mode():
     x, q, scale, bias = _case(5, 37, 100, seed=7)
     with torch.inference_mode():
         out = kernel.int8_linear(x, kernel.pack(q), scale, bias, 37)
@@ -128,7 +128,7 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled, eager)
 
 
-def test_opcheck():
+def test_custom_op_passes_opcheck():
     x, q, scale, bias = _case(4, 37, 100, seed=6)
     torch.library.opcheck(torch.ops.ladder.int8_linear.default, (x, kernel.pack(q), scale, bias, 37))
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-import model
 from model.default import default_model_path
 from model.generator import Generator
 from test_model_parity import NUM_GREEDY, assert_same_greedy
@@ -26,13 +23,8 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def ours():
-    start = time.perf_counter()
-    loaded = model.load()
-    elapsed = time.perf_counter() - start
-    print(f"\nladder loads {loaded.name} to ready in {elapsed:.2f} s")
-    loaded.elapsed = elapsed
-    return loaded
+def ours(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +32,16 @@ def reference():
     import transformers
 
     path = default_model_path()
-    start = time.perf_counter()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            dtype=torch.float32).eval()
-    print(f"\ntransformers loads the same GGUF in {time.perf_counter() - start:.2f} s")
     return tok, hf
 
 
-def test_default_model_loads_fast(ours):
+def test_default_model_loads_under_its_name_with_its_config(ours):
+    # How fast it loads is a figure of `ladder bench` (its load_seconds), not a test.
     assert ours.name == "SmolLM2-135M-Instruct"
     assert ours.config.num_layers == 30 and ours.config.num_kv_heads == 3
-    assert ours.elapsed < 10.0, f"loading took {ours.elapsed:.1f} s"
 
 
 @pytest.mark.parametrize("chat", CHATS, ids=range(len(CHATS)))

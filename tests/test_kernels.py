@@ -61,7 +61,7 @@ NORM_SHAPES = [(1, 576), (7, 576), (3, 9, 64), (5, 100)]  # hidden size, a q_nor
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
-def test_rms_norm(shape, dtype):
+def test_rms_norm_matches_reference(shape, dtype):
     from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
     x, residual = randn(*shape, dtype=dtype, seed=1), randn(*shape, dtype=dtype, seed=2)
@@ -75,7 +75,7 @@ def test_rms_norm(shape, dtype):
     assert_matches(summed, ref_summed)
 
 
-def test_rms_norm_strided_rows():
+def test_rms_norm_reads_rows_at_a_wider_stride():
     """q of a fused qkv output: heads contiguous, tokens at a wider stride."""
     from kernels.rms_norm import rms_norm, rms_norm_ref
 
@@ -104,7 +104,7 @@ def llama3_inv_freq(head_dim: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["cos_sin", "cos_sin_positions", "inv_freq"])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 16), (8, 8, 32)], ids=str)
-def test_rotary(heads, mode, dtype):
+def test_rotary_matches_reference(heads, mode, dtype):
     from kernels.rotary import rotary_cos_sin_ref, rotary_embedding_, rotary_embedding_ref
 
     num_q, num_kv, head_dim = heads
@@ -136,7 +136,7 @@ def test_rotary(heads, mode, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 2 * 1536), (1, 2 * 100), (3, 2, 2 * 64)], ids=str)
-def test_silu_and_mul(shape, dtype):
+def test_silu_and_mul_matches_reference(shape, dtype):
     from kernels.swiglu import silu_and_mul, silu_and_mul_ref
 
     gate_up = randn(*shape, dtype=dtype) * 3
@@ -149,7 +149,7 @@ def test_silu_and_mul(shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", [(3, 64, 16), (1, 128, 8), (8, 32, 5)], ids=str)
-def test_write_kv_cache(layout, dtype):
+def test_write_kv_cache_matches_reference(layout, dtype):
     from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 
     num_kv, head_dim, block_size = layout
@@ -171,7 +171,7 @@ def test_write_kv_cache(layout, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mnk", [(1, 576, 576), (7, 1536, 576), (33, 100, 130)], ids=str)
-def test_int8_matmul(mnk, dtype):
+def test_int8_matmul_matches_reference(mnk, dtype):
     from kernels.int8_matmul import int8_matmul, int8_matmul_ref, quantize_int8_ref
 
     m, n, k = mnk
@@ -221,8 +221,9 @@ def test_launchers_reject_bad_arguments():
 
 # --- Dispatch ------------------------------------------------------------------------------------
 
-def test_select_ops(monkeypatch):
-    from kernels.ops import CPU_OPS, TORCH_OPS, TRITON_OPS, TritonPagedAttention, select_ops
+def test_select_ops_picks_the_side_for_the_device_and_honours_the_override(monkeypatch):
+    from kernels.ops import CPU_OPS, TORCH_OPS, TRITON_OPS, select_ops
+    from model.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention, attention_for
 
     monkeypatch.delenv("LADDER_KERNELS", raising=False)
     monkeypatch.delenv("LADDER_CPU_KERNELS", raising=False)
@@ -230,7 +231,8 @@ def test_select_ops(monkeypatch):
     monkeypatch.setenv("LADDER_CPU_KERNELS", "0")
     assert select_ops("cpu") is TORCH_OPS
     monkeypatch.delenv("LADDER_CPU_KERNELS")
-    assert TORCH_OPS.paged_attention is None and TRITON_OPS.paged_attention is TritonPagedAttention
+    backends = {ops.name: type(attention_for(ops, 16, None)) for ops in (TORCH_OPS, CPU_OPS, TRITON_OPS)}
+    assert backends == {"torch": TorchPagedAttention, "cpu": CpuPagedAttention, "triton": TritonPagedAttention}
     expected_on_cuda = TORCH_OPS if INTERPRETING else TRITON_OPS
     assert select_ops("cuda") is expected_on_cuda
     monkeypatch.setenv("LADDER_KERNELS", "torch")

@@ -74,7 +74,7 @@ DECODE_LENGTHS = [1, 16, 17, 64, 65, 130]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits,window", [(None, None), (1, None), (3, 20)], ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=str)
-def test_decode_attention(heads, num_splits, window, dtype):
+def test_decode_attention_matches_reference(heads, num_splits, window, dtype):
     from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     b = paged_batch([(n - 1, 1) for n in DECODE_LENGTHS], heads, dtype)
@@ -94,7 +94,7 @@ PREFILL_SHAPES = [(0, 37), (20, 1), (16, 9), (0, 1), (33, 70)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 20], ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=str)
-def test_prefill_attention(heads, window, dtype):
+def test_prefill_attention_matches_reference(heads, window, dtype):
     from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     b = paged_batch(PREFILL_SHAPES, heads, dtype, seed=3)
@@ -109,7 +109,7 @@ def test_prefill_attention(heads, window, dtype):
 
 def model_inputs(shapes, heads, seed):
     """Metadata from the model's builder, plus new q, k, v and an empty cache."""
-    from model.attention import AttentionMetadata
+    from model.attention_metadata import AttentionMetadata
 
     num_heads, num_kv_heads, head_dim = heads
     per_seq = 9
@@ -128,9 +128,8 @@ def model_inputs(shapes, heads, seed):
 def test_backends_match_model_attention(shapes, window):
     """The reference and the Triton backend both compute what model.attention.TorchPagedAttention does."""
     from kernels.kv_cache import write_kv_cache_ref
-    from kernels.ops import TritonPagedAttention
     from kernels.paged_attention import paged_attention_ref
-    from model.attention import TorchPagedAttention
+    from model.attention import TorchPagedAttention, TritonPagedAttention
 
     heads = (9, 3, 64)
     meta, q, k, v, cache = model_inputs(shapes, heads, seed=7)

@@ -10,7 +10,7 @@ from tiny_models import make_hf_model
 
 import model
 from kernels.runtime import HAS_TRITON, TRITON_IMPORT_ERROR
-from model.attention import AttentionMetadata
+from model.attention_metadata import AttentionMetadata
 from model.generator import Generator
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason=f"triton is not importable ({TRITON_IMPORT_ERROR})")

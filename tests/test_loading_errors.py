@@ -35,11 +35,11 @@ def assert_one_line_error(source, *fragments):
     return message
 
 
-def test_missing_path(tmp_path):
+def test_missing_path_is_one_line_error(tmp_path):
     assert_one_line_error(tmp_path / "nope", "nope", "no such file")
 
 
-def test_missing_config(hf_dir, tmp_path):
+def test_missing_config_is_one_line_error(hf_dir, tmp_path):
     broken = copy_dir(hf_dir, tmp_path / "m")
     (broken / "config.json").unlink()
     assert_one_line_error(broken, "config.json", "missing")
@@ -104,13 +104,13 @@ def gguf_file(tmp_path_factory):
     return path
 
 
-def test_truncated_gguf(gguf_file, tmp_path):
+def test_truncated_gguf_is_one_line_error(gguf_file, tmp_path):
     broken = tmp_path / "cut.gguf"
     broken.write_bytes(gguf_file.read_bytes()[: gguf_file.stat().st_size - 1000])
     assert_one_line_error(broken, "cut.gguf")
 
 
-def test_not_a_gguf(tmp_path):
+def test_not_a_gguf_is_one_line_error(tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all" * 10)
     assert_one_line_error(junk, "junk.gguf", "GGUF")

@@ -1,14 +1,15 @@
-"""loadtest's parts without a server: SSE parsing, arrivals, metrics math, Prometheus, workloads."""
+"""loadtest's parts without a server: SSE parsing, the clock, arrivals, metrics math, Prometheus, workloads."""
 
 import json
 import math
 import random
+import time
 
 import numpy as np
 import pytest
 
 from loadtest.arrivals import arrival_offsets, num_arrivals
-from loadtest.client import BROKEN_STREAM, ERROR_EVENT, RequestRecord, _StreamState, api_root
+from loadtest.client import BROKEN_STREAM, ERROR_EVENT, OpenAIClient, RequestRecord, _StreamState, api_root
 from loadtest.config import LoadShape, LoadTestError, Slo, Sweep, WorkloadConfig
 from loadtest.metrics import Distribution, meets_slo, summarize
 from loadtest.report import json_safe
@@ -98,6 +99,16 @@ def test_stream_state_failures():
 def test_api_root():
     assert api_root("http://h:1/v1/") == "http://h:1"
     assert api_root("http://h:1") == "http://h:1"
+
+
+# clock
+
+
+def test_a_client_reads_perf_counter_unless_given_another_clock():
+    client = OpenAIClient("http://h:1", None, "completions", timeout=1.0)
+    before = time.perf_counter()
+    now = client.clock.now()
+    assert before <= now <= time.perf_counter()
 
 
 # arrivals

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import model
-from model.attention import AttentionMetadata
+from model.attention_metadata import AttentionMetadata
 from model.generator import Generator
 from tiny_models import FAMILIES, hf_config, make_hf_model, write_gguf
 
@@ -40,7 +40,7 @@ def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_config_mapping(family_models):
+def test_config_maps_from_hf_fields(family_models):
     family, hf, ours = family_models
     cfg = ours.config
     assert cfg.num_kv_heads == 2 and cfg.num_heads == 4
@@ -55,7 +55,7 @@ def test_logits_match_transformers(family_models):
     ids = prompt(57, seed=1)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    out = Generator(ours.module, 64).step(ids, 0)
+    out = Generator(ours.module, 64).step(ids)
     assert relative_error(out, ref) < 1e-4
 
 
@@ -116,15 +116,15 @@ def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
     ids = prompt(45, seed=3)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    assert relative_error(Generator(ours.module, 64).step(ids, 0), ref) < 1e-4
+    assert relative_error(Generator(ours.module, 64).step(ids), ref) < 1e-4
 
 
-def test_bf16_close_to_fp32(family_models, tmp_path):
+def test_bf16_logits_stay_close_to_fp32(family_models, tmp_path):
     family, hf, ours = family_models
     ids = prompt(30, seed=5)
     directory = tmp_path / family
     hf.save_pretrained(directory, safe_serialization=True)
     low = model.load(directory, dtype="bf16")
     assert low.module.embed_tokens.weight.dtype == torch.bfloat16
-    ref = Generator(ours.module, 64).step(ids, 0)
-    assert relative_error(Generator(low.module, 64).step(ids, 0), ref) < 3e-2
+    ref = Generator(ours.module, 64).step(ids)
+    assert relative_error(Generator(low.module, 64).step(ids), ref) < 3e-2

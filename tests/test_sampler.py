@@ -67,7 +67,7 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
         assert a(logits, ra).token_ids[0] == b(torch.cat([noise[:1], logits]), rb).token_ids[1]
 
 
-def test_penalties():
+def test_penalties_change_the_greedy_choice():
     logits = torch.tensor([[2.0, 1.0, -1.0, 1.5, 0.0]])
     rep = Sampler()(logits, requests(SamplingParams(temperature=0, repetition_penalty=2.0)))
     assert rep.token_ids == [3]  # prompt tokens 0 and 1 are penalized: 2.0 / 2 = 1.0 < 1.5

@@ -38,7 +38,7 @@ def client(server):
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_models(client):
+def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
 

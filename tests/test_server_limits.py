@@ -145,7 +145,7 @@ def fuzz_app(tiny_dir):
     state.engine.shutdown()
 
 
-def test_api_fuzz(fuzz_app):
+def test_fuzzed_requests_get_no_5xx_and_fit_the_schema(fuzz_app):
     """No 5xx, and every response fits the schema, for inputs generated from the API's own OpenAPI."""
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -81,7 +81,7 @@ def hf() -> Any:
 
 
 @slow
-def test_gguf_facts(tok: Tokenizer) -> None:
+def test_gguf_special_tokens_and_vocab_size_are_read(tok: Tokenizer) -> None:
     assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", 1, "<|im_end|>", 2)
     assert tok.add_bos_token is False
     assert tok.vocab_size == 49152
@@ -120,7 +120,7 @@ def test_digits_are_single_tokens(tok: Tokenizer, hf: Any) -> None:
 
 
 @slow
-def test_round_trip(tok: Tokenizer) -> None:
+def test_decode_of_encode_gives_the_text_back(tok: Tokenizer) -> None:
     for text in TEXTS + DIGIT_TEXTS:
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     assert tok.decode(tok.encode("<|im_start|>user\nhi<|im_end|>")) == "user\nhi"
@@ -299,7 +299,7 @@ def test_chat_template_errors(template: str) -> None:
         assert str(info.value).endswith(": x")
 
 
-def test_no_chat_template(spm: Tokenizer) -> None:
+def test_no_chat_template_is_refused(spm: Tokenizer) -> None:
     with pytest.raises(ValueError, match="no chat template"):
         spm.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -313,7 +313,7 @@ def _write_hf_dir(directory: Path, tok: Tokenizer, config: dict[str, Any]) -> No
 
 
 @slow
-def test_hf_dir_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
+def test_hf_dir_tokenizer_matches_gguf_one(tok: Tokenizer, tmp_path: Path) -> None:
     config = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "chat_template": tok.chat_template}
     _write_hf_dir(tmp_path, tok, config)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}), encoding="utf-8")

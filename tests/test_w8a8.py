@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from compile import smooth
-from compile.parity import Sequences
-from compile.quantize import W8A8Linear, apply_precision
+from model.sequences import Sequences
+from model.quantization import W8A8Linear, apply_precision
 from kernels.int8_matmul import quantize_int8_ref
 from model.loader import load
 from tiny_models import make_hf_model

@@ -3,39 +3,47 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from compile.manifest import ArtifactError, Manifest, check_device, read_manifest
+from engine.backends.manifest import Manifest, check_device, read_manifest
 from model.config import ModelConfig
 from model.loader import LoadedModel
+from model.step import StepModel
 from model.tokenizer import Tokenizer
 
 TOKENIZER_DIR = "tokenizer"
 
 
-def load_backend(directory: Path, manifest: Manifest, device: torch.device):
+@dataclass
+class LoadedArtifact(LoadedModel):
+    """A loaded model that came from an artifact: its runtime, and the manifest it was checked against."""
+
+    manifest: Manifest
+
+
+def load_backend(directory: Path, manifest: Manifest, device: torch.device) -> StepModel:
     """The backend's step model from the files in `directory` (already checked against the manifest)."""
     block_size = manifest.shapes["block_size"]
     if manifest.backend == "torch-compile":
-        from compile import torch_backend
+        from engine.backends import torch_compiled
 
-        return torch_backend.load(directory, manifest.precision, block_size, device, manifest.backend_options)
+        return torch_compiled.load(directory, manifest.precision, block_size, device, manifest.backend_options)
     if manifest.backend == "onnx":
-        from compile import onnx_backend
-        from compile.quantize import activation_dtype
+        from engine.backends.onnx_runtime import OnnxModel
+        from model.quantization import activation_dtype
 
         config = ModelConfig.from_dict(manifest.model["config"])
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None  # None: CUDA first
-        return onnx_backend.OnnxModel.load(directory, config, block_size, activation_dtype(manifest.precision),
-                                           providers=providers)
-    from compile import tensorrt_backend
+        return OnnxModel.load(directory, config, block_size, activation_dtype(manifest.precision), providers=providers)
+    from engine.backends.tensorrt_runtime import TensorRTModel
 
-    return tensorrt_backend.TensorRTModel.load(directory, manifest, device)
+    return TensorRTModel.load(directory, manifest, device)
 
 
-def load_artifact(directory: str | Path, device: str | torch.device | None = None) -> LoadedModel:
+def load_artifact(directory: str | Path, device: str | torch.device | None = None) -> LoadedArtifact:
     """Check the manifest and every file's sha256, then load; ArtifactError says what does not match."""
     start = time.perf_counter()
     directory = Path(directory).expanduser().resolve()
@@ -47,8 +55,5 @@ def load_artifact(directory: str | Path, device: str | torch.device | None = Non
     tokenizer = Tokenizer.from_saved(tokenizer_dir) if tokenizer_dir.is_dir() else None
     config = ModelConfig.from_dict(manifest.model["config"])
     name = manifest.model.get("name") or directory.name
-    return LoadedModel(config, step_model, tokenizer, name, directory, time.perf_counter() - start,
-                       kv_cache_dtype=step_model.kv_cache_dtype, manifest=manifest)
-
-
-__all__ = ["ArtifactError", "load_artifact"]
+    return LoadedArtifact(config, step_model, tokenizer, name, directory, time.perf_counter() - start,
+                          manifest=manifest)

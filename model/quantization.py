@@ -1,5 +1,8 @@
 """Precision changes applied to a built model: 16-bit casts and two INT8 forms of the linear layers.
 
+They are module swaps and weight transforms applied from outside `model/llama.py`: `ladder compile`
+applies them offline, and the artifact runtimes rebuild the same modules when they load the weights.
+
 Both INT8 forms swap every `nn.Linear` of the decoder (and the LM head) for an int8 module with weights
 stored int8 and one float32 scale per output channel (symmetric). The embedding stays float: a lookup
 reads a few rows, not the whole table.
@@ -23,6 +26,7 @@ from kernels.int8_matmul import int8_matmul, quantize_int8_ref
 from model.llama import LlamaForCausalLM
 
 FLOAT_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
 
 
 class Int8Weights(nn.Module):
@@ -135,7 +139,7 @@ def apply_precision(module: LlamaForCausalLM, precision: str) -> LlamaForCausalL
         return module
     if precision in INT8_LINEARS:
         return quantize_int8(module.float(), precision)
-    raise ValueError(f"unknown precision {precision!r} (choose from fp32, fp16, bf16, int8, w8a8)")
+    raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
 
 
 def activation_dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,37 @@
+"""A few sequences on a private paged cache: the smallest driver of a `StepModel`.
+
+Each sequence owns its own run of blocks, so no block manager or scheduler is needed. Generation
+(`model/generator.py`), the compile pipeline's parity report and decode benchmark, and the warm-up of
+compiled artifacts drive models through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_layout import blocks_for_tokens
+from model.step import SeqChunk, StepModel, build_step, run_step
+
+
+class Sequences:
+    def __init__(self, model: StepModel, num_seqs: int, max_len: int) -> None:
+        """Reserve room for `num_seqs` sequences of up to `max_len` tokens each."""
+        self.model = model
+        self.max_len = max_len
+        blocks_per_seq = blocks_for_tokens(max_len, model.block_size)
+        self.kv_caches = model.allocate_kv_caches(num_seqs * blocks_per_seq)
+        self.tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        self.lengths = [0] * num_seqs
+
+    def step(self, new_tokens: list[list[int]], all_rows: bool = False) -> torch.Tensor:
+        """Append new_tokens[s] to sequence s (empty: skip it); logits [rows, vocab] float32 of each
+        sequence's last token, or of every new token with all_rows."""
+        chunks = []
+        for s, tokens in enumerate(new_tokens):
+            if self.lengths[s] + len(tokens) > self.max_len:
+                raise ValueError(f"sequence of {self.lengths[s] + len(tokens)} tokens exceeds the reserved "
+                                 f"{self.max_len}")
+            chunks.append(SeqChunk(tokens, self.lengths[s], self.tables[s], len(tokens) if all_rows else 1))
+            self.lengths[s] += len(tokens)
+        inputs = build_step(chunks, self.model.block_size, self.model.device)
+        return run_step(self.model, inputs, self.kv_caches).float()

@@ -1,0 +1,91 @@
+"""The one step interface every runnable model implements, and the function that builds its inputs.
+
+A step runs the new tokens of S sequences, laid end to end as one flat batch, over a paged KV cache:
+it writes their keys and values into the cache and returns the logits of the rows whose next token is
+drawn. The eager `LlamaForCausalLM` implements `StepModel`, and so does each artifact runtime
+(`engine/backends/`: compiled torch, ONNX Runtime, TensorRT). Every driver (the engine's runner, the
+small `Sequences` driver of generation, parity and benchmarks) builds a step with `build_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kernels.kv_layout import kv_cache_shape
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+
+
+class StepModel(Protocol):
+    config: ModelConfig
+    block_size: int  # tokens per KV block
+    kv_cache_dtype: torch.dtype
+    device: torch.device  # where its caches and step inputs live
+
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """The attention plan of a step: the tensors every layer shares (backend-specific)."""
+
+    def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """Zeroed caches, one per layer, each `kernels.kv_cache.kv_cache_shape(num_blocks, ...)`."""
+
+    def sample_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      plan: Any, sample_rows: torch.Tensor) -> torch.Tensor:
+        """Run one step: input_ids, positions [T] int64, sample_rows [B] int64 -> logits [B, vocab] float32;
+        the step's keys and values are written into `kv_caches` in place."""
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's part of a step."""
+
+    token_ids: Sequence[int]  # the new tokens
+    num_cached: int  # tokens of the sequence already in the cache before them
+    block_table: list[int]  # the sequence's blocks, enough for num_cached + len(token_ids) tokens
+    num_sampled: int = 1  # how many of the new tokens, counted from the last, give logits
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [B] int64 rows of the flat batch whose logits are returned
+
+
+def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str) -> StepInputs:
+    """Flat tensors for a step from plain lists; chunks without tokens are skipped."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens, seq_lens, tables, sample_rows = [], [], [], []
+    for chunk in chunks:
+        if not chunk.token_ids:
+            continue
+        end = chunk.num_cached + len(chunk.token_ids)
+        input_ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.num_cached, end))
+        query_lens.append(len(chunk.token_ids))
+        seq_lens.append(end)
+        tables.append(chunk.block_table)
+        sample_rows.extend(range(len(input_ids) - chunk.num_sampled, len(input_ids)))
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    as_long = {"dtype": torch.long, "device": device}
+    return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
+                      torch.tensor(sample_rows, **as_long))
+
+
+@torch.inference_mode()
+def run_step(model: StepModel, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    """Logits [B, vocab] float32 of the step's sample rows (B may be 0: prefill chunks only)."""
+    plan = model.plan(inputs.attn_metadata)
+    return model.sample_logits(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows)
+
+
+def allocate_kv_caches(config: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
+                       device: torch.device | str) -> list[torch.Tensor]:
+    """Zeroed paged caches, one per layer."""
+    shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
