@@ -16,7 +16,7 @@ import torch
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.int8_matmul import int8_matmul, int8_matmul_ref, quantize_int8_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
-from kernels.kv_layout import blocks_for_tokens
+from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rope_frequencies, rotary_cos_sin_ref, rotary_embedding_, rotary_embedding_ref
@@ -100,7 +100,8 @@ def kv_write_case(tokens: int, num_kv: int, head_dim: int, block_size: int, dtyp
         num_blocks = 2 * tokens // block_size
         return {"k": _randn(g, tokens, num_kv, head_dim, dtype=dtype, device=device),
                     "v": _randn(g, tokens, num_kv, head_dim, dtype=dtype, device=device),
-                    "kv_cache": torch.zeros(2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=device),
+                    "kv_cache": torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv, head_dim), dtype=dtype,
+                                            device=device),
                     "slot_mapping": torch.randperm(num_blocks * block_size, generator=g, device=device)[:tokens]}
 
     elements = 2 * tokens * num_kv * head_dim
