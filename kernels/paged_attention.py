@@ -1,11 +1,12 @@
 """The reference for attention over a paged KV cache, and the checks its kernels share.
 
 Semantics: the flat batch holds the new tokens of S sequences end to end, sequence s owning rows
-query_start_loc[s]:query_start_loc[s+1]. Its seq_lens[s] tokens (cached context, then the new ones, already written to the cache) sit at positions 0..seq_len-1,
-token p in block block_tables[s, p // block_size] at row p % block_size. New token i of sequence s is at
-position seq_lens[s] - num_new[s] + i and attends causally to positions <= its own, and with a sliding
-window w only to positions > its own - w. Queries may have more heads than the cache (grouped-query
-attention: query head h reads KV head h // (num_heads / num_kv_heads)).
+query_start_loc[s]:query_start_loc[s+1]. Its seq_lens[s] tokens (cached context, then the new ones,
+already written to the cache) sit at positions 0..seq_len-1, token p in block
+block_tables[s, p // block_size] at row p % block_size. New token i of sequence s is at position
+seq_lens[s] - num_new[s] + i and attends causally to positions <= its own, and with a sliding window w
+only to positions > its own - w. Queries may have more heads than the cache (grouped-query attention:
+query head h reads KV head h // (num_heads / num_kv_heads)).
 
 Decode (one new token per sequence) and prefill chunks compute the same function; their kernels live
 in decode_attention.py and prefill_attention.py. `plan_gather` and `gathered_attention` are that function

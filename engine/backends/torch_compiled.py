@@ -1,10 +1,10 @@
 """The `torch-compile` artifact runtime: the model's own module, compiled by `torch.compile` (Inductor).
 
-The artifact (`compile/pipeline.py` writes it) holds the weights after the precision change (`model.safetensors`: float, or int8 with
-per-channel scales; a tied LM head gets its own copy once quantized or smoothed), the model config and the
-tokenizer; the manifest's `backend_options` hold the `torch.compile` arguments. Loading rebuilds exactly
-that module and compiles it again; Inductor's on-disk cache, warmed by `ladder compile` on the same
-machine, makes that quick.
+The artifact (`compile/pipeline.py` writes it) holds the weights after the precision change
+(`model.safetensors`: float, or int8 with per-channel scales; a tied LM head gets its own copy once
+quantized or smoothed), the model config and the tokenizer; the manifest's `backend_options` hold the
+`torch.compile` arguments. Loading rebuilds exactly that module and compiles it again; Inductor's on-disk
+cache, warmed by `ladder compile` on the same machine, makes that quick.
 
 What Inductor sees: one step, `sample_logits(input_ids, positions, kv_caches, plan, sample_rows)`, with
 every batch dimension dynamic. Paged attention stays one opaque custom op (`ladder::paged_attention`,
