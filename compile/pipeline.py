@@ -23,7 +23,7 @@ import torch
 
 from compile import bench, parity
 from compile.manifest import describe_device, library_versions, sha256_source, write_artifact
-from engine.backends.artifact import TOKENIZER_DIR, load_backend
+from engine.backends.artifact import TOKENIZER_DIR, LoadedArtifact, load_backend, loaded_artifact
 from engine.backends.manifest import BACKENDS, ArtifactError, Manifest
 from model.loader import load
 from model.quantization import PRECISIONS, apply_precision
@@ -141,7 +141,9 @@ def backend_options(options: CompileOptions) -> dict[str, Any]:
     return {}
 
 
-def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Manifest]:
+def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
+    """Compile, verify and write the artifact; returns it as verified: loaded back from its files (and,
+    for torch-compile, compiled), ready to serve (`LLM(loaded=...)`)."""
     log = log or StageLog()
     check_options(options)
     device = torch.device(options.device)
@@ -186,7 +188,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> tuple[Path, Man
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.write(summary(out, manifest, log.seconds, files))
-    return out, manifest
+    return loaded_artifact(out, manifest, model, log.seconds["build"])
 
 
 def benchmark(model, options: CompileOptions, batches: list[int]) -> dict[str, dict[str, float]]:

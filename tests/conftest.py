@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -25,3 +26,23 @@ def default_model():
     import model
 
     return model.load()
+
+
+# Files that take minutes (Inductor compiles) go first, so that under pytest-xdist (`make test` runs two
+# workers, a file per worker) they overlap the many short files instead of running last on their own.
+FIRST = ("test_compile_default.py", "test_compile.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
+def pytest_configure(config):
+    # Each xdist worker takes its share of the cores: two workers of two torch threads each on a
+    # 2-core machine spin against each other and run several times slower than one.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))

@@ -42,7 +42,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_model, tmp_path_factory):
-    """Every torch-compile precision by name, and the ONNX ones as onnx-<precision>."""
+    """Every torch-compile precision by name, and the ONNX ones as onnx-<precision>: each a LoadedArtifact
+    as `ladder compile` verified it (loaded back from its files), which the serving tests share."""
     root = tmp_path_factory.mktemp("artifacts")
     built = {}
     for backend, precision in BUILDS:
@@ -52,23 +53,9 @@ def artifacts(tiny_model, tmp_path_factory):
     return built
 
 
-@pytest.fixture(scope="module")
-def served(artifacts):
-    """Each artifact loaded from its files once, on first use (a torch-compile artifact compiles as it
-    loads), and shared by the serving tests: every engine allocates its own caches."""
-    loaded = {}
-
-    def get(name: str):
-        if name not in loaded:
-            loaded[name] = load_artifact(artifacts[name][0])
-        return loaded[name]
-
-    return get
-
-
 @pytest.mark.parametrize("precision", ALL)
 def test_parity_report_within_bounds(artifacts, precision):
-    _, manifest = artifacts[precision]
+    manifest = artifacts[precision].manifest
     report = manifest.parity
     assert report["perplexity_change"] <= PPL_BOUND[precision], report
     assert report["greedy_tokens_compared"] == 4 * 64
@@ -78,7 +65,7 @@ def test_parity_report_within_bounds(artifacts, precision):
 
 
 def test_manifest_records_what_was_built(artifacts):
-    out, manifest = artifacts["int8"]
+    out = artifacts["int8"].path
     data = json.loads((out / MANIFEST_NAME).read_text())
     assert data["format_version"] == FORMAT_VERSION
     assert data["backend"] == "torch-compile" and data["precision"] == "int8"
@@ -97,11 +84,11 @@ def test_manifest_records_what_was_built(artifacts):
 
 
 def test_w8a8_manifest_records_its_calibration(artifacts):
-    out, _ = artifacts["w8a8"]
+    out = artifacts["w8a8"].path
     record = read_manifest(out).quantization
     assert record["calibration_tokens"] == 2048 and record["calibration_text"] == "pydoc_data.topics"
     assert len(record["alphas"]) == 2 * 3 + 1 and "lm_head" in record["alphas"]
-    assert read_manifest(artifacts["fp32"][0]).quantization == {}
+    assert read_manifest(artifacts["fp32"].path).quantization == {}
 
 
 def _prompts():
@@ -110,8 +97,8 @@ def _prompts():
 
 
 @pytest.mark.parametrize("precision", ALL)
-def test_artifact_batched_with_preemption_equals_one_at_a_time(served, precision):
-    loaded = served(precision)
+def test_artifact_batched_with_preemption_equals_one_at_a_time(artifacts, precision):
+    loaded = artifacts[precision]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone_llm = LLM(loaded=loaded, kv_cache_memory_gib=0.001)
     alone = [alone_llm.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
@@ -123,21 +110,20 @@ def test_artifact_batched_with_preemption_equals_one_at_a_time(served, precision
     assert batched == alone
 
 
-def test_llm_serves_artifact_text(served):
-    # LLM(artifact=path), the way a user names one, runs in tests/test_compile_default.py.
-    llm = LLM(loaded=served("fp32"))
+def test_llm_serves_artifact_text(artifacts):
+    llm = LLM(artifact=str(artifacts["fp32"].path))  # by its path, as a user names one: checked and loaded
     result = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(result.outputs[0].token_ids) == 8 and isinstance(result.outputs[0].text, str)
     assert llm.engine.max_model_len == 256
     with pytest.raises(ValueError, match="exceeds the 256 tokens"):
-        LLM(loaded=served("fp32"), max_model_len=512)
+        LLM(loaded=artifacts["fp32"], max_model_len=512)
 
 
 @pytest.fixture
 def copy_of(artifacts, tmp_path):
     def make(precision: str = "fp32"):
         target = tmp_path / f"copy-{precision}"
-        shutil.copytree(artifacts[precision][0], target)
+        shutil.copytree(artifacts[precision].path, target)
         return target
     return make
 
@@ -191,7 +177,7 @@ def test_cli_refusals_are_one_line(tmp_path, tiny_model, artifacts):
         result = _ladder("compile", "--model", str(tiny_model), "--backend", "tensorrt", "--out", str(tmp_path / "t"))
         assert result.returncode == 1 and "needs an NVIDIA GPU" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "t").exists()
-    existing = artifacts["fp32"][0]
+    existing = artifacts["fp32"].path
     result = _ladder("compile", "--model", str(tiny_model), "--backend", "torch-compile", "--out", str(existing))
     assert result.returncode == 1 and "already exists" in result.stderr
     result = _ladder("compile", "--model", str(tiny_model), "--backend", "onnx", "--precision", "w8a8",
@@ -202,12 +188,12 @@ def test_cli_refusals_are_one_line(tmp_path, tiny_model, artifacts):
     assert result.returncode == 1 and "no such artifact directory" in result.stderr
 
 
-def test_serve_artifact_over_http(artifacts, served, tmp_path):
+def test_serve_artifact_over_http(artifacts, tmp_path):
     import httpx
 
     from server_process import ServerProcess
 
-    out, _ = artifacts["int8"]
+    out = artifacts["int8"].path
     server = ServerProcess("--artifact", str(out), "--served-model-name", "tiny-int8", log=tmp_path / "serve.log")
     try:
         models = httpx.get(server.url + "/v1/models", timeout=10).json()
@@ -218,7 +204,7 @@ def test_serve_artifact_over_http(artifacts, served, tmp_path):
         assert first["usage"]["completion_tokens"] == 6
         assert first["choices"][0]["text"] == again["choices"][0]["text"]
         # The same artifact offline gives the same text.
-        offline = LLM(loaded=served("int8")).generate("Hello", SamplingParams(temperature=0, max_tokens=6,
+        offline = LLM(loaded=artifacts["int8"]).generate("Hello", SamplingParams(temperature=0, max_tokens=6,
                                                                           ignore_eos=True))[0]
         assert offline.outputs[0].text == first["choices"][0]["text"]
     finally:

@@ -51,9 +51,13 @@ def load_artifact(directory: str | Path, device: str | torch.device | None = Non
     device = torch.device(device or manifest.device["type"])
     check_device(manifest, device)
     step_model = load_backend(directory, manifest, device)
+    return loaded_artifact(directory, manifest, step_model, time.perf_counter() - start)
+
+
+def loaded_artifact(directory: Path, manifest: Manifest, step_model: StepModel, load_seconds: float) -> LoadedArtifact:
+    """An artifact's step model (from `load_backend` on its files) with what the engine serves beside it."""
     tokenizer_dir = directory / TOKENIZER_DIR
     tokenizer = Tokenizer.from_saved(tokenizer_dir) if tokenizer_dir.is_dir() else None
     config = ModelConfig.from_dict(manifest.model["config"])
     name = manifest.model.get("name") or directory.name
-    return LoadedArtifact(config, step_model, tokenizer, name, directory, time.perf_counter() - start,
-                          manifest=manifest)
+    return LoadedArtifact(config, step_model, tokenizer, name, directory, load_seconds, manifest=manifest)
