@@ -50,7 +50,9 @@ def plan_gather(
     rows = torch.arange(max_query_len, device=device)  # [max_q]
     query_valid = rows[None, :] < query_lens[:, None]
     query_index = torch.where(query_valid, query_start_loc[:-1, None] + rows[None, :], 0)
-    num_blocks = blocks_for_tokens(max_seq_len, block_size)
+    # At least two blocks (when the tables have them), so the plan's tables never have a row stride of 1:
+    # compilers specialize on it. The extra block is masked out like any slot past a sequence's end.
+    num_blocks = min(max(2, blocks_for_tokens(max_seq_len, block_size)), block_tables.shape[1])
     keys = torch.arange(num_blocks * block_size, device=device)  # [L]
     # Absolute position of each padded query; causality then also hides slots past seq_len.
     query_pos = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, max_q]

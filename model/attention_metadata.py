@@ -58,7 +58,9 @@ class AttentionMetadata:
                 raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {s_len} tokens")
             for pos in range(s_len - q_len, s_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-        width = max(len(t) for t in block_tables)
+        # At least two columns: with one, a table's row stride is 1, which torch.compile specializes on
+        # (sizes and strides of 0 and 1 are special cases), compiling a second graph for short batches.
+        width = max(2, *(len(t) for t in block_tables))
         padded = [t + [t[0]] * (width - len(t)) for t in block_tables]
         starts = [0]
         for q_len in query_lens:

@@ -56,8 +56,12 @@ class StepInputs:
     sample_rows: torch.Tensor  # [B] int64 rows of the flat batch whose logits are returned
 
 
+@torch.inference_mode()
 def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str) -> StepInputs:
-    """Flat tensors for a step from plain lists; chunks without tokens are skipped."""
+    """Flat tensors for a step from plain lists; chunks without tokens are skipped.
+
+    Built under inference mode like the step itself, so every step's tensors carry the same dispatch
+    keys: a compiled model guards on them and would compile again for a step built the other way."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
