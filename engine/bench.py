@@ -173,9 +173,10 @@ def format_table(report: dict) -> str:
     header = f"{'backend':<14}{'seconds':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'vs transformers':>17}"
     lines = [header, "-" * len(header)]
     for name, row in report["results"].items():
-        ratio = row.get("speedup", 1.0 if name == "transformers" else float("nan"))
+        ratio = row.get("speedup", 1.0 if name == "transformers" else None)
+        shown = "-" if ratio is None else f"{ratio:.2f}x"  # --skip-hf: nothing to compare with
         lines.append(f"{name:<14}{row['seconds']:>10.2f}{row['requests_per_s']:>10.2f}"
-                     f"{row['output_tokens_per_s']:>12.1f}{row['total_tokens_per_s']:>13.1f}{ratio:>16.2f}x")
+                     f"{row['output_tokens_per_s']:>12.1f}{row['total_tokens_per_s']:>13.1f}{shown:>17}")
     if "transformers" in report["results"]:
         lines.append(f"transformers ran in {report['results']['transformers']['dtype']}")
     steps = report["engine_step_seconds"]
