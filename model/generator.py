@@ -25,7 +25,6 @@ class GenerationStep:
 class Generator:
     def __init__(self, module: StepModel, max_len: int) -> None:
         """Reserve a cache for one sequence of up to `max_len` tokens (prompt plus output)."""
-        self.module = module
         self.max_len = max_len
         self.device = module.device
         self.sequence = Sequences(module, 1, max_len)
