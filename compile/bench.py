@@ -2,7 +2,8 @@
 
 Each model gets its own batch of prompts, prefilled once; then rounds of decode steps alternate between
 the models, so a slow spell on a shared machine lands on both sides instead of skewing one. A figure is
-the median step time over every timed step of that model. Both sides run the same driver
+the median step time over every timed step of that model; on CUDA a step is timed with events on the
+stream and waited for, so queued kernels are not mistaken for finished ones. Both sides run the same driver
 (`model.sequences.Sequences`), so the ratio compares the models, not the harness.
 """
 
@@ -43,11 +44,24 @@ class _Decoder:
         self.times: list[float] = []
 
     def step(self, timed: bool) -> None:
-        tokens = self.logits.argmax(dim=-1).tolist()
-        start = time.perf_counter()
+        tokens = self.logits.argmax(dim=-1).tolist()  # waits for the previous step's work
+        device = self.seqs.model.device
+        if device.type != "cuda":
+            start = time.perf_counter()
+            self.logits = self.seqs.step([[t] for t in tokens])
+            if timed:
+                self.times.append(time.perf_counter() - start)
+            return
+        # A CUDA step returns once its kernels are queued: time it with events on the stream, from before
+        # the host builds the step's tensors to after its last kernel (host work counts, as it does for
+        # the engine), and wait for the end event before reading it.
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         self.logits = self.seqs.step([[t] for t in tokens])
+        end.record()
+        end.synchronize()
         if timed:
-            self.times.append(time.perf_counter() - start)
+            self.times.append(begin.elapsed_time(end) / 1e3)
 
 
 def compare_decode(models: dict[str, StepModel], batch: int, vocab_size: int, prompt_len: int = PROMPT_LEN,

@@ -130,15 +130,16 @@ def _exportable(module: LlamaForCausalLM) -> Iterator[ExportPagedAttention]:
             setattr(obj, name, value)
 
 
-def example_step(config: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype):
-    """A small mixed batch (a prefill chunk and a decode) to trace with: (args, kv_caches). No dim is
-    0 or 1: the exporter would specialise it."""
-    meta = AttentionMetadata.build([5, 1], [5, block_size + 3], [[1], [2, 3]], block_size)
+def example_step(config: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+    """A small mixed batch (a prefill chunk and a decode) to trace with: (args, kv_caches), on the
+    model's `device`. No dim is 0 or 1: the exporter would specialise it."""
+    meta = AttentionMetadata.build([5, 1], [5, block_size + 3], [[1], [2, 3]], block_size, device)
     plan = TorchPagedAttention(block_size, config.sliding_window).plan(meta)
-    input_ids = torch.arange(6, dtype=torch.long) % config.vocab_size
-    positions = torch.tensor([0, 1, 2, 3, 4, block_size + 2], dtype=torch.long)
-    sample_rows = torch.tensor([4, 5], dtype=torch.long)
-    caches = allocate_kv_caches(config, block_size, num_blocks, dtype, "cpu")
+    input_ids = torch.arange(6, dtype=torch.long, device=device) % config.vocab_size
+    positions = torch.tensor([0, 1, 2, 3, 4, block_size + 2], dtype=torch.long, device=device)
+    sample_rows = torch.tensor([4, 5], dtype=torch.long, device=device)
+    caches = allocate_kv_caches(config, block_size, num_blocks, dtype, device)
     args = (input_ids, positions, plan.query_index, plan.output_index, plan.block_tables, plan.mask,
             plan.slot_mapping, plan.seq_lens, sample_rows)
     return args, caches
@@ -204,7 +205,7 @@ def check_available(precision: str, device: torch.device | str = "cpu") -> None:
 def _export_graph(module: LlamaForCausalLM, path: Path, cache_dtype: torch.dtype) -> None:
     """Trace one step of `module` and save it at `path` (weights in `path` + ".data")."""
     cfg = module.config
-    args, caches = example_step(cfg, module.block_size, num_blocks=8, dtype=cache_dtype)
+    args, caches = example_step(cfg, module.block_size, num_blocks=8, dtype=cache_dtype, device=module.device)
     dynamic = torch.export.Dim.DYNAMIC
     num_blocks = torch.export.Dim("num_blocks")  # one symbol shared by every layer's cache
     dims = {

@@ -39,6 +39,7 @@ class CompileOptions:
     max_num_seqs: int = 32
     max_model_len: int = 2048
     block_size: int = 16
+    max_num_batched_tokens: int = 2048  # tokens per step the artifact serves (TensorRT builds for it)
     bench_batch: int = 32
     run_bench: bool = True
 
@@ -67,8 +68,10 @@ def check_options(options: CompileOptions) -> None:
         raise ValueError(f"unknown precision {options.precision!r} (choose from {', '.join(PRECISIONS)})")
     if Path(options.out).exists():
         raise ValueError(f"{options.out}: already exists; choose another --out or remove it")
-    if min(options.max_num_seqs, options.max_model_len, options.block_size, options.bench_batch) < 1:
-        raise ValueError("--max-num-seqs, --max-model-len, --block-size and --bench-batch must be positive")
+    if min(options.max_num_seqs, options.max_model_len, options.block_size, options.bench_batch,
+           options.max_num_batched_tokens) < 1:
+        raise ValueError("--max-num-seqs, --max-model-len, --block-size, --max-num-batched-tokens and "
+                         "--bench-batch must be positive")
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here")
@@ -171,7 +174,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
             model={"name": loaded.name, "source": str(loaded.path), "sha256": source_sha,
                    "config": loaded.config.to_dict()},
             shapes={"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
-                    "block_size": options.block_size},
+                    "block_size": options.block_size, "max_num_batched_tokens": options.max_num_batched_tokens},
             device=describe_device(device), libraries=library_versions(), backend_options=backend_options(options),
             quantization=quantization,
         )

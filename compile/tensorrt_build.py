@@ -1,7 +1,8 @@
 """Building the `tensorrt` backend: a serialized TensorRT engine from the ONNX export.
 
 Built with the TensorRT Python API: the ONNX parser fills a network, one optimization profile covers the
-shapes the artifact declares (tokens per step, sequences, blocks per sequence, cache blocks), and the
+shapes the artifact declares (tokens per step from `--max-num-batched-tokens`, sequences, blocks per
+sequence, cache blocks; zero sampled rows for prompt-only steps), and the
 builder serializes the engine to `model.plan`, which `engine/backends/tensorrt_runtime.py` runs.
 
 TensorRT needs an NVIDIA GPU and the `tensorrt` package; without them `check_available` stops the
@@ -45,6 +46,8 @@ def _profile_shapes(config: ModelConfig, shapes: dict[str, int], tokens: int) ->
     }
     profiles = {name: (tuple(1 for _ in dims), tuple(max(1, d // 2) for d in dims), dims)
                 for name, dims in one.items()}
+    # A step of prompt chunks only samples no row: sample_rows (and the logits) may be empty.
+    profiles["sample_rows"] = ((0,), (max(1, seqs // 2),), (seqs,))
     cache = kv_cache_shape(cache_blocks, bs, config.num_kv_heads, config.head_dim)
     for i in range(config.num_layers):
         profiles[cache_input(i)] = (kv_cache_shape(1, bs, config.num_kv_heads, config.head_dim), cache, cache)
@@ -72,7 +75,8 @@ def build_engine(directory: Path, options: Any, model_config: ModelConfig) -> li
     shapes = {"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
               "block_size": options.block_size}
     profile = builder.create_optimization_profile()
-    for name, (low, opt, high) in _profile_shapes(model_config, shapes, tokens=2048).items():
+    tokens = options.max_num_batched_tokens  # the engine serving the artifact is capped to it (manifest)
+    for name, (low, opt, high) in _profile_shapes(model_config, shapes, tokens).items():
         profile.set_shape(name, low, opt, high)
     config.add_optimization_profile(profile)
     serialized = builder.build_serialized_network(network, config)

@@ -40,6 +40,7 @@ class BenchConfig:
     hf_batch_size: int = 64
     skip_hf: bool = False
     hf_dtype: str | None = None  # transformers' dtype; default: the engine's, float32 for an artifact
+    device: str = "cpu"  # the engine's (EngineConfig.device); transformers runs on the same device
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -89,14 +90,15 @@ def run_engine(engine: LLMEngine, work: Workload) -> float:
     return elapsed
 
 
-def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_id: int) -> tuple[float, float]:
+def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_id: int,
+           device: torch.device | str = "cpu") -> tuple[float, float]:
     """(load seconds, generate seconds) for transformers on the same checkpoint."""
     import transformers
 
     start = time.perf_counter()
     kwargs = {"gguf_file": path.name} if path.is_file() else {}
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent if path.is_file() else path,
-                                                           dtype=dtype, **kwargs).eval()
+                                                           dtype=dtype, **kwargs).eval().to(device)
     loaded = time.perf_counter()
     for first in range(0, len(work.prompts), batch_size):
         prompts = work.prompts[first:first + batch_size]
@@ -105,7 +107,7 @@ def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=pad_id)
         if out.shape[1] != width + new_tokens:
             raise RuntimeError("transformers stopped early")
@@ -113,7 +115,7 @@ def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_
 
 
 def run_bench(config: BenchConfig) -> dict:
-    engine_config = EngineConfig(model=config.model, artifact=config.artifact, dtype=config.dtype,
+    engine_config = EngineConfig(model=config.model, artifact=config.artifact, dtype=config.dtype, device=config.device,
                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                  kv_cache_memory_gib=config.kv_cache_memory_gib,
                                  max_model_len=int((config.input_len + config.output_len)
@@ -138,7 +140,7 @@ def run_bench(config: BenchConfig) -> dict:
             hf_path, hf_dtype = engine.model.path, engine.model.module.kv_cache_dtype
         if config.hf_dtype is not None:
             hf_dtype = parse_dtype(config.hf_dtype)
-        hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad)
+        hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad, engine.model.module.device)
         rows["transformers"] = summarize(work, hf_seconds, hf_load)
         rows["transformers"]["dtype"] = str(hf_dtype).removeprefix("torch.")
         rows["ladder"]["speedup"] = rows["transformers"]["seconds"] / engine_seconds

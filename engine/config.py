@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,7 +22,7 @@ class EngineConfig:
     model: str | None = None  # HF directory, GGUF file, or None for the embedded default
     artifact: str | None = None  # a `ladder compile` artifact directory, served instead of `model`
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present); resolved in __post_init__
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context, capped by the KV cache
@@ -32,6 +33,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device, self.artifact))
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
@@ -51,8 +53,35 @@ def fit_to_artifact(config: EngineConfig, shapes: dict[str, int]) -> EngineConfi
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the {limit} tokens the artifact "
                          "was compiled for (recompile with a larger --max-model-len)")
+    max_tokens = min(config.max_num_batched_tokens, shapes.get("max_num_batched_tokens", config.max_num_batched_tokens))
     return dataclasses.replace(config, block_size=shapes["block_size"], max_model_len=config.max_model_len or limit,
-                               max_num_seqs=min(config.max_num_seqs, shapes["max_num_seqs"]))
+                               max_num_seqs=min(config.max_num_seqs, shapes["max_num_seqs"]),
+                               max_num_batched_tokens=max_tokens)
+
+
+def resolve_device(name: str, artifact: str | None = None) -> str:
+    """cpu, cuda or cuda:N as asked; for "auto" the device an artifact was built for, else CUDA when a
+    device is present. ValueError (one line) for a device this machine lacks."""
+    name = name.strip().lower()
+    if name == "auto" and artifact is not None:
+        from engine.backends.manifest import read_manifest
+
+        name = read_manifest(Path(artifact).expanduser(), verify_files=False).device.get("type", "cpu")
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (choose cpu, cuda or auto)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r} (choose cpu, cuda or auto)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available here (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda or 'none'})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return name
 
 
 def available_memory(device: torch.device) -> int:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from engine.bench import BenchConfig, format_table, run_bench, write_report
+from ladder.device import add_device_argument
 from model.loader import DTYPES
 
 
@@ -29,6 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-dtype", default=None, choices=sorted(DTYPES),
                    help="dtype of transformers (default: the engine's --dtype; float32 for an artifact)")
     p.add_argument("--skip-hf", action="store_true", help="run the engine alone")
+    add_device_argument(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON report path")
     p.set_defaults(run=run)
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
-        hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype,
+        hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype, device=args.device,
     )
     report = run_bench(config)
     print(format_table(report))

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from engine.backends.manifest import BACKENDS
+from engine.config import resolve_device
 from model.quantization import PRECISIONS
 
 
@@ -18,10 +19,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", required=True, choices=BACKENDS)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--out", type=Path, required=True, help="the artifact directory to create (must not exist)")
-    p.add_argument("--device", default="cpu", help="where the artifact will run: cpu or cuda")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="where the artifact will run: cpu, cuda, or auto (cuda when present)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per step the artifact serves")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence the artifact serves")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens per step the artifact serves (the TensorRT engine is built for it)")
     p.add_argument("--bench-batch", type=int, default=32, help="batch size of the batched decode benchmark")
     p.add_argument("--no-bench", action="store_true", help="skip the benchmark stage")
     p.set_defaults(run=run)
@@ -32,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from compile.pipeline import run as compile_model
 
     options = CompileOptions(
-        model=args.model, backend=args.backend, precision=args.precision, out=args.out, device=args.device,
+        model=args.model, backend=args.backend, precision=args.precision, out=args.out, device=resolve_device(args.device),
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
-        bench_batch=args.bench_batch, run_bench=not args.no_bench,
+        max_num_batched_tokens=args.max_num_batched_tokens, bench_batch=args.bench_batch,
+        run_bench=not args.no_bench,
     )
     compile_model(options)
     return 0

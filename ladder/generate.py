@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from engine.config import resolve_device
+from ladder.device import add_device_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.detokenizer import IncrementalDetokenizer
 from model.generator import Generator
@@ -24,6 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message for the chat template")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype (default float32)")
+    add_device_argument(p)
     p.set_defaults(run=run)
 
 
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
-    loaded = load(args.model, dtype=args.dtype)
+    loaded = load(args.model, dtype=args.dtype, device=resolve_device(args.device))
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer.json, so text prompts cannot be encoded")

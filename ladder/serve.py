@@ -15,6 +15,7 @@ import threading
 import time
 
 from engine.config import EngineConfig
+from ladder.device import add_device_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.loader import DTYPES
 
@@ -40,6 +41,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
                    help="fraction of available memory for the KV cache when --kv-cache-memory is not given")
     p.add_argument("--block-size", type=int, default=16)
+    add_device_argument(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     config = EngineConfig(
-        model=args.model, artifact=args.artifact, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        model=args.model, artifact=args.artifact, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,

@@ -5,17 +5,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
-from model.gguf_checkpoint import GGUFCheckpoint
 from model.hf_checkpoint import read_config, read_tensors, safetensors_files
 from model.step import StepModel
-from model.tokenizer import Tokenizer
 from model.weights import build_model
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -53,6 +55,10 @@ def load(
     else:
         path = Path(source).expanduser()
         name = path.stem if path.is_file() else path.name
+    # The readers' packages (tokenizers, gguf) are imported here, not with the module: the decoder and
+    # the kernels are usable where they are not installed.
+    from model.tokenizer import Tokenizer
+
     if path.is_dir():
         config, _ = read_config(path)
         tensors = read_tensors(safetensors_files(path))
@@ -60,6 +66,8 @@ def load(
         module = build_model(config, tensors, str(path), config_name, torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
     elif path.is_file() and path.suffix.lower() == ".gguf":
+        from model.gguf_checkpoint import GGUFCheckpoint
+
         checkpoint = GGUFCheckpoint(path)
         config = checkpoint.config
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",

@@ -138,10 +138,21 @@ def apply_precision(module: LlamaForCausalLM, precision: str) -> LlamaForCausalL
         module.inv_freq = inv_freq
         return module
     if precision in INT8_LINEARS:
-        return quantize_int8(module.float(), precision)
+        module = quantize_int8(module.float(), precision)
+        dtype = activation_dtype(precision, module.device)
+        if dtype != torch.float32:  # on CUDA: 16-bit activations, so the int8 kernel's dots use tensor cores
+            for m in module.modules():
+                if not isinstance(m, Int8Weights):  # int8 layers keep their float32 scales
+                    for name, param in m.named_parameters(recurse=False):
+                        param.data = param.data.to(dtype)
+        return module
     raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
 
 
-def activation_dtype(precision: str) -> torch.dtype:
-    """The dtype of activations and of the KV cache for a precision (both INT8 forms keep fp32)."""
+def activation_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype of activations and of the KV cache for a precision. Weight-only INT8 computes in
+    bfloat16 on CUDA (tensor-core dots over widened int8 tiles) and in float32 on a CPU (its kernel's
+    type); W8A8 keeps float32 around its integer matmuls."""
+    if precision == "int8" and torch.device(device).type == "cuda":
+        return torch.bfloat16
     return FLOAT_PRECISIONS.get(precision, torch.float32)

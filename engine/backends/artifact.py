@@ -30,7 +30,8 @@ def load_backend(directory: Path, manifest: Manifest, device: torch.device) -> S
     if manifest.backend == "torch-compile":
         from engine.backends import torch_compiled
 
-        return torch_compiled.load(directory, manifest.precision, block_size, device, manifest.backend_options)
+        return torch_compiled.load(directory, manifest.precision, block_size, device, manifest.backend_options,
+                                   manifest.shapes["max_model_len"])
     if manifest.backend == "onnx":
         from engine.backends.onnx_runtime import OnnxModel
         from model.quantization import activation_dtype

@@ -10,9 +10,18 @@ What Inductor sees: one step, `sample_logits(input_ids, positions, kv_caches, pl
 every batch dimension dynamic. Paged attention stays one opaque custom op (`ladder::paged_attention`,
 which writes the cache in place and runs the C++ decode kernel or the torch path): Inductor fuses the
 norms, rotary, SwiGLU and W8A8's per-token quantization around it and calls the matmuls (float, the INT8
-weight-only kernel, or `_int_mm`) directly, with no Python per layer. On CUDA the plain-torch attention
-is traced instead and CUDA graphs are captured (`mode="reduce-overhead"`); that path has not been run on
-a GPU yet.
+weight-only kernel, or `_int_mm`) directly, with no Python per layer.
+
+On CUDA the attention is the Triton paged kernels behind their own custom op
+(`engine/backends/graph_attention.py`), and decode steps run as CUDA graphs (`mode="reduce-overhead"`,
+Inductor's CUDA graph trees): one graph recorded per decode batch size, replayed after. What a graph
+needs to replay and not re-record or be skipped:
+- the KV caches, which every step mutates, are marked static (`torch._dynamo.mark_static_address`), so
+  the graph writes into them in place instead of refusing mutated inputs;
+- block tables are padded to the width of max_model_len, so a batch size has one shape at every length;
+- the logits live in the graph's memory pool, which the next replay overwrites: they are cloned.
+Steps with a prompt chunk run a second compiled graph without CUDA graphs (every token count would be a
+new recording). `cuda_graph_state()` says whether the last step replayed a recorded graph.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ from typing import Any
 import torch
 import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
-from safetensors.torch import load_file
+from torch._dynamo.utils import counters
 
+from engine.backends.graph_attention import GraphPagedAttention
+from kernels.kv_layout import blocks_for_tokens
 from kernels.ops import select_ops
 from model.attention import AttentionPlan, OpaquePagedAttention, TorchPagedAttention
 from model.attention_metadata import AttentionMetadata
@@ -44,31 +55,67 @@ def compile_options(device: torch.device) -> dict[str, Any]:
     return {"dynamic": True, "fullgraph": True, "mode": "reduce-overhead" if device.type == "cuda" else "default"}
 
 
-class TorchCompiledModel:
-    """A compiled module as a StepModel (model/step.py)."""
+def uses_graph_attention(device: torch.device) -> bool:
+    """The Triton attention op on CUDA; on a CPU only when the model's ops are the Triton kernels
+    (interpreted: tests and the GPU check's dry run drive the CUDA code path on CPU tensors)."""
+    return device.type == "cuda"
 
-    def __init__(self, module: LlamaForCausalLM, precision: str, options: dict[str, Any]) -> None:
+
+class TorchCompiledModel:
+    """A compiled module as a StepModel (model/step.py).
+
+    `max_model_len`: the longest sequence served; with the Triton attention it fixes the block tables'
+    width (CUDA graphs need one shape per batch size). `graph_attention`: the Triton attention op
+    (default: on CUDA)."""
+
+    def __init__(self, module: LlamaForCausalLM, precision: str, options: dict[str, Any],
+                 max_model_len: int | None = None, graph_attention: bool | None = None) -> None:
         self.module = module
         self.config = module.config
         self.block_size = module.block_size
         self.precision = precision
-        self.kv_cache_dtype = activation_dtype(precision)
+        self.kv_cache_dtype = activation_dtype(precision, module.device)
         self.device = module.device
-        attention_type = OpaquePagedAttention if self.device.type == "cpu" else TorchPagedAttention
-        self.attention = attention_type(module.block_size, module.config.sliding_window)
+        if graph_attention is None:
+            graph_attention = uses_graph_attention(self.device)
+        window = module.config.sliding_window
+        if graph_attention:
+            width = None if max_model_len is None else max(2, blocks_for_tokens(max_model_len, self.block_size))
+            self.attention = GraphPagedAttention(module.block_size, window, width)
+        else:
+            attention_type = OpaquePagedAttention if self.device.type == "cpu" else TorchPagedAttention
+            self.attention = attention_type(module.block_size, window)
         module.attention = self.attention
         for layer in module.layers:
             layer.self_attn.backend = self.attention
         # Dynamo caches graphs per code object, and every model's `sample_logits` shares one: leave room
         # for several models in a process (tests, the compile pipeline) beside their shape variants.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-        self._compiled = torch.compile(module.sample_logits, **options)
+        self.cuda_graphs = options.get("mode") == "reduce-overhead"
+        if self.cuda_graphs:
+            # Weights and int8 scales never move: recorded graphs read them where they are.
+            for tensor in [*module.parameters(), *module.buffers()]:
+                torch._dynamo.mark_static_address(tensor)
+
+        # Two functions, two code objects: Dynamo keeps each one's graphs apart.
+        def decode_step(input_ids, positions, kv_caches, plan, sample_rows):
+            return module.sample_logits(input_ids, positions, kv_caches, plan, sample_rows)
+
+        def mixed_step(input_ids, positions, kv_caches, plan, sample_rows):
+            return module.sample_logits(input_ids, positions, kv_caches, plan, sample_rows)
+
+        self._compiled = torch.compile(mixed_step, **{**options, "mode": "default"} if self.cuda_graphs else options)
+        self._decode = torch.compile(decode_step, **options) if self.cuda_graphs else self._compiled
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan:
         return self.attention.plan(meta)
 
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(self.config, self.block_size, num_blocks, self.kv_cache_dtype, self.device)
+        caches = allocate_kv_caches(self.config, self.block_size, num_blocks, self.kv_cache_dtype, self.device)
+        if self.cuda_graphs:
+            for cache in caches:  # mutated by every step: recorded graphs write them in place
+                torch._dynamo.mark_static_address(cache)
+        return caches
 
     def warm_up(self) -> None:
         """Compile now, not on the first requests: run the kinds of step the engine makes (one prompt,
@@ -82,13 +129,34 @@ class TorchCompiledModel:
     def sample_logits(self, input_ids, positions, kv_caches, plan, sample_rows) -> torch.Tensor:
         # Size-oblivious shapes: a batch of one sequence or one token is not a special case, so the
         # same graph serves every step instead of one graph per pattern of 1s in the shapes.
+        is_decode = input_ids.shape[0] == sample_rows.shape[0] == plan.seq_lens.shape[0]
         with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
-            return self._compiled(input_ids, positions, kv_caches, plan, sample_rows)
+            if not (self.cuda_graphs and is_decode):
+                return self._compiled(input_ids, positions, kv_caches, plan, sample_rows)
+            # A new step: the graphs' previous outputs may be overwritten (ours were cloned).
+            torch.compiler.cudagraph_mark_step_begin()
+            return self._decode(input_ids, positions, kv_caches, plan, sample_rows).clone()
+
+
+def cuda_graph_state(device: torch.device) -> dict[str, Any]:
+    """Whether CUDA graphs replay: the graph-tree manager's state after the last step ("EXECUTION": it
+    replayed a recorded graph; "RECORDING", "WARMUP": not yet) and how many graphs Inductor skipped
+    (each skip is logged with its reason under TORCH_LOGS=cudagraphs)."""
+    state = "none"
+    if device.type == "cuda":
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+        if manager is not None:
+            state = manager.path_state.name
+    return {"last_step": state, "skipped_graphs": int(counters["inductor"]["cudagraph_skips"])}
 
 
 def load(directory: Path, precision: str, block_size: int, device: torch.device,
-         options: dict[str, Any]) -> TorchCompiledModel:
+         options: dict[str, Any], max_model_len: int | None = None) -> TorchCompiledModel:
     """Rebuild the saved module (no random init, no pickle) and compile it with the recorded options."""
+    from safetensors.torch import load_file
+
     config = ModelConfig.from_dict(json.loads((directory / CONFIG).read_text(encoding="utf-8")))
     with torch.device("meta"):
         module = LlamaForCausalLM(config, block_size=block_size, ops=select_ops(device))
@@ -103,6 +171,6 @@ def load(directory: Path, precision: str, block_size: int, device: torch.device,
         module.lm_head.weight = module.embed_tokens.weight
     module.inv_freq = inverse_frequencies(config).to(device)
     pack_all(module)
-    model = TorchCompiledModel(module.eval().requires_grad_(False), precision, options)
+    model = TorchCompiledModel(module.eval().requires_grad_(False), precision, options, max_model_len)
     model.warm_up()
     return model
