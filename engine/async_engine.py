@@ -2,8 +2,16 @@
 
 The event loop never waits on the model. Requests and aborts are handed to the engine thread through a
 queue and applied between steps; outputs come back with `call_soon_threadsafe` into one asyncio queue
-per request. If a step raises, the engine is dead: every in-flight request ends with an error and new
-requests are refused, while the process stays up to report it.
+per request.
+
+Faults, as designed:
+- A step that raises fails every request in flight (STEP_FAILED); the engine aborts them, checks that
+  every KV block came back, and serves new requests. After MAX_CONSECUTIVE_STEP_FAILURES failed steps
+  with no good step between (or if its bookkeeping did not come back whole) the engine is dead: requests
+  end with ENGINE_DIED, new ones are refused, and the process stays up to report it (health 503).
+- A step that runs past `step_timeout` seconds (a hung forward) cannot be interrupted; a watchdog
+  thread logs it, ends every request in flight with ENGINE_HUNG and marks the engine dead, so clients
+  get an answer and health turns 503 for the orchestrator to restart the process.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -26,8 +35,11 @@ from model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-# The error every in-flight request gets when the step loop fails; the cause goes to the log only.
+# The errors in-flight requests get when a step fails; the cause goes to the log only.
 ENGINE_DIED = "the engine stopped after an internal error"
+STEP_FAILED = "the engine step running this request failed"
+ENGINE_HUNG = "the engine stopped responding: a step ran past its time limit"
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -60,7 +72,11 @@ class EngineInfo:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, step_timeout: float | None = None) -> None:
+        """`step_timeout`: seconds one step may run before the watchdog declares the engine hung (None: no
+        watchdog)."""
+        if step_timeout is not None and step_timeout <= 0:
+            raise ValueError(f"step_timeout must be positive, got {step_timeout}")
         self.engine = engine  # used from the engine thread only
         self.info = EngineInfo(engine.model.name, engine.model.path, engine.tokenizer, engine.model.config.vocab_size,
                                engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size)
@@ -69,10 +85,15 @@ class AsyncLLMEngine:
         # request id -> (the caller's loop, its queue, n)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self.dead_reason: str | None = None
+        self.num_step_failures = 0
+        self._consecutive_failures = 0
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ladder-engine", daemon=True)
         self._thread.start()
+        if step_timeout is not None:
+            threading.Thread(target=self._watch, args=(step_timeout,), name="ladder-watchdog", daemon=True).start()
 
     @property
     def is_alive(self) -> bool:
@@ -81,6 +102,10 @@ class AsyncLLMEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self.streams)
+
+    @property
+    def num_sequences_in_flight(self) -> int:
+        return sum(n for _, _, n in list(self.streams.values()))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -123,14 +148,66 @@ class AsyncLLMEngine:
     # -- the engine thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set() and self.dead_reason is None:
+            try:
                 self._apply_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
-        except Exception as error:  # the step loop must never die silently
-            log.exception("engine step failed")
-            self._die(f"engine step failed: {type(error).__name__}: {error}")
+                    self._step_started = time.monotonic()
+                    deltas = self.engine.step()
+                    self._step_started = None
+                    if self.dead_reason is not None:  # the watchdog gave up on this step meanwhile
+                        return
+                    self._consecutive_failures = 0
+                    self._dispatch(deltas)
+            except Exception as error:  # the step loop must never die silently
+                self._step_started = None
+                if self.dead_reason is not None:
+                    return
+                log.exception("engine step failed")
+                self._recover(f"{type(error).__name__}: {error}")
+
+    def _recover(self, cause: str) -> None:
+        """After a failed step: fail and drop every request, and go on if the bookkeeping is whole."""
+        self.num_step_failures += 1
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._die(f"{self._consecutive_failures} engine steps failed in a row, the last with {cause}")
+            return
+        # Requests still in the command queue were in no step: they run as usual.
+        failed = list(self.engine.requests)
+        try:
+            for request_id in failed:
+                self.engine.abort(request_id)
+            self.engine.step()  # releases the aborted requests' blocks; nothing is left to run
+            blocks = self.engine.blocks
+            if self.engine.has_unfinished() or blocks.num_free_blocks != blocks.num_blocks:
+                raise RuntimeError(f"{blocks.num_blocks - blocks.num_free_blocks} KV blocks still held")
+        except Exception as error:
+            log.exception("engine recovery failed")
+            self._die(f"engine step failed ({cause}) and recovery failed: {type(error).__name__}: {error}")
+            return
+        for request_id in failed:  # told only now, so a client that hears of the failure finds the blocks free
+            target = self.streams.get(request_id)
+            if target is not None:
+                self._fail_request(request_id, target[2], STEP_FAILED)
+        log.warning("engine step failed (%s); its requests got errors, the engine serves on (%d of %d "
+                    "failures in a row allowed)", cause, self._consecutive_failures,
+                    MAX_CONSECUTIVE_STEP_FAILURES - 1)
+
+    def _watch(self, timeout: float) -> None:
+        """The step watchdog: a step over `timeout` seconds ends every request with ENGINE_HUNG."""
+        while not self._stop.wait(min(timeout / 4, 1.0)):
+            started = self._step_started
+            if started is None or self.dead_reason is not None:
+                continue
+            elapsed = time.monotonic() - started
+            if elapsed > timeout:
+                log.error("engine step has run for %.1f s, over the %.1f s step timeout: failing %d requests in "
+                          "flight with 503 and refusing new ones; restart the server", elapsed, timeout,
+                          len(self.streams))
+                self._die(f"engine step hung: no return after {elapsed:.1f} s (step timeout {timeout} s)",
+                          ENGINE_HUNG)
+                return
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -163,7 +240,8 @@ class AsyncLLMEngine:
     def _fail_request(self, request_id: str, n: int, message: str) -> None:
         self._dispatch([SampleDelta.failure(request_id, i, message) for i in range(n)])
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, message: str = ENGINE_DIED) -> None:
+        log.error("the engine is dead (%s): requests in flight end with errors, new ones are refused", reason)
         self.dead_reason = reason
         for request_id, (_, _, n) in list(self.streams.items()):
-            self._fail_request(request_id, n, ENGINE_DIED)
+            self._fail_request(request_id, n, message)

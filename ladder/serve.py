@@ -36,7 +36,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output (default: model's)")
-    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429 (default 256)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="sequences in flight, counted as prompts x n of every request, before 429 (default 256)")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts in one /v1/completions request (default 64)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of one prompt (or of all chat messages) tokenized at most "
+                        "(default: 32 x max_model_len)")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one engine step may run before the server reports the engine hung (503) "
+                        "(default 300; 0 turns the watchdog off)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
                    help="fraction of available memory for the KV cache when --kv-cache-memory is not given")
@@ -63,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --model or --artifact, not both")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be at least 1, got {args.max_prompts_per_request}")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise ValueError(f"--max-prompt-chars must be at least 1, got {args.max_prompt_chars}")
+    if args.step_timeout < 0:
+        raise ValueError(f"--step-timeout must be 0 (off) or positive, got {args.step_timeout}")
     config = EngineConfig(
         model=args.model, artifact=args.artifact, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -71,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
-                                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes))
+                                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                                       max_prompts_per_request=args.max_prompts_per_request,
+                                       max_prompt_chars=args.max_prompt_chars))
     server = DrainingServer(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             state, args.shutdown_timeout)
@@ -80,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             start = time.perf_counter()
-            state.attach(AsyncLLMEngine(LLMEngine(config)))
+            state.attach(AsyncLLMEngine(LLMEngine(config), step_timeout=args.step_timeout or None))
             info = state.engine.info
             log.info("serving %s as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens, "
                      "max_model_len %d)", info.model_path, state.model_name, args.host, args.port,

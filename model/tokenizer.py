@@ -165,7 +165,9 @@ class Tokenizer:
         With ``add_special_tokens`` BOS (and EOS) are added when the model asks for them; BOS is not
         added a second time when ``text`` already starts with it (e.g. a chat template wrote it).
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # The batch form releases the GIL while it works (the single form holds it), so a long text
+        # encoded on a worker thread does not stall the server's event loop.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos_token and ids[:1] != [self.bos_token_id]:
                 ids.insert(0, self.bos_token_id)
@@ -175,7 +177,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; invalid UTF-8 byte sequences come out as U+FFFD."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # The batch form releases the GIL (see encode).
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary spelling of ``token_id`` (byte-level or ▁ form), or None if out of range."""

@@ -9,21 +9,27 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine.async_engine import AsyncLLMEngine, EngineInfo
+from engine.async_engine import AsyncLLMEngine
 from engine.outputs import SampleDelta
 from server import protocol as p
+from server.admission import Admission, Reservation
 from server.errors import APIError, error_response, install_error_handlers
+from server.prompts import check_chars, check_prompts, render_chat, to_prompts
 from server.generation import (Collected, Job, Prompt, chat_response, check_length, collect,
                                completion_response, new_id, sampling_params, stream_events)
 from server.metrics import ServerMetrics
 
+# Text longer than this many characters per token of context is refused before it is tokenized: real
+# tokenizers average 3 to 5 characters a token, and tokenizing megabytes costs seconds of CPU.
+CHARS_PER_TOKEN_BOUND = 32
 ERRORS = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 # With "stream": true the 200 response is server-sent events.
 STREAMING = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
@@ -35,9 +41,21 @@ STREAMING = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
 class ServerSettings:
     served_model_name: str | None = None  # default: the model's own name
     api_key: str | None = None
-    max_queue: int = 256  # requests in flight (running and waiting) beyond which new ones get 429
+    max_queue: int = 256  # sequences (prompts x n of every request) in flight beyond which requests get 429
     max_body_bytes: int = 4 << 20
+    max_prompts_per_request: int = 64
+    max_prompt_chars: int | None = None  # default: CHARS_PER_TOKEN_BOUND x max_model_len
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_body_bytes", "max_prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be at least 1, got {self.max_prompt_chars}")
+
+    def prompt_char_limit(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_model_len
 
 
 class ServerState:
@@ -48,6 +66,7 @@ class ServerState:
         self.engine: AsyncLLMEngine | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.admission = Admission(settings.max_queue)
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
 
     def _stats(self):
@@ -93,21 +112,24 @@ def create_app(state: ServerState) -> FastAPI:
         if body.model is not None and body.model != state.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
                            param="model", code="model_not_found")
-        if engine.num_in_flight >= state.settings.max_queue:
-            raise APIError(429, f"too many requests in flight ({engine.num_in_flight}); retry shortly",
-                           headers={"Retry-After": "1"})
         return engine
 
     async def respond(engine: AsyncLLMEngine, job: Job, body: p._Request, request: Request, chat: bool,
-                      build: Callable[[Collected], BaseModel]):
-        """Stream the job as server-sent events, or collect it and `build` the response body."""
+                      build: Callable[[Collected], BaseModel], reservation: Reservation):
+        """Stream the job as server-sent events, or collect it and `build` the response body (on a worker
+        thread: logprobs detokenize every token). The reservation ends with the job's sequences."""
         on_delta = itl_observer(state)
         if body.stream:
-            events = stream_events(engine, job, engine.info.tokenizer, chat=chat,
-                                   echo=getattr(body, "echo", False), include_usage=body.include_usage,
-                                   on_delta=on_delta)
+            events = held(stream_events(engine, job, engine.info.tokenizer, chat=chat,
+                                        echo=getattr(body, "echo", False), include_usage=body.include_usage,
+                                        on_delta=on_delta), reservation)
+            reservation.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream")
-        return build(await until_disconnected(request, collect(engine, job, on_delta)))
+        try:
+            result = await until_disconnected(request, collect(engine, job, on_delta))
+        finally:
+            reservation.release()
+        return await asyncio.to_thread(build, result)
 
     @app.get("/health", responses=ERRORS)
     async def health() -> JSONResponse:
@@ -137,14 +159,24 @@ def create_app(state: ServerState) -> FastAPI:
         engine = admit(body)
         info = engine.info
         tokenizer = info.tokenizer
-        prompts = to_prompts(body.prompt, info)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        for prompt in prompts:
-            check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
-        job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs), state.model_name,
-                  body.logprobs)
-        return await respond(engine, job, body, request, chat=False,
-                             build=lambda result: completion_response(job, result, tokenizer, body.echo))
+        items = body.prompt_list
+        settings = state.settings
+        # Sizes first, before anything is tokenized.
+        check_prompts(items, max_tokens, info, settings.max_prompts_per_request,
+                      settings.prompt_char_limit(info.max_model_len))
+        reservation = state.admission.reserve(len(items) * body.n)
+        try:
+            prompts = await asyncio.to_thread(to_prompts, items, tokenizer, body.echo)
+            for prompt in prompts:
+                check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
+            job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs), state.model_name,
+                      body.logprobs)
+            return await respond(engine, job, body, request, chat=False, reservation=reservation,
+                                 build=lambda result: completion_response(job, result, tokenizer, body.echo))
+        except BaseException:
+            reservation.release()
+            raise
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
@@ -155,19 +187,22 @@ def create_app(state: ServerState) -> FastAPI:
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in body.messages]
+        check_chars(sum(len(m["content"]) for m in messages), state.settings.prompt_char_limit(info.max_model_len),
+                    "messages")
+        reservation = state.admission.reserve(body.n)
         try:
-            text = tokenizer.apply_chat_template(messages)
-        except ValueError as error:
-            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
-        check_length(len(ids), max_tokens, info.max_model_len, "messages")
-        num_top = (body.top_logprobs or 0) if body.logprobs else None
-        job = Job(new_id("chatcmpl"), [Prompt(ids, text)], sampling_params(body, max_tokens, num_top),
-                  state.model_name, num_top)
-        return await respond(engine, job, body, request, chat=True,
-                             build=lambda result: chat_response(job, result, tokenizer))
+            text, ids = await asyncio.to_thread(render_chat, tokenizer, messages)
+            requested = body.max_completion_tokens or body.max_tokens
+            max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
+            check_length(len(ids), max_tokens, info.max_model_len, "messages")
+            num_top = (body.top_logprobs or 0) if body.logprobs else None
+            job = Job(new_id("chatcmpl"), [Prompt(ids, text)], sampling_params(body, max_tokens, num_top),
+                      state.model_name, num_top)
+            return await respond(engine, job, body, request, chat=True, reservation=reservation,
+                                 build=lambda result: chat_response(job, result, tokenizer))
+        except BaseException:
+            reservation.release()
+            raise
 
     return app
 
@@ -200,25 +235,14 @@ class BodyLimit:
         await self.app(scope, counted_receive, send)
 
 
-def to_prompts(prompt, info: EngineInfo) -> list[Prompt]:
-    tokenizer = info.tokenizer
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if isinstance(prompt[0], int):
-        prompt = [prompt]
-    prompts = []
-    vocab = info.vocab_size
-    for item in prompt:
-        if isinstance(item, str):
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-            prompts.append(Prompt(tokenizer.encode(item), item))
-        else:
-            if any(t >= vocab for t in item):
-                raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-            text = tokenizer.decode(item, skip_special_tokens=False) if tokenizer else ""
-            prompts.append(Prompt(list(item), text))
-    return prompts
+async def held(events: AsyncIterator[str], reservation: Reservation) -> AsyncIterator[str]:
+    """The stream's events; its reservation ends when the stream does (finished, failed or abandoned)."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    finally:
+        reservation.release()
 
 
 def itl_observer(state: ServerState) -> Callable[[SampleDelta], None]:

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from engine.async_engine import ENGINE_DIED, AsyncLLMEngine, EngineDeadError
+from engine.async_engine import ENGINE_DIED, ENGINE_HUNG, STEP_FAILED, AsyncLLMEngine, EngineDeadError
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -18,6 +18,7 @@ from server import protocol as p
 from server.errors import APIError, sse_error
 
 ENGINE_FAILED = "the engine failed while running this request"
+ENGINE_STOPPED = "the engine has stopped after an internal error"  # it died before this request started
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDe
                 await merged.put((prompt_index * job.params.n + delta.index, delta))
         except EngineDeadError:
             for i in range(job.params.n):
-                failure = SampleDelta.failure(job.request_id, i, ENGINE_FAILED)
+                failure = SampleDelta.failure(job.request_id, i, ENGINE_STOPPED)
                 await merged.put((prompt_index * job.params.n + i, failure))
         finally:
             await merged.put(None)
@@ -133,9 +134,12 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatL
 
 
 def request_error(delta: SampleDelta) -> APIError:
-    """A sample that ended in error: the engine's failure is a 500 without details; a request the
-    engine refused (it can never fit, say) is a 400 with the engine's reason."""
-    if delta.error is None or delta.error in (ENGINE_DIED, ENGINE_FAILED):
+    """A sample that ended in error: the engine's failure is a 500 without details, an engine that hung or
+    had already stopped is a 503; a request the engine refused (it can never fit, say) is a 400 with the
+    engine's reason."""
+    if delta.error in (ENGINE_HUNG, ENGINE_STOPPED):
+        return APIError(503, delta.error)
+    if delta.error is None or delta.error in (ENGINE_DIED, STEP_FAILED, ENGINE_FAILED):
         return APIError(500, ENGINE_FAILED)
     return APIError(400, delta.error)
 

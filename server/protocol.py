@@ -11,6 +11,9 @@ from engine.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # the stream holds back this much text, and scans it for every stop string each token
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 
 
@@ -29,7 +32,9 @@ class _Request(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
+    ] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -77,6 +82,13 @@ class CompletionRequest(_Request):
             raise ValueError("echo with logprobs is not supported (prompt log-probabilities are not computed)")
         return self
 
+    @property
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, one per item: a text or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -87,7 +99,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
     name: str | None = None
 
     @property
@@ -96,7 +108,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

@@ -9,7 +9,7 @@ import torch
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.config import bytes_per_block
-from engine.async_engine import ENGINE_DIED, AsyncLLMEngine, EngineDeadError
+from engine.async_engine import ENGINE_DIED, MAX_CONSECUTIVE_STEP_FAILURES, STEP_FAILED, AsyncLLMEngine, EngineDeadError
 from engine.llm import LLM
 
 NUM_TOKENS = 16
@@ -227,6 +227,10 @@ def test_async_engine_streams_aborts_and_reports_death(loaded, prompts):
             raise RuntimeError("injected fault")
 
         eng.engine.runner.forward = broken
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):  # a failed step fails its requests; the engine goes on
+            deltas = [d async for d in eng.generate(prompts[2], SamplingParams(max_tokens=4))]
+            assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error == STEP_FAILED
+            assert eng.is_alive and eng.engine.blocks.num_free_blocks == eng.engine.blocks.num_blocks
         deltas = [d async for d in eng.generate(prompts[2], SamplingParams(max_tokens=4))]
         assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error == ENGINE_DIED
         assert not eng.is_alive and "injected fault" in eng.dead_reason

@@ -14,7 +14,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLMEngine
 from server.app import ServerSettings, ServerState, create_app
 from server_process import ServerProcess, free_port
 from tiny_models import make_tiny_chat_model
@@ -75,6 +75,8 @@ def test_full_queue_gets_429_with_retry_after(tiny_dir):
 
 
 def test_forward_fault_returns_errors_and_health_turns_503(tiny_dir):
+    """A forward that always fails: each request gets a 500 without internals; after
+    MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row the engine is dead and health says so."""
     server = InProcessServer(make_state(tiny_dir))
     try:
         assert httpx.get(server.url + "/health").status_code == 200
@@ -83,8 +85,10 @@ def test_forward_fault_returns_errors_and_health_turns_503(tiny_dir):
             raise RuntimeError("injected fault in /secret/path")
 
         server.state.engine.engine.runner.forward = broken
-        plain = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
-        assert plain.status_code == 500 and "/secret/path" not in plain.text
+        for attempt in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            assert httpx.get(server.url + "/health").status_code == 200  # it recovered after each failure
+            plain = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+            assert plain.status_code == 500 and "/secret/path" not in plain.text
         assert httpx.get(server.url + "/health").status_code == 503
         assert httpx.get(server.url + "/ready").status_code == 503
         after = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)

@@ -1,0 +1,55 @@
+"""A request's prompts on their way to token ids: size checks that come before any tokenizing, then the
+tokenizing itself, which is CPU-heavy and runs on a worker thread (the tokenizer releases the GIL)."""
+
+from __future__ import annotations
+
+from engine.async_engine import EngineInfo
+from model.tokenizer import Tokenizer
+from server.errors import APIError
+from server.generation import Prompt, check_length
+
+
+def check_prompts(items: list[str | list[int]], max_tokens: int, info: EngineInfo, max_prompts: int,
+                  char_limit: int) -> None:
+    """Everything about a request's prompts that can be refused before tokenizing: their number, the
+    characters of each text, the length and range of each token-id list."""
+    if len(items) > max_prompts:
+        raise APIError(400, f"{len(items)} prompts in one request; this server takes at most {max_prompts}",
+                       param="prompt", code="too_many_prompts")
+    for item in items:
+        if isinstance(item, str):
+            if info.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+            check_chars(len(item), char_limit, "prompt")
+        else:
+            check_length(len(item), max_tokens, info.max_model_len, "prompt")
+            if max(item) >= info.vocab_size:
+                raise APIError(400, f"prompt token ids must be below the vocabulary size {info.vocab_size}",
+                               param="prompt")
+
+
+def check_chars(num_chars: int, limit: int, what: str) -> None:
+    if num_chars > limit:
+        raise APIError(400, f"the {what} has {num_chars} characters; this server tokenizes at most {limit} "
+                            "characters per prompt", param=what, code="prompt_too_long")
+
+
+def to_prompts(items: list[str | list[int]], tokenizer: Tokenizer | None, echo: bool) -> list[Prompt]:
+    """Tokenize the texts (and, for echo, detokenize the id lists). CPU-heavy: run it off the event loop."""
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append(Prompt(tokenizer.encode(item), item))
+        else:
+            text = tokenizer.decode(item, skip_special_tokens=False) if echo and tokenizer else ""
+            prompts.append(Prompt(list(item), text))
+    return prompts
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """The chat template's text and its token ids. CPU-heavy: run it off the event loop."""
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except ValueError as error:
+        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
