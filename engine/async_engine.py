@@ -26,10 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+import torch
+
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from model.config import ModelConfig
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,21 @@ class EngineInfo:
     max_model_len: int
     num_kv_blocks: int
     block_size: int
+    # What the dashboard and `ladder doctor --base-url` show of the deployment (GET /stats).
+    model_config: ModelConfig | None = None
+    engine_config: EngineConfig | None = None
+    precision: str | None = None  # the artifact's precision, or the eager weights' dtype (fp32, bf16, fp16)
+
+
+PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def weight_precision(engine: LLMEngine) -> str:
+    manifest = getattr(engine.model, "manifest", None)  # artifacts carry theirs
+    if manifest is not None:
+        return manifest.precision
+    dtype = engine.model.module.kv_cache_dtype
+    return PRECISION_OF_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
 
 
 class AsyncLLMEngine:
@@ -79,7 +98,9 @@ class AsyncLLMEngine:
             raise ValueError(f"step_timeout must be positive, got {step_timeout}")
         self.engine = engine  # used from the engine thread only
         self.info = EngineInfo(engine.model.name, engine.model.path, engine.tokenizer, engine.model.config.vocab_size,
-                               engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size)
+                               engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size,
+                               model_config=engine.model.config, engine_config=engine.config,
+                               precision=weight_precision(engine))
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         self.commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         # request id -> (the caller's loop, its queue, n)
