@@ -285,6 +285,29 @@ def is_enabled() -> bool:
     return cpu_kernels_enabled()
 
 
+def check_decode_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor) -> None:
+    """The C++ kernel reads raw host pointers: a tensor not on the CPU, or of another dtype or shape, is
+    refused here with a ValueError. Index values (block ids, lengths) are the caller's invariant: the
+    block manager hands out only blocks of the cache, and checking them would read every table on
+    every layer."""
+    if not (q.is_cpu and kv_cache.is_cpu and block_tables.is_cpu and seq_lens.is_cpu):
+        where = ", ".join(f"{name} on {t.device}" for name, t in (("q", q), ("kv_cache", kv_cache),
+                                                                   ("block_tables", block_tables), ("seq_lens", seq_lens)))
+        raise ValueError(f"the CPU decode attention kernel takes CPU tensors, got {where}")
+    if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        raise ValueError(f"float32 only, got q {q.dtype} and kv_cache {kv_cache.dtype}")
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != q.shape[2]:
+        raise ValueError(f"expected q [S, H, D] and kv_cache [2, blocks, block_size, KVH, D], got "
+                         f"{list(q.shape)} and {list(kv_cache.shape)}")
+    if q.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {kv_cache.shape[3]} KV heads")
+    num_seqs = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"expected block_tables [{num_seqs}, max_blocks] and seq_lens [{num_seqs}], got "
+                         f"{list(block_tables.shape)} and {list(seq_lens.shape)}")
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [S, H, D] float32, one query token per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] float32
@@ -297,10 +320,7 @@ def paged_decode_attention(
     module = load()
     if module is None:
         raise RuntimeError("the CPU decode attention kernel is not available")
-    if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-        raise ValueError(f"float32 only, got q {q.dtype} and kv_cache {kv_cache.dtype}")
-    if q.shape[1] % kv_cache.shape[3]:
-        raise ValueError(f"{q.shape[1]} query heads do not group over {kv_cache.shape[3]} KV heads")
+    check_decode_inputs(q, kv_cache, block_tables, seq_lens)
     return module.paged_decode_attention(q.contiguous(), kv_cache.contiguous(), block_tables.long().contiguous(),
                                          seq_lens.long().contiguous(), scale, sliding_window or 0, portable)
 

@@ -269,6 +269,7 @@ def _int8_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     module = load() if is_enabled() and x.device.type == "cpu" else None
     if module is None:
         return int8_linear_ref(x, packed, scale, bias, n)
+    check_devices(x, packed, scale, bias)
     k = x.shape[-1]
     x2 = x.reshape(-1, k).float().contiguous()
     out = module.int8_linear(x2, packed.contiguous(), scale.float().contiguous(),
@@ -281,11 +282,22 @@ def _(x, packed, scale, bias, n):
     return x.new_empty(x.shape[:-1] + (n,))
 
 
+def check_devices(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """All on one device: the C++ kernel reads host pointers, so a CUDA tensor among CPU ones would be
+    read as host memory."""
+    tensors = {"x": x, "packed": packed, "scale": scale} | ({} if bias is None else {"bias": bias})
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
+        raise ValueError(f"int8_linear: tensors must share one device, got {where}")
+
+
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 n: int) -> torch.Tensor:
     """y [..., N] = x [..., K] @ (weight * scale[:, None]).T (+ bias), with `packed = pack(weight)`.
 
     x is float32 or bfloat16 (computed in float32, returned in x's dtype); scale and bias are [N]."""
+    check_devices(x, packed, scale, bias)  # shapes and dtypes: the C++ kernel's own checks
     return torch.ops.ladder.int8_linear(x, packed, scale, bias, n)
 
 

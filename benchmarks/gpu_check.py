@@ -1,0 +1,414 @@
+"""The device check: one run on one NVIDIA GPU that says whether every CUDA path works and how fast it is.
+
+    python benchmarks/gpu_check.py --out DIR            (on a CUDA machine; benchmarks/gpu_check.sh runs it)
+    python benchmarks/gpu_check.py --dry-run --out DIR  (anywhere: the same code on CPU tensors, tiny shapes,
+                                                         Triton interpreted)
+
+Sections, each a table row group and a JSON entry (DIR/gpu_check.json; the table also in gpu_check.txt):
+
+1. kernels: every Triton kernel against its plain-torch reference in float16 and bfloat16 (relative
+   error, pass or fail), timed against the eager reference; the memory-bound ones as a fraction of the
+   copy bandwidth measured in the same run.
+2. decode: a model with SmolLM2-135M's shapes and random weights (speed does not depend on the values)
+   decoding at batch 1 and 64 in bf16: eager (Triton ops), the torch-compile runtime the artifacts use
+   (CUDA graphs for decode steps, Triton attention as a custom op), and TensorRT when `tensorrt`, `onnx`
+   and `onnxscript` are installed. Interleaved rounds (compile/bench.py), tokens/s, and the batch-64
+   figure as a fraction of the memory roofline (weights + the KV cache read per step at the copy
+   bandwidth). Whether the CUDA graphs replay is read from Inductor's graph-tree manager.
+3. parity: the fp32 model on the device (Triton ops) against the same weights on the CPU (torch ops):
+   logits of a prompt step and a decode step, greedy tokens.
+
+It imports nothing that loads checkpoints or serves (no fastapi, gguf, tokenizers, safetensors, no
+default model package): torch and Triton are all it needs besides this repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if "--dry-run" in sys.argv:  # before any kernel module is imported: Triton decides when a kernel is defined
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["LADDER_KERNELS"] = "triton"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from compile.bench import compare_decode  # noqa: E402
+from engine.backends.torch_compiled import TorchCompiledModel, compile_options, cuda_graph_state  # noqa: E402
+from kernels import bench_cases  # noqa: E402
+from kernels.bench import copy_bandwidth, measure_ms, relative_error  # noqa: E402
+from kernels.ops import TORCH_OPS, TRITON_OPS  # noqa: E402
+from kernels.runtime import HAS_TRITON, INTERPRETING, TRITON_IMPORT_ERROR  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.llama import LlamaForCausalLM  # noqa: E402
+from model.quantization import apply_precision  # noqa: E402
+from model.sequences import Sequences  # noqa: E402
+
+# SmolLM2-135M's shapes (its config.json); the weights are random.
+SMOLLM2_135M = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+# The dry run's: the same structure (grouped-query heads, tied head), a few thousand times less work.
+TINY = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # relative L2 error of a kernel against its reference
+LOGIT_TOLERANCE = 2e-3  # fp32 device logits against the CPU's, max abs difference over max abs logit
+FUSED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary", "write_kv_cache")
+
+
+@dataclass
+class Plan:
+    """What the run does: the real sizes on a GPU, tiny ones in the dry run."""
+
+    device: torch.device
+    dry_run: bool
+    model: dict[str, Any]
+    batches: tuple[int, ...]
+    prompt_len: int
+    rounds: int
+    steps: int
+    timing_s: float
+    copy_bytes: int
+    kernel_sizes: dict[str, Any]
+
+
+def make_plan(dry_run: bool) -> Plan:
+    if dry_run:
+        return Plan(torch.device("cpu"), True, TINY, (1, 4), prompt_len=8, rounds=1, steps=2, timing_s=0.02,
+                    copy_bytes=8 << 20,
+                    kernel_sizes=dict(tokens=8, heads=(4, 2, 16), decode=(2, 40), prefill=(1, 16, 8), int8=(2, 64, 64)))
+    heads = (SMOLLM2_135M["num_heads"], SMOLLM2_135M["num_kv_heads"], SMOLLM2_135M["head_dim"])
+    return Plan(torch.device("cuda"), False, SMOLLM2_135M, (1, 64), prompt_len=128, rounds=4, steps=8, timing_s=0.3,
+                copy_bytes=1 << 30,
+                kernel_sizes=dict(tokens=4096, heads=heads, decode=(64, 2048), prefill=(4, 1024, 1024),
+                                  int8=(64, 1536, 576)))
+
+
+# --- 1. kernels -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KernelRow:
+    kernel: str
+    size: str
+    dtype: str
+    rel_error: float
+    passed: bool
+    triton_ms: float | None = None
+    eager_ms: float | None = None
+    speedup: float | None = None
+    bandwidth_fraction: float | None = None  # of the measured copy bandwidth (memory-bound kernels)
+    error: str | None = None
+
+
+def kernel_cases(plan: Plan, dtype: torch.dtype) -> list[bench_cases.Case]:
+    s = plan.kernel_sizes
+    tokens, heads = s["tokens"], s["heads"]
+    hidden, intermediate = plan.model["hidden_size"], plan.model["intermediate_size"]
+    return [
+        *bench_cases.norm_cases(tokens, hidden, dtype),
+        bench_cases.swiglu_case(tokens, intermediate, dtype),
+        bench_cases.rotary_case(tokens, heads[0], heads[1], heads[2], dtype),
+        bench_cases.kv_write_case(tokens, heads[1], heads[2], 16, dtype),
+        bench_cases.decode_case(s["decode"][0], s["decode"][1], heads, dtype),
+        bench_cases.prefill_case(*s["prefill"], heads, dtype),
+        bench_cases.int8_case(*s["int8"], dtype),
+    ]
+
+
+def check_kernels(plan: Plan, bandwidth: float) -> list[KernelRow]:
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for case in kernel_cases(plan, dtype):
+            name = str(dtype).removeprefix("torch.")
+            try:
+                # Fresh inputs for each side: some kernels write in place.
+                error = relative_error(case.kernel_fn(**case.make_inputs(plan.device)),
+                                       case.ref_fn(**case.make_inputs(plan.device)))
+                row = KernelRow(case.kernel, case.size, name, error, error <= TOLERANCE[dtype])
+                inputs = case.make_inputs(plan.device)
+                row.triton_ms = measure_ms(lambda: case.kernel_fn(**inputs), plan.device, plan.timing_s)
+                row.eager_ms = measure_ms(lambda: case.ref_fn(**inputs), plan.device, plan.timing_s)
+                row.speedup = row.eager_ms / row.triton_ms
+                if case.kernel in (*FUSED, "decode_attention"):
+                    row.bandwidth_fraction = case.bytes / (row.triton_ms * 1e-3) / bandwidth
+            except Exception as exc:  # noqa: BLE001  a failing kernel is a row of the report, not the end of it
+                row = KernelRow(case.kernel, case.size, name, float("nan"), False, error=one_line(exc))
+            rows.append(row)
+            print(f"  kernel {row.kernel} {row.dtype}: {'ok' if row.passed else 'FAIL'}", flush=True)
+    return rows
+
+
+# --- 2. decode --------------------------------------------------------------------------------------------
+
+
+def random_model(plan: Plan, ops, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """fp32 weights drawn from the module's own initialisers (same seed: same weights on every device)."""
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dict(plan.model)
+    with torch.device("cpu"):
+        module = LlamaForCausalLM(config, block_size=16, ops=ops)
+    with torch.no_grad():
+        for norm in [m for m in module.modules() if type(m).__name__ == "RMSNorm"]:
+            norm.weight.uniform_(0.5, 1.5)  # not all ones, so a wrong norm weight shows
+    return module.to(device).eval().requires_grad_(False)
+
+
+def decode_models(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """name -> step model, and notes (why one is missing, what the CUDA graphs did)."""
+    notes: dict[str, Any] = {}
+    eager = apply_precision(random_model(plan, TRITON_OPS, plan.device), "bf16")
+    models: dict[str, Any] = {"eager bf16": eager}
+    max_len = plan.prompt_len + 4 + plan.rounds * plan.steps + 1
+    # Dynamo traces compiled Triton kernels into the graph but not the interpreter's: in the dry run the
+    # compiled model's norms, rotary and SwiGLU are the torch references (Inductor fuses them), while its
+    # attention is still the Triton custom op. The options are the ones a CUDA artifact records, in the
+    # dry run too: the same code path, minus the graphs a CPU cannot capture (Inductor skips them).
+    compiled_ops = TORCH_OPS if INTERPRETING else TRITON_OPS
+    compiled_module = apply_precision(random_model(plan, compiled_ops, plan.device), "bf16")
+    models["torch-compile bf16"] = TorchCompiledModel(compiled_module, "bf16", compile_options(torch.device("cuda")),
+                                                      max_model_len=max_len, graph_attention=True)
+    trt = tensorrt_model(plan, max_len, max(plan.batches), notes)
+    if trt is not None:
+        models["tensorrt fp16"] = trt
+    return models, notes
+
+
+def tensorrt_model(plan: Plan, max_len: int, max_seqs: int, notes: dict[str, Any]):
+    missing = [name for name in ("tensorrt", "onnx", "onnxscript") if not _importable(name)]
+    if missing or plan.device.type != "cuda":
+        notes["tensorrt"] = (f"not run: {', '.join(missing)} not installed" if missing
+                             else "not run: TensorRT needs a CUDA device")
+        return None
+    import tempfile
+
+    from compile.onnx_export import export_for_tensorrt
+    from compile.tensorrt_build import build_engine
+    from engine.backends.manifest import Manifest
+    from engine.backends.tensorrt_runtime import TensorRTModel
+
+    @dataclass
+    class BuildOptions:
+        precision: str = "fp16"
+        max_num_seqs: int = max_seqs
+        max_model_len: int = max_len
+        block_size: int = 16
+        max_num_batched_tokens: int = max_seqs * plan.prompt_len
+
+    try:
+        module = random_model(plan, TORCH_OPS, plan.device)
+        directory = Path(tempfile.mkdtemp(prefix="ladder-trt-"))
+        export_for_tensorrt(module, directory, "fp16")
+        build_engine(directory, BuildOptions(), module.config)
+        options = BuildOptions()
+        manifest = Manifest(backend="tensorrt", precision="fp16", model={"config": module.config.to_dict()},
+                            shapes={"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
+                                    "block_size": 16, "max_num_batched_tokens": options.max_num_batched_tokens},
+                            device={"type": "cuda"}, libraries={})
+        return TensorRTModel.load(directory, manifest, plan.device)
+    except Exception as exc:  # noqa: BLE001
+        notes["tensorrt"] = f"failed: {one_line(exc)}"
+        return None
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def decode_bytes_per_step(model: LlamaForCausalLM, batch: int, context: int) -> int:
+    """What a decode step must read at least: every weight once (the tied head once) and each sequence's
+    cached keys and values."""
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    cfg = model.config
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.kv_cache_dtype.itemsize
+    return weights + batch * context * kv
+
+
+def measure_decode(plan: Plan, bandwidth: float) -> dict[str, Any]:
+    models, notes = decode_models(plan)
+    vocab = plan.model["vocab_size"]
+    figures: dict[str, Any] = {"rows": [], "notes": notes}
+    eager_module = models["eager bf16"]
+    for batch in plan.batches:
+        speeds = compare_decode(models, batch, vocab, plan.prompt_len, plan.rounds, plan.steps)
+        context = plan.prompt_len + 4 + plan.rounds * plan.steps // 2  # the middle of the timed steps
+        roofline = bandwidth / decode_bytes_per_step(eager_module, batch, context) * batch
+        for name, speed in speeds.items():
+            figures["rows"].append({"model": name, "batch": batch, "tokens_per_s": speed.tokens_per_s,
+                                    "median_step_ms": speed.median_step_ms, "roofline_tokens_per_s": roofline,
+                                    "roofline_fraction": speed.tokens_per_s / roofline})
+            print(f"  decode {name} batch {batch}: {speed.tokens_per_s:.1f} tok/s", flush=True)
+        figures[f"cuda_graphs_after_batch_{batch}"] = cuda_graph_state(plan.device)
+    return figures
+
+
+# --- 3. parity --------------------------------------------------------------------------------------------
+
+
+def check_parity(plan: Plan) -> dict[str, Any]:
+    """fp32: the device model on the Triton ops against the CPU model on the torch references."""
+    reference = random_model(plan, TORCH_OPS, torch.device("cpu"))
+    device_model = random_model(plan, TRITON_OPS, plan.device)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, plan.model["vocab_size"], (2, 2 * 16 + 5), generator=generator).tolist()
+    results = {}
+    for name, model in (("cpu", reference), ("device", device_model)):
+        seqs = Sequences(model, len(prompts), 64)
+        prefill = seqs.step(prompts, all_rows=True).cpu()
+        decode = seqs.step([[t] for t in prefill.view(2, -1, prefill.shape[-1])[:, -1].argmax(-1).tolist()]).cpu()
+        results[name] = (prefill, decode)
+    prefill_diff = (results["cpu"][0] - results["device"][0]).abs().max().item()
+    decode_diff = (results["cpu"][1] - results["device"][1]).abs().max().item()
+    scale = results["cpu"][0].abs().max().item()
+    greedy_equal = bool(torch.equal(results["cpu"][0].argmax(-1), results["device"][0].argmax(-1))
+                        and torch.equal(results["cpu"][1].argmax(-1), results["device"][1].argmax(-1)))
+    worst = max(prefill_diff, decode_diff) / scale
+    return {"prefill_max_abs_diff": prefill_diff, "decode_max_abs_diff": decode_diff, "max_abs_logit": scale,
+            "relative": worst, "greedy_equal": greedy_equal, "passed": worst <= LOGIT_TOLERANCE and greedy_equal}
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    dry_run: bool
+    device: str
+    environment: dict[str, Any]
+    copy_bandwidth_bytes_per_s: float = 0.0
+    kernels: list[KernelRow] = field(default_factory=list)
+    decode: dict[str, Any] = field(default_factory=dict)
+    parity: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return (not self.errors and all(k.passed for k in self.kernels) and self.parity.get("passed", False))
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def environment(plan: Plan) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "triton": None, "triton_mode": "absent" if not HAS_TRITON else "interpreter" if INTERPRETING else "compiled",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if HAS_TRITON:
+        import triton
+
+        env["triton"] = triton.__version__
+    if plan.device.type == "cuda":
+        props = torch.cuda.get_device_properties(plan.device)
+        env["gpu"] = f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB"
+    else:
+        env["gpu"] = None
+    return env
+
+
+def run(plan: Plan) -> Report:
+    report = Report(plan.dry_run, str(plan.device), environment(plan))
+    sections = (("bandwidth", lambda: copy_bandwidth(plan.device, plan.copy_bytes, plan.timing_s)),
+                ("kernels", lambda: check_kernels(plan, report.copy_bandwidth_bytes_per_s)),
+                ("decode", lambda: measure_decode(plan, report.copy_bandwidth_bytes_per_s)),
+                ("parity", lambda: check_parity(plan)))
+    for name, section in sections:
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            value = section()
+            setattr(report, "copy_bandwidth_bytes_per_s" if name == "bandwidth" else name, value)
+        except Exception as exc:  # noqa: BLE001  the other sections still run and report
+            traceback.print_exc()
+            report.errors[name] = one_line(exc)
+        report.seconds[name] = time.perf_counter() - start
+    return report
+
+
+def format_report(report: Report) -> str:
+    env = report.environment
+    lines = [f"ladder GPU check{' (DRY RUN: CPU tensors, tiny shapes, Triton interpreted; times mean nothing)' if report.dry_run else ''}",
+             f"device {report.device} {env.get('gpu') or ''} | torch {env['torch']} (CUDA {env['cuda']}) | "
+             f"triton {env['triton']} ({env['triton_mode']}) | python {env['python']} | {env['date']}",
+             f"copy bandwidth {report.copy_bandwidth_bytes_per_s / 1e9:.1f} GB/s", ""]
+    head = f"{'kernel':<20} {'dtype':<9} {'size':<34} {'rel err':>8} {'ok':>4} {'triton ms':>9} {'eager ms':>9} {'x eager':>7} {'of copy bw':>10}"
+    lines += [head, "-" * len(head)]
+    for k in report.kernels:
+        def num(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+        lines.append(f"{k.kernel:<20} {k.dtype:<9} {k.size:<34} {k.rel_error:8.1e} {'yes' if k.passed else 'NO':>4} "
+                     f"{num(k.triton_ms, '9.3f'):>9} {num(k.eager_ms, '9.3f'):>9} {num(k.speedup, '7.2f'):>7} "
+                     f"{num(None if k.bandwidth_fraction is None else 100 * k.bandwidth_fraction, '9.1f') + '%' if k.bandwidth_fraction is not None else '-':>10}"
+                     + (f"  {k.error}" if k.error else ""))
+    lines.append("")
+    if report.decode:
+        head = f"{'decode model':<22} {'batch':>5} {'tok/s':>10} {'step ms':>9} {'roofline tok/s':>14} {'of roofline':>11}"
+        lines += [head, "-" * len(head)]
+        for r in report.decode["rows"]:
+            lines.append(f"{r['model']:<22} {r['batch']:>5} {r['tokens_per_s']:10.1f} {r['median_step_ms']:9.3f} "
+                         f"{r['roofline_tokens_per_s']:14.1f} {100 * r['roofline_fraction']:10.1f}%")
+        for key, value in report.decode.items():
+            if key.startswith("cuda_graphs"):
+                lines.append(f"{key.replace('_', ' ')}: last step {value['last_step']}, skipped graphs "
+                             f"{value['skipped_graphs']}")
+        for key, value in report.decode["notes"].items():
+            lines.append(f"{key}: {value}")
+        lines.append("")
+    if report.parity:
+        p = report.parity
+        lines.append(f"fp32 parity, device vs CPU: max |logit diff| prefill {p['prefill_max_abs_diff']:.2e}, decode "
+                     f"{p['decode_max_abs_diff']:.2e} (max |logit| {p['max_abs_logit']:.2f}), greedy equal "
+                     f"{p['greedy_equal']}: {'pass' if p['passed'] else 'FAIL'}")
+    for name, error in report.errors.items():
+        lines.append(f"section {name} FAILED: {error}")
+    lines.append(f"seconds: {', '.join(f'{k} {v:.1f}' for k, v in report.seconds.items())}")
+    lines.append(f"overall: {'PASS' if report.passed else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU tensors, tiny shapes, Triton interpreted: shows the check runs end to end")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results/gpu-check")),
+                        help="directory for gpu_check.json and gpu_check.txt (default: $OUT)")
+    args = parser.parse_args(argv)
+    if not HAS_TRITON:
+        print(f"gpu_check: error: triton is not importable ({TRITON_IMPORT_ERROR})", file=sys.stderr)
+        return 2
+    if not args.dry_run:
+        if not torch.cuda.is_available():
+            print("gpu_check: error: torch sees no CUDA device (use --dry-run to check the code on a CPU)",
+                  file=sys.stderr)
+            return 2
+        if INTERPRETING:
+            print("gpu_check: error: TRITON_INTERPRET is set: the kernels would be interpreted, not compiled",
+                  file=sys.stderr)
+            return 2
+    report = run(make_plan(args.dry_run))
+    text = format_report(report)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.txt").write_text(text + "\n", encoding="utf-8")
+    data = asdict(report)
+    data["passed"] = report.passed
+    (args.out / "gpu_check.json").write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    print(f"wrote {args.out / 'gpu_check.json'}")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
