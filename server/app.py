@@ -21,6 +21,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.outputs import SampleDelta
 from server import protocol as p
 from server.admission import Admission, Reservation
+from server.dashboard import install_dashboard
 from server.errors import APIError, error_response, install_error_handlers
 from server.prompts import check_chars, check_prompts, render_chat, to_prompts
 from server.generation import (Collected, Job, Prompt, chat_response, check_length, collect,
@@ -95,6 +96,7 @@ def create_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible completions and chat completions over ladder's engine.")
     app.state.ladder = state
     install_error_handlers(app)
+    install_dashboard(app, state)
 
     app.add_middleware(BodyLimit, limit=state.settings.max_body_bytes)
 
