@@ -23,8 +23,8 @@ def check_prompts(items: list[str | list[int]], max_tokens: int, info: EngineInf
             check_chars(len(item), char_limit, "prompt")
         else:
             check_length(len(item), max_tokens, info.max_model_len, "prompt")
-            if max(item) >= info.vocab_size:
-                raise APIError(400, f"prompt token ids must be below the vocabulary size {info.vocab_size}",
+            if min(item) < 0 or max(item) >= info.vocab_size:
+                raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size}), the vocabulary",
                                param="prompt")
 
 

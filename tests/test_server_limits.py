@@ -25,10 +25,10 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-chat")
 
 
-def make_state(tiny_dir, **settings) -> ServerState:
+def make_state(tiny_dir, step_timeout: float | None = None, **settings) -> ServerState:
     state = ServerState(ServerSettings(**settings))
     engine = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_memory_gib=0.01, max_model_len=256, max_num_seqs=8))
-    state.attach(AsyncLLMEngine(engine))
+    state.attach(AsyncLLMEngine(engine, step_timeout=step_timeout))
     return state
 
 
