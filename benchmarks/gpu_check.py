@@ -295,7 +295,8 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return (not self.errors and all(k.passed for k in self.kernels) and self.parity.get("passed", False))
+        return (not self.errors and all(k.passed for k in self.kernels)
+                and (not self.parity or self.parity["passed"]))
 
 
 def one_line(exc: BaseException) -> str:
@@ -319,13 +320,18 @@ def environment(plan: Plan) -> dict[str, Any]:
     return env
 
 
-def run(plan: Plan) -> Report:
+SECTIONS = ("bandwidth", "kernels", "decode", "parity")
+
+
+def run(plan: Plan, only: tuple[str, ...] = SECTIONS) -> Report:
     report = Report(plan.dry_run, str(plan.device), environment(plan))
     sections = (("bandwidth", lambda: copy_bandwidth(plan.device, plan.copy_bytes, plan.timing_s)),
                 ("kernels", lambda: check_kernels(plan, report.copy_bandwidth_bytes_per_s)),
                 ("decode", lambda: measure_decode(plan, report.copy_bandwidth_bytes_per_s)),
                 ("parity", lambda: check_parity(plan)))
     for name, section in sections:
+        if name not in only and name != "bandwidth":  # the others' fractions are of the bandwidth
+            continue
         print(f"== {name}", flush=True)
         start = time.perf_counter()
         try:
@@ -385,7 +391,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU tensors, tiny shapes, Triton interpreted: shows the check runs end to end")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results/gpu-check")),
                         help="directory for gpu_check.json and gpu_check.txt (default: $OUT)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run (default: all of {', '.join(SECTIONS)})")
     args = parser.parse_args(argv)
+    only = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+    if unknown := set(only) - set(SECTIONS):
+        parser.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     if not HAS_TRITON:
         print(f"gpu_check: error: triton is not importable ({TRITON_IMPORT_ERROR})", file=sys.stderr)
         return 2
@@ -398,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_check: error: TRITON_INTERPRET is set: the kernels would be interpreted, not compiled",
                   file=sys.stderr)
             return 2
-    report = run(make_plan(args.dry_run))
+    report = run(make_plan(args.dry_run), only)
     text = format_report(report)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
