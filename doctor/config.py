@@ -1,0 +1,41 @@
+"""Typed, validated configuration of one `ladder doctor` run; argument parsing lives in ladder/doctor.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DoctorConfig:
+    model: str | None = None  # HF directory or GGUF file; None with no artifact or URL: the embedded default
+    artifact: str | None = None
+    base_url: str | None = None  # a running ladder server instead of a model loaded here
+    api_key: str | None = None
+    dtype: str = "float32"
+    device: str | None = None  # default: cuda when present, else cpu
+    max_num_seqs: int = 16  # the engine's sequence cap; the decode sweep goes up to it
+    max_num_batched_tokens: int = 2048
+    input_len: int = 64  # prompt tokens of the load's requests, and the decode sweep's context
+    output_len: int = 16
+    num_requests: int | None = None  # requests of the load, all at once; default: max_num_seqs
+    max_prefill: int = 256  # the prefill sweep goes up to this many tokens
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    out_dir: Path = Path("benchmarks/results/doctor")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        sources = [name for name in ("model", "artifact", "base_url") if getattr(self, name) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"give one of --model, --artifact, --base-url (got {', '.join(sources)})")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "input_len", "output_len", "max_prefill",
+                     "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"--num-requests must be at least 1, got {self.num_requests}")
+
+    @property
+    def load_requests(self) -> int:
+        return self.num_requests if self.num_requests is not None else self.max_num_seqs

@@ -1,0 +1,105 @@
+"""What one step of a model costs in bytes moved and floating-point work, from its config alone.
+
+Counted as a roofline counts them: the weights of every linear layer are read once per step whatever
+the batch (they are reused across the step's rows), the KV cache is read for every attended position
+and written for every new token, and each weight does one multiply-add (2 FLOPs) per row it touches.
+Norms, rotary embeddings and the embedding gather are left out: they are a few per cent at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+
+# Bytes of one weight and the arithmetic the matmuls run in, per precision (model/quantization.py's names).
+WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "w8a8": 1}
+MATMUL_KIND = {"fp32": "fp32", "fp16": "bf16", "bf16": "bf16", "int8": "fp32", "w8a8": "int8"}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    bytes: float
+    flops: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte: where the step sits on the roofline's x axis."""
+        return self.flops / self.bytes
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    config: ModelConfig
+    precision: str  # fp32, fp16, bf16, int8 (weight-only) or w8a8
+    kv_itemsize: int  # bytes of one cached key or value element
+
+    def __post_init__(self) -> None:
+        if self.precision not in WEIGHT_BYTES:
+            raise ValueError(f"unknown precision {self.precision!r} (choose from {', '.join(WEIGHT_BYTES)})")
+
+    @property
+    def layer_matmul_params(self) -> int:
+        c = self.config
+        attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+        return c.num_layers * (attention + 3 * c.hidden_size * c.intermediate_size)
+
+    @property
+    def head_params(self) -> int:
+        return self.config.vocab_size * self.config.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter: the matmuls, the embedding (once if tied to the head) and the norms."""
+        c = self.config
+        embedding = 0 if c.tie_word_embeddings else self.head_params
+        norms = c.hidden_size * (2 * c.num_layers + 1)
+        return self.layer_matmul_params + self.head_params + embedding + norms
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights one step reads: the layers' matmuls and the head."""
+        return (self.layer_matmul_params + self.head_params) * WEIGHT_BYTES[self.precision]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.kv_size * self.kv_itemsize
+
+    @property
+    def matmul_kind(self) -> str:
+        return MATMUL_KIND[self.precision]
+
+    def attention_flops(self, context: int) -> float:
+        """One new token attending to `context` positions: QK^T and the weighted sum of V, every layer."""
+        c = self.config
+        return 4.0 * c.num_layers * c.q_size * context
+
+    def step(self, query_lens: Sequence[int], seq_lens: Sequence[int], num_sampled: int) -> StepCost:
+        """A step of several sequences: sequence i brings query_lens[i] new tokens and ends at seq_lens[i]
+        tokens; `num_sampled` rows go through the head."""
+        num_tokens = sum(query_lens)
+        attended = 0.0  # sum over new tokens of the positions each attends to (causal within the chunk)
+        for q, s in zip(query_lens, seq_lens, strict=True):
+            attended += q * (s - q) + q * (q + 1) / 2
+        flops = 2.0 * (self.layer_matmul_params * num_tokens + self.head_params * num_sampled)
+        flops += self.attention_flops(1) * attended
+        # The cache is read once per sequence (every query of a chunk shares the gathered blocks).
+        kv_read = sum(s - q for q, s in zip(query_lens, seq_lens, strict=True)) * self.kv_bytes_per_token
+        kv_write = num_tokens * self.kv_bytes_per_token
+        return StepCost(self.weight_bytes + kv_read + kv_write, flops)
+
+    def decode_step(self, batch: int, context: int) -> StepCost:
+        """`batch` sequences each adding one token after `context` cached ones."""
+        return self.step([1] * batch, [context + 1] * batch, batch)
+
+    def prefill_step(self, num_tokens: int) -> StepCost:
+        """One prompt of `num_tokens` tokens from an empty cache; only its last row is sampled."""
+        return self.step([num_tokens], [num_tokens], 1)
+
+    def summary(self) -> dict:
+        return {"num_params": self.num_params, "precision": self.precision, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "decode_flops_per_token": self.decode_step(1, 0).flops,
+                "decode_bytes_per_step": self.weight_bytes, "matmul_kind": self.matmul_kind}

@@ -1,0 +1,108 @@
+"""`ladder doctor` on a model loaded in this process: machine limits, sweeps, a load, the verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from doctor.config import DoctorConfig
+from doctor.cost import ModelCost
+from doctor.load import run_engine_load
+from doctor.machine import measure_machine
+from doctor.report import DoctorReport
+from doctor.roofline import operating_point
+from doctor.sweep import run_sweeps
+from doctor.verdict import Evidence, classify
+from engine.backends.artifact import LoadedArtifact, load_artifact
+from engine.config import GIB, EngineConfig, bytes_per_block
+from engine.llm_engine import LLMEngine
+from kernels.kv_layout import blocks_for_tokens
+from model.loader import LoadedModel, load
+
+PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def precision_of(loaded: LoadedModel) -> str:
+    if isinstance(loaded, LoadedArtifact):
+        return loaded.manifest.precision
+    return PRECISION_OF_DTYPE[loaded.module.kv_cache_dtype]
+
+
+def kernels_of(loaded: LoadedModel) -> str:
+    if isinstance(loaded, LoadedArtifact):
+        m = loaded.manifest
+        return f"artifact: {m.backend} backend, {m.precision} (parity {m.parity.get('passed', '?')})" \
+            if isinstance(m.parity, dict) else f"artifact: {m.backend} backend, {m.precision}"
+    module = loaded.module
+    ops = getattr(getattr(module, "ops", None), "name", "?")
+    attention = type(getattr(module, "attention", None)).__name__
+    return f"eager PyTorch, ops {ops!r}, attention {attention} (not compiled: see `ladder compile`)"
+
+
+def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str) -> EngineConfig:
+    """An engine sized for the doctor's work: a cache that holds the whole load, and the sweeps."""
+    num_requests = config.load_requests
+    max_model_len = max(config.input_len + config.output_len, config.max_prefill)
+    tokens = max(num_requests * blocks_for_tokens(config.input_len + config.output_len, config.block_size),
+                 config.max_num_seqs * blocks_for_tokens(config.input_len + 1, config.block_size),
+                 2 * blocks_for_tokens(max_model_len, config.block_size)) * config.block_size
+    per_block = bytes_per_block(loaded.config, config.block_size, loaded.module.kv_cache_dtype)
+    gib = (blocks_for_tokens(tokens, config.block_size) + 1) * per_block / GIB
+    return EngineConfig(model=config.model, dtype=config.dtype, device=device, max_num_seqs=config.max_num_seqs,
+                        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                        block_size=config.block_size, kv_cache_memory_gib=gib,
+                        enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
+
+
+def model_shapes(loaded: LoadedModel, config: DoctorConfig) -> list[tuple[int, int, int]]:
+    """The MLP's matmuls at the decode sweep's largest batch and the prefill sweep's largest chunk."""
+    c = loaded.config
+    return [(m, k, n) for m in sorted({config.max_num_seqs, config.max_prefill})
+            for k, n in ((c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size))]
+
+
+def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
+              on_progress: Callable[[str], None] = lambda _: None) -> DoctorReport:
+    """Measure everything in this process; `loaded` skips loading (a model already in memory)."""
+    device = config.device or default_device()
+    if loaded is None:
+        on_progress("loading the model")
+        loaded = (load_artifact(config.artifact, device) if config.artifact is not None
+                  else load(config.model, dtype=config.dtype, device=device, block_size=config.block_size))
+    engine = LLMEngine(engine_config(config, loaded, device), loaded=loaded)
+    module = engine.model.module
+    cost = ModelCost(loaded.config, precision_of(loaded), module.kv_cache_dtype.itemsize)
+    shapes = model_shapes(loaded, config)
+    machines = [measure_machine(module.device, shapes, on_progress=on_progress)]
+    if module.device.type == "cuda":  # the host's limits too, for comparison
+        machines.append(measure_machine(torch.device("cpu"), shapes, on_progress=on_progress))
+    sweep = run_sweeps(module, engine.runner.kv_caches, cost, engine.config.max_num_seqs, config.input_len,
+                       min(config.max_prefill, config.max_num_batched_tokens, engine.max_model_len),
+                       on_progress=on_progress)
+    on_progress(f"load: {config.load_requests} requests of {config.input_len} + {config.output_len} tokens at once")
+    evidence_load = run_engine_load(engine, cost, config.load_requests, config.input_len, config.output_len,
+                                    config.seed, on_progress)
+    machine, kind = machines[0], cost.matmul_kind
+    operating = operating_point("the load's steps", evidence_load.steps, machine, kind)
+    verdict = classify(evidence_for(evidence_load, operating, cost, machine))
+    return DoctorReport(loaded.name, str(machine.device), cost, kernels_of(loaded), machines, sweep, evidence_load,
+                        operating, verdict)
+
+
+def evidence_for(load_evidence, operating, cost: ModelCost, machine) -> Evidence:
+    kind = cost.matmul_kind
+    return Evidence(
+        queue_share=load_evidence.queue_share, occupancy=load_evidence.occupancy,
+        max_num_seqs=load_evidence.max_num_seqs, num_preemptions=load_evidence.num_preemptions,
+        overhead_share=load_evidence.overhead_share,
+        roof_fraction=None if operating is None else operating.fraction,
+        roof=None if operating is None else operating.roof,
+        operating_label=f"the load's {operating.num_steps} steps" if operating else "the load's steps",
+        weight_bytes=cost.weight_bytes, precision=cost.precision,
+        faster_kinds={k: v / machine.peak[kind] for k, v in machine.peak.items() if k != kind and kind in machine.peak},
+    )

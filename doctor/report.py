@@ -1,0 +1,118 @@
+"""One doctor run's findings, layer by layer, as text for the terminal and as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from doctor.cost import ModelCost
+from doctor.load import LoadEvidence
+from doctor.machine import MachineLimits
+from doctor.roofline import OperatingPoint, RooflinePoint
+from doctor.verdict import Verdict
+
+
+@dataclass
+class DoctorReport:
+    model_name: str
+    device: str
+    cost: ModelCost
+    kernels: str  # what runs the steps: backend, ops and attention
+    machines: list[MachineLimits]  # the first is the device the model runs on
+    sweep: list[RooflinePoint]
+    load: LoadEvidence
+    operating: OperatingPoint | None
+    verdict: Verdict
+    parallelism: str = "1 rank: no communication"
+    notes: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def machine(self) -> MachineLimits:
+        return self.machines[0]
+
+    @property
+    def load_points(self) -> list[RooflinePoint]:
+        return [p for phase in ("decode", "prefill", "load") if (p := self.load.combined(phase)) is not None]
+
+    def to_dict(self) -> dict:
+        kind = self.cost.matmul_kind
+        return {
+            "model": {"name": self.model_name, **self.cost.summary(), "config": self.cost.config.to_dict()},
+            "parallelism": self.parallelism,
+            "runtime": self.load.to_dict(),
+            "compile": {"kernels": self.kernels,
+                        "sweep": [p.to_dict(self.machine, kind) for p in self.sweep],
+                        "load": [p.to_dict(self.machine, kind) for p in self.load_points],
+                        "operating_point": None if self.operating is None else {
+                            "label": self.operating.label, "num_steps": self.operating.num_steps,
+                            "seconds": self.operating.seconds, "fraction": self.operating.fraction,
+                            "roof": self.operating.roof}},
+            "hardware": [m.to_dict() for m in self.machines],
+            "verdict": self.verdict.to_dict(),
+            "notes": self.notes,
+        }
+
+    def write_json(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+
+def si(value: float | None, unit: str, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.{digits}f} {prefix}{unit}"
+    return f"{value:.{digits}f} {unit}"
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def format_report(report: DoctorReport) -> str:
+    cost, load, machine, kind = report.cost, report.load, report.machine, report.cost.matmul_kind
+    pad = " " * 15
+    lines = [f"ladder doctor · {report.model_name} · {cost.precision} on {report.device}", ""]
+    first = cost.decode_step(1, 0)
+    lines.append(f"1 model        {si(cost.num_params, '', 1).replace(' ', '')} parameters · {si(cost.weight_bytes, 'B')} of weights "
+                 f"read per step ({cost.precision}) · KV cache {si(cost.kv_bytes_per_token, 'B')} per token")
+    lines.append(f"{pad}decode: {si(first.flops, 'FLOP')} per token, {first.intensity:.2f} FLOP/byte at batch 1; "
+                 f"prefill: {si(cost.prefill_step(256).flops / 256, 'FLOP')} per token")
+    lines.append(f"2 parallelism  {report.parallelism}")
+    lines.append(f"3 runtime      load from {load.source}: {load.num_requests} requests at once, "
+                 f"{load.wall_seconds:.2f} s, {load.output_tokens_per_s:.1f} output tokens/s")
+    lines.append(f"{pad}per request: queue {ms(load.mean_queue)} ({pct(load.queue_share)} of its time) · prefill "
+                 f"{ms(load.mean_prefill)} · decode {ms(load.mean_decode)} · end to end {ms(load.mean_e2e)}")
+    occupancy = (f"batch occupancy {pct(load.occupancy)} ({load.mean_batch:.1f} of {load.max_num_seqs} sequences "
+                 "per step)") if load.occupancy is not None else f"mean batch {load.mean_batch or 0:.1f}"
+    preempted = "-" if load.num_preemptions is None else f"{load.num_preemptions:.0f}"
+    lines.append(f"{pad}{occupancy} · {preempted} preemptions · prefix cache hits {pct(load.prefix_hit_rate)}")
+    total = sum(load.step_seconds.values()) or 1.0
+    lines.append(f"{pad}{load.num_steps} steps, time by phase: "
+                 + " · ".join(f"{phase} {seconds / total:.0%}" for phase, seconds in load.step_seconds.items()))
+    lines.append(f"4 compile      {report.kernels}")
+    header = f"{pad}{'step':<16}{'time':>10}{'FLOP/s':>12}{'bytes/s':>12}{'FLOP/B':>9}  {'roof':<8}{'of roof':>8}"
+    lines.append(header)
+    for point in [*report.sweep, *report.load_points]:
+        lines.append(f"{pad}{point.label:<16}{ms(point.seconds) if point.seconds >= 0.01 else f'{point.seconds * 1e3:.2f} ms':>10}"
+                     f"{si(point.flops_per_s, ''):>12}{si(point.bytes_per_s, 'B'):>12}{point.cost.intensity:>9.2f}  "
+                     f"{point.roof(machine, kind):<8}{pct(point.fraction(machine, kind)):>8}")
+    for m in report.machines:
+        peaks = " · ".join(f"{k} {si(v, 'FLOP/s' if k != 'int8' else 'OP/s')}" for k, v in m.peak.items())
+        lines.append(f"5 hardware     {m.device}, {m.threads} threads: memory copy {si(m.memory_bandwidth, 'B/s')} · "
+                     f"{peaks}")
+    lines.append(f"{pad}ridge point ({kind}): {machine.ridge(kind):.1f} FLOP/byte")
+    lines.append("")
+    lines.append(f"verdict: {report.verdict.bound.upper()} bound")
+    lines.extend(f"  - {reason}" for reason in report.verdict.reasons)
+    lines.append(f"next step: {report.verdict.next_step}")
+    lines.extend(f"note: {note}" for note in report.notes)
+    return "\n".join(lines)

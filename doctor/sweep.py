@@ -1,0 +1,79 @@
+"""Decode and prefill sweeps: the model's forward alone, timed at growing batch sizes on its own caches.
+
+Decode at batch b: b sequences of `context` cached tokens each add one token. Prefill of n tokens: one
+prompt of n tokens from an empty cache. The sequences use disjoint blocks from the front of the cache;
+what they write there is never read by anything else (the prefix cache only knows blocks the engine
+computed itself).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from doctor.cost import ModelCost
+from doctor.roofline import RooflinePoint
+from kernels.kv_layout import blocks_for_tokens
+from model.step import SeqChunk, StepModel, build_step, run_step
+
+
+def powers_up_to(limit: int, start: int = 1) -> list[int]:
+    """start, 2 start, 4 start, ... and `limit` itself."""
+    values, value = [], start
+    while value < limit:
+        values.append(value)
+        value *= 2
+    return values + [limit]
+
+
+def time_step(model: StepModel, kv_caches: list[torch.Tensor], chunks: list[SeqChunk], reps: int,
+              budget: float) -> float:
+    """Best seconds of the model's forward on `chunks` (inputs built once, outside the timing)."""
+    inputs = build_step(chunks, model.block_size, model.device)
+    sync = (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
+    run_step(model, inputs, kv_caches)  # warm-up: first-call allocations and kernel choices
+    sync()
+    best, spent = float("inf"), 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        run_step(model, inputs, kv_caches)
+        sync()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > budget:
+            break
+    return best
+
+
+def decode_chunks(batch: int, context: int, block_size: int) -> list[SeqChunk]:
+    per_seq = blocks_for_tokens(context + 1, block_size)
+    # Token 1 everywhere: the values do not change the work, and id 1 exists in every vocabulary.
+    return [SeqChunk([1], context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
+
+
+def prefill_chunks(num_tokens: int, block_size: int) -> list[SeqChunk]:
+    return [SeqChunk([1] * num_tokens, 0, list(range(blocks_for_tokens(num_tokens, block_size))))]
+
+
+def run_sweeps(model: StepModel, kv_caches: list[torch.Tensor], cost: ModelCost, max_batch: int, context: int,
+               max_prefill: int, reps: int = 3,
+               on_progress: Callable[[str], None] = lambda _: None) -> list[RooflinePoint]:
+    num_blocks = kv_caches[0].shape[1]
+    block_size = model.block_size
+    points: list[RooflinePoint] = []
+    for batch in powers_up_to(max_batch):
+        if batch * blocks_for_tokens(context + 1, block_size) > num_blocks:
+            break
+        on_progress(f"decode sweep: batch {batch} at context {context}")
+        seconds = time_step(model, kv_caches, decode_chunks(batch, context, block_size), reps, budget=1.0)
+        points.append(RooflinePoint(f"decode b={batch}", "decode", batch, seconds, cost.decode_step(batch, context)))
+    for num_tokens in powers_up_to(max_prefill, start=16):
+        if blocks_for_tokens(num_tokens, block_size) > num_blocks:
+            break
+        on_progress(f"prefill sweep: {num_tokens} tokens")
+        seconds = time_step(model, kv_caches, prefill_chunks(num_tokens, block_size), reps, budget=1.0)
+        points.append(RooflinePoint(f"prefill {num_tokens}", "prefill", num_tokens, seconds,
+                                    cost.prefill_step(num_tokens)))
+    return points
