@@ -9,7 +9,7 @@ import torch
 from doctor.config import DoctorConfig
 from doctor.cost import ModelCost
 from doctor.load import run_engine_load
-from doctor.machine import measure_machine
+from doctor.machine import contention_note, measure_machine
 from doctor.report import DoctorReport
 from doctor.roofline import operating_point
 from doctor.sweep import run_sweeps
@@ -90,8 +90,9 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     machine, kind = machines[0], cost.matmul_kind
     operating = operating_point("the load's steps", evidence_load.steps, machine, kind)
     verdict = classify(evidence_for(evidence_load, operating, cost, machine))
+    notes = [note] if (note := contention_note()) else []
     return DoctorReport(loaded.name, str(machine.device), cost, kernels_of(loaded), machines, sweep, evidence_load,
-                        operating, verdict)
+                        operating, verdict, notes=notes)
 
 
 def evidence_for(load_evidence, operating, cost: ModelCost, machine) -> Evidence:

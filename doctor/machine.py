@@ -8,6 +8,7 @@ shared, and the best run is the one least disturbed by the neighbours.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -118,3 +119,17 @@ def measure_machine(device: torch.device, model_shapes: list[tuple[int, int, int
             peak[result.kind] = max(peak.get(result.kind, 0.0), result.flops_per_s)
     name = device.type if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})"
     return MachineLimits(name, torch.get_num_threads(), bandwidth, peak, gemms)
+
+
+def contention_note() -> str | None:
+    """A warning when other processes competed for the cores during the run (the 1-minute load average
+    above the core count): every time measured is then longer than this machine gives alone."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not every platform has a load average
+        return None
+    if load <= cores:
+        return None
+    return (f"the load average was {load:.1f} on {cores} cores while measuring: other processes shared them, "
+            "so the times above are longer than this machine gives alone")

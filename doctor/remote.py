@@ -23,7 +23,7 @@ from doctor.config import DoctorConfig
 from doctor.cost import ModelCost, StepCost
 from doctor.load import STEP_PHASES, LoadEvidence
 from doctor.local import evidence_for
-from doctor.machine import measure_machine
+from doctor.machine import contention_note, measure_machine
 from doctor.report import DoctorReport
 from doctor.roofline import RooflinePoint, operating_point
 from doctor.verdict import classify
@@ -137,5 +137,7 @@ def run_remote(config: DoctorConfig, on_progress: Callable[[str], None] = lambda
     if urlparse(root).hostname not in ("127.0.0.1", "localhost", "::1"):
         notes.append(f"the hardware figures are this machine's; {root} may run on another")
     notes.append("the server counts all of its traffic during the load, not only the doctor's requests")
+    if (note := contention_note()) is not None:
+        notes.append(note)
     return DoctorReport(served["name"], str(device), cost, kernels, [machine], [], evidence, operating, verdict,
                         notes=notes)

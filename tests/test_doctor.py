@@ -187,7 +187,7 @@ def test_doctor_reads_a_running_server_over_http(tmp_path):
         assert httpx.get(url + "/").text.startswith("<!doctype html>")
         assert httpx.get(url + "/static/app.py").status_code == 404  # only the page's own files
         code = main(["doctor", "--base-url", url, "--num-requests", "6", "--input-len", "16", "--output-len", "8",
-                     "--out", str(tmp_path / "out"), "--quiet"])
+                     "--max-prefill", "32", "--out", str(tmp_path / "out"), "--quiet"])
         assert code == 0
         report = json.loads((tmp_path / "out" / "doctor.json").read_text())
         assert report["verdict"]["bound"] == "queue"  # six requests at once, one slot
