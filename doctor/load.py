@@ -138,7 +138,8 @@ def run_engine_load(engine: LLMEngine, cost: ModelCost, num_requests: int, input
             engine.step()
             if time.perf_counter() - last_report > 1.0:
                 last_report = time.perf_counter()
-                on_progress(f"load: {len(timings)}/{num_requests} requests done")
+                on_progress(f"load: {len(timed.points)} steps, {sum(p.num_tokens for p in timed.points)} tokens "
+                            f"computed, {len(timings)}/{num_requests} requests done")
         wall = time.perf_counter() - start
     finally:
         engine.runner = timed.runner

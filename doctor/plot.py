@@ -6,6 +6,7 @@ from pathlib import Path
 
 from doctor.report import DoctorReport
 
+OTHER_ROOF_STYLES = {"fp32": "--", "bf16": ":", "int8": "-."}  # the roofs of the kinds the model does not use
 MARKERS = {"decode": ("o", "tab:blue"), "prefill": ("s", "tab:orange"), "load": ("D", "tab:green")}
 
 
@@ -24,7 +25,7 @@ def write_roofline(report: DoctorReport, path: Path) -> Path:
     x = np.geomspace(low, high, 200)
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for roof_kind, peak in machine.peak.items():
-        style = "-" if roof_kind == kind else ":"
+        style = "-" if roof_kind == kind else OTHER_ROOF_STYLES.get(roof_kind, ":")
         ax.plot(x, np.minimum(peak, machine.memory_bandwidth * x), style, color="black" if roof_kind == kind else "grey",
                 label=f"roof {roof_kind}: {peak / 1e9:.0f} G{'OP' if roof_kind == 'int8' else 'FLOP'}/s")
     for phase, (marker, color) in MARKERS.items():
