@@ -43,7 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from compile.bench import compare_decode  # noqa: E402
-from engine.backends.torch_compiled import TorchCompiledModel, compile_options, cuda_graph_state  # noqa: E402
+from engine.backends.torch_compiled import (  # noqa: E402
+    TorchCompiledModel,
+    compile_options,
+    compiled_ops,
+    cuda_graph_state,
+)
 from kernels import bench_cases  # noqa: E402
 from kernels.bench import copy_bandwidth, measure_ms, relative_error  # noqa: E402
 from kernels.ops import TORCH_OPS, TRITON_OPS  # noqa: E402
@@ -169,13 +174,13 @@ def decode_models(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     eager = apply_precision(random_model(plan, TRITON_OPS, plan.device), "bf16")
     models: dict[str, Any] = {"eager bf16": eager}
     max_len = plan.prompt_len + 4 + plan.rounds * plan.steps + 1
-    # Dynamo traces compiled Triton kernels into the graph but not the interpreter's: in the dry run the
-    # compiled model's norms, rotary and SwiGLU are the torch references (Inductor fuses them), while its
-    # attention is still the Triton custom op. The options are the ones a CUDA artifact records, in the
-    # dry run too: the same code path, minus the graphs a CPU cannot capture (Inductor skips them).
-    compiled_ops = TORCH_OPS if INTERPRETING else TRITON_OPS
-    compiled_module = apply_precision(random_model(plan, compiled_ops, plan.device), "bf16")
-    models["torch-compile bf16"] = TorchCompiledModel(compiled_module, "bf16", compile_options(torch.device("cuda")),
+    # Built as a CUDA artifact is (engine/backends/torch_compiled.py): Inductor fuses the references'
+    # norms, rotary and SwiGLU, attention is the Triton custom op, with the options a CUDA artifact
+    # records, in the dry run too: the same code path, minus the graphs a CPU cannot capture (Inductor
+    # skips them and counts the skip).
+    cuda = torch.device("cuda")
+    compiled_module = apply_precision(random_model(plan, compiled_ops(cuda), plan.device), "bf16")
+    models["torch-compile bf16"] = TorchCompiledModel(compiled_module, "bf16", compile_options(cuda),
                                                       max_model_len=max_len, graph_attention=True)
     trt = tensorrt_model(plan, max_len, max(plan.batches), notes)
     if trt is not None:

@@ -37,7 +37,7 @@ from torch._dynamo.utils import counters
 
 from engine.backends.graph_attention import GraphPagedAttention
 from kernels.kv_layout import blocks_for_tokens
-from kernels.ops import select_ops
+from kernels.ops import TORCH_OPS, Ops, select_ops
 from model.attention import AttentionPlan, OpaquePagedAttention, TorchPagedAttention
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
@@ -48,6 +48,15 @@ from model.sequences import Sequences
 from model.step import allocate_kv_caches
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+WARM_UP_BLOCKS = 4
+
+
+def compiled_ops(device: torch.device) -> Ops:
+    """The ops a compiled module is built with. On CUDA the plain-torch references: Inductor writes
+    their fused kernels itself and traces them best (a hand-written launcher's Python would be traced
+    or guarded on), while attention, which Inductor cannot fuse, stays the Triton custom op. On a CPU
+    the usual choice (the references beside the C++ decode attention)."""
+    return TORCH_OPS if device.type == "cuda" else select_ops(device)
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:
@@ -80,7 +89,8 @@ class TorchCompiledModel:
             graph_attention = uses_graph_attention(self.device)
         window = module.config.sliding_window
         if graph_attention:
-            width = None if max_model_len is None else max(2, blocks_for_tokens(max_model_len, self.block_size))
+            # At least the warm-up's width (its sequences reserve WARM_UP_BLOCKS blocks each).
+            width = None if max_model_len is None else max(WARM_UP_BLOCKS, blocks_for_tokens(max_model_len, self.block_size))
             self.attention = GraphPagedAttention(module.block_size, window, width)
         else:
             attention_type = OpaquePagedAttention if self.device.type == "cpu" else TorchPagedAttention
@@ -120,7 +130,7 @@ class TorchCompiledModel:
     def warm_up(self) -> None:
         """Compile now, not on the first requests: run the kinds of step the engine makes (one prompt,
         one decode, decodes beside a prefill chunk) on a scratch cache."""
-        seqs = Sequences(self, 3, 4 * self.block_size)
+        seqs = Sequences(self, 3, WARM_UP_BLOCKS * self.block_size)
         seqs.step([[1, 2, 3], [], []])  # a prompt alone
         seqs.step([[4], [], []])  # one decode
         seqs.step([[5], [1] * 19, [2, 3]])  # a decode beside two prompts of other lengths
@@ -159,7 +169,7 @@ def load(directory: Path, precision: str, block_size: int, device: torch.device,
 
     config = ModelConfig.from_dict(json.loads((directory / CONFIG).read_text(encoding="utf-8")))
     with torch.device("meta"):
-        module = LlamaForCausalLM(config, block_size=block_size, ops=select_ops(device))
+        module = LlamaForCausalLM(config, block_size=block_size, ops=compiled_ops(device))
         if precision in INT8_LINEARS:
             int8_skeleton(module, precision)
     state = load_file(str(directory / WEIGHTS), device=str(device))
