@@ -14,7 +14,7 @@ BOUNDS = ("communication", "queue", "overhead", "memory", "compute")
 COMMUNICATION_SHARE = 0.3  # of step time in collectives
 QUEUE_SHARE = 0.5  # of a request's life spent waiting to be scheduled
 OVERHEAD_SHARE = 0.5  # of engine step time outside the model's forward
-MIN_ROOF_FRACTION = 0.2  # forward time the roofline explains; below it the forward is mostly dispatch
+MIN_ROOF_FRACTION = 0.1  # forward time the roofline explains; below it the forward is mostly dispatch
 FULL_BATCH = 0.9  # occupancy from which the batch counts as full
 
 

@@ -28,8 +28,8 @@ def test_each_bound_follows_from_its_figures():
     assert classify(Evidence(**{**UNDER_MEMORY, "roof": "compute"})).bound == "compute"
     assert classify(Evidence(**{**UNDER_MEMORY, "queue_share": 0.7})).bound == "queue"
     assert classify(Evidence(**{**UNDER_MEMORY, "overhead_share": 0.6})).bound == "overhead"
-    # A forward the roofline explains a tenth of is dispatch, whatever roof it sits under.
-    assert classify(Evidence(**{**UNDER_MEMORY, "roof_fraction": 0.1})).bound == "overhead"
+    # A forward the roofline explains a twentieth of is dispatch, whatever roof it sits under.
+    assert classify(Evidence(**{**UNDER_MEMORY, "roof_fraction": 0.05})).bound == "overhead"
     split = Evidence(**{**UNDER_MEMORY, "num_ranks": 2, "communication_share": 0.4})
     assert classify(split).bound == "communication"
     # One rank never talks to another, whatever the figure says.
@@ -126,11 +126,12 @@ def test_a_tiny_model_at_batch_one_is_overhead_or_memory_bound(tiny_dir):
 
 
 def test_a_large_batch_is_compute_bound(wide_dir):
-    report = run_local(DoctorConfig(model=str(wide_dir), max_num_seqs=64, input_len=16, output_len=4,
+    # 64 prompts of 32 tokens fill one 2,048-token step: real matmul work, at most a second of it.
+    report = run_local(DoctorConfig(model=str(wide_dir), max_num_seqs=64, input_len=32, output_len=4,
                                     max_prefill=64))
     assert report.verdict.bound == "compute", (report.verdict, report.operating)
     assert report.load.occupancy == pytest.approx(1.0)
-    assert report.operating.roof == "compute" and report.operating.fraction >= 0.2
+    assert report.operating.roof == "compute" and report.operating.fraction >= 0.1
     assert "compute" in report.verdict.reasons[0]
 
 
