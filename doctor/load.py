@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from doctor.cost import ModelCost
 from doctor.roofline import RooflinePoint, combine
 from engine.bench import BenchConfig, make_workload
@@ -106,8 +108,13 @@ class TimedRunner:
         return self.runner.prepare(batch)
 
     def forward(self, inputs: ModelInputs):
+        device = self.module.device
+        if device.type == "cuda":  # kernels run asynchronously: time them from an idle device to a finished one
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         logits = self.runner.forward(inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         query_lens, seq_lens = self._shape
         cost = self.cost.step(query_lens, seq_lens, len(inputs.sample_requests))
