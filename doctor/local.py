@@ -30,7 +30,8 @@ def default_device() -> str:
 def precision_of(loaded: LoadedModel) -> str:
     if isinstance(loaded, LoadedArtifact):
         return loaded.manifest.precision
-    return PRECISION_OF_DTYPE[loaded.module.kv_cache_dtype]
+    quantization = getattr(loaded, "quantization", "none")  # int8 or w8a8 linears swapped in at load
+    return quantization if quantization != "none" else PRECISION_OF_DTYPE[loaded.module.kv_cache_dtype]
 
 
 def kernels_of(loaded: LoadedModel) -> str:
