@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from compile.manifest import write_artifact
 from compile.pipeline import save_weights
 from engine.backends.manifest import Manifest
 from engine.async_engine import ENGINE_HUNG
+from server_process import free_port
 from test_server_limits import InProcessServer, make_state, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
 
 STEP_PACE = 0.02  # seconds each forward is held, so the watched stream lasts the whole flood
@@ -228,3 +230,30 @@ def test_disk_full_while_writing_an_artifact_leaves_nothing(tiny_dir, tmp_path):
             subprocess.run(["umount", str(root)], check=True)
     assert left == []  # neither the artifact nor its temporary directory
     assert not Path(root / "artifact").exists()
+
+
+def test_short_soak_loses_nothing(tiny_dir, tmp_path):  # noqa: F811
+    """benchmarks/soak.py for 9 s (its default is 30 minutes; the SIGKILL phase runs there, not here):
+    0 unexpected errors, 0 KV blocks held, every accepted request answered, a PNG and JSON written."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "soak.py"), "--minutes", "0.15",
+                          "--capacity-seconds", "2", "--model", str(tiny_dir), "--out", str(tmp_path),
+                          "--no-kill", "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "soak.json").read_text())
+    assert result["unexpected"] == 0 and result["kv_blocks_held_at_end"] == 0
+    assert result["kinds"].get("bad", 0) > 0 and result["kinds"].get("disconnect", 0) > 0
+    assert (tmp_path / "soak.png").stat().st_size > 0
+
+
+def test_cpu_kernel_cache_is_keyed_by_the_cpu_features():
+    """A -march=native build cached on one CPU is never loaded on a CPU with other features."""
+    from kernels.cpu_extension import LazyExtension, cpu_build_key, cpu_features
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2\n"
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n"
+    assert cpu_features(avx2, "x86_64") != cpu_features(avx512, "x86_64")
+    assert cpu_features(avx2, "x86_64") == cpu_features("flags : avx2 avx fpu sse2\n", "x86_64")  # order-free
+    assert cpu_features("Features\t: fp asimd sve\n", "aarch64") == "aarch64: asimd fp sve"
+    name = LazyExtension("ladder_probe", "", [], "probe").build_name()
+    assert name == f"ladder_probe_{cpu_build_key()}" and name.isidentifier()

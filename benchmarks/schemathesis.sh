@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Schemathesis over the server's own OpenAPI schema: >= 1,000 generated cases per operation (-n), no 5xx
+# allowed, every response checked against the schema. Serves a tiny random model with SmolLM2's real
+# tokenizer and chat template (every server path is real; generation is fast), or --model PATH.
+# Usage: benchmarks/schemathesis.sh [-n CASES] [--model PATH]. Report: benchmarks/results/schemathesis/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+CASES=1000
+MODEL=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -n) CASES="$2"; shift 2 ;;
+    --model) MODEL="$2"; shift 2 ;;
+    *) echo "schemathesis.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+OUT=benchmarks/results/schemathesis
+mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -rf "$WORK"' EXIT
+if [ -z "$MODEL" ]; then
+  MODEL="$WORK/tiny-chat"
+  "$PY" -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from tiny_models import make_tiny_chat_model; make_tiny_chat_model(Path('$MODEL'))" >/dev/null 2>&1
+fi
+PORT="${PORT:-8937}"
+"$PY" -m ladder.cli serve --model "$MODEL" --port "$PORT" --max-model-len 256 --kv-cache-memory 0.02 \
+  --log-level warning >"$OUT/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
+  kill -0 "$SERVER" 2>/dev/null || { echo "the server exited; see $OUT/server.log" >&2; exit 1; }
+  sleep 0.5
+done
+START=$(date +%s)
+set +e
+.venv/bin/st run "http://127.0.0.1:$PORT/openapi.json" -n "$CASES" --seed 0 \
+  --checks not_a_server_error,response_schema_conformance,content_type_conformance,negative_data_rejection \
+  --suppress-health-check all --request-timeout 120 --workers 2 --continue-on-failure \
+  --report junit --report-dir "$OUT" | tee "$OUT/summary.txt"
+STATUS=${PIPESTATUS[0]}
+set -e
+echo "schemathesis: exit $STATUS in $(( $(date +%s) - START )) s; server still alive: $(kill -0 "$SERVER" 2>/dev/null && echo yes || echo no)"
+grep -c " 500 \| 50[0-9] " "$OUT/server.log" >/dev/null && echo "5xx lines in the server log: $(grep -c ' 50[0-9] ' "$OUT/server.log")" || true
+exit "$STATUS"
