@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	  else echo "note: /usr/bin/chromium is missing; as root: apt-get install -y chromium"; fi; fi
 	# Build the CPU kernels now (cached), not during the first request; one compiler per core.
 	$(BIN)/python -m kernels.cpu_decode_attention & pid=$$!; \
-	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && exit $$status
+	$(BIN)/python -m kernels.cpu_w8a8_linear & pid2=$$!; \
+	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && exit $$status
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from model.perplexity import PERPLEXITY_TOKENS, corpus_text, token_nll
 from model.sequences import Sequences
 from model.step import StepModel
 
@@ -26,8 +27,6 @@ PROMPTS = (
     "Photosynthesis is the process by which green plants",
 )
 GREEDY_TOKENS = 64
-PERPLEXITY_TOKENS = 2048
-CHUNK = 256
 
 
 def greedy(model: StepModel, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -43,27 +42,6 @@ def greedy(model: StepModel, prompts: list[list[int]], num_tokens: int) -> tuple
             out.append(token)
         logits = seqs.step([[t] for t in next_ids])
     return outputs, history
-
-
-def corpus_text() -> str:
-    """The built-in text: the English help topics that ship with Python (`pydoc_data.topics`)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
-
-
-def token_nll(model: StepModel, token_ids: list[int]) -> torch.Tensor:
-    """Negative log-likelihood [len-1] of each token given the ones before, in chunks of CHUNK tokens
-    (chunked prefill: each chunk attends to the cached ones before it)."""
-    seqs = Sequences(model, 1, len(token_ids))
-    losses = []
-    for start in range(0, len(token_ids) - 1, CHUNK):
-        chunk = token_ids[start:start + CHUNK]
-        logits = seqs.step([chunk], all_rows=True)
-        targets = torch.tensor(token_ids[start + 1:start + 1 + len(chunk)])
-        logits = logits[: len(targets)]
-        losses.append(torch.nn.functional.cross_entropy(logits, targets.to(logits.device), reduction="none").cpu())
-    return torch.cat(losses)
 
 
 @dataclass

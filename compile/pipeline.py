@@ -92,12 +92,12 @@ def quantize(module, options: CompileOptions, tokenizer) -> tuple[Any, dict[str,
     """The module in the artifact's precision, and what the manifest records of how. ONNX INT8 keeps the
     fp32 module (the ONNX quantizer works on the exported graph; quantizing twice would add both errors);
     TensorRT always takes fp32 (its builder chooses 16-bit kernels from flags, INT8 weights come as Q/DQ
-    in the graph). W8A8 is smoothed first on calibration text (compile/smooth.py)."""
+    in the graph). W8A8 is smoothed first on calibration text (model/smoothquant.py)."""
     if options.backend == "tensorrt" or (options.backend == "onnx" and options.precision == "int8"):
         return module, {}
     record: dict[str, Any] = {}
     if options.precision == "w8a8":
-        from compile import smooth
+        from model import smoothquant as smooth
 
         calibration = smooth.calibration_ids(tokenizer, module.config.vocab_size)
         record = {"method": "smoothquant, per-token int8 activations, per-channel int8 weights",

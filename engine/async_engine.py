@@ -86,6 +86,8 @@ def weight_precision(engine: LLMEngine) -> str:
     manifest = getattr(engine.model, "manifest", None)  # artifacts carry theirs
     if manifest is not None:
         return manifest.precision
+    if engine.model.quantization != "none":  # int8 linears applied at load
+        return engine.model.quantization
     dtype = engine.model.module.kv_cache_dtype
     return PRECISION_OF_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
 

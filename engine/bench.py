@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.backends.artifact import LoadedArtifact
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from model.loader import parse_dtype
@@ -36,11 +36,13 @@ class BenchConfig:
     dtype: str = "float32"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     kv_cache_memory_gib: float | None = None
     hf_batch_size: int = 64
     skip_hf: bool = False
     hf_dtype: str | None = None  # transformers' dtype; default: the engine's, float32 for an artifact
     device: str = "cpu"  # the engine's (EngineConfig.device); transformers runs on the same device
+    quantization: str = "none"  # the engine's (EngineConfig.quantization); transformers runs unquantized
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -116,7 +118,9 @@ def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_
 
 def run_bench(config: BenchConfig) -> dict:
     engine_config = EngineConfig(model=config.model, artifact=config.artifact, dtype=config.dtype, device=config.device,
+                                 quantization=config.quantization,
                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                 max_prefill_tokens=config.max_prefill_tokens,
                                  kv_cache_memory_gib=config.kv_cache_memory_gib,
                                  max_model_len=int((config.input_len + config.output_len)
                                                    * (1 + config.range_ratio)) + 1)

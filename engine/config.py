@@ -11,10 +11,12 @@ import torch
 
 from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
+from model.quantization import resolve_quantization
 
 GIB = 1 << 30
 # On a CPU the cache shares memory with everything else; a bounded default keeps start-up quick.
 CPU_DEFAULT_KV_GIB = 2
+DEFAULT_MAX_PREFILL_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,12 @@ class EngineConfig:
     artifact: str | None = None  # a `ladder compile` artifact directory, served instead of `model`
     dtype: str = "float32"
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present); resolved in __post_init__
+    quantization: str = "none"  # none, int8, w8a8, or auto (model/quantization.py); resolved in __post_init__
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per step while requests decode (engine/scheduler.py); chosen from the concurrency
+    # sweep in benchmarks/RESULTS.md ("Fast by default"). At least max_num_batched_tokens: no bound.
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     max_model_len: int | None = None  # default: the model's context, capped by the KV cache
     block_size: int = 16
     kv_cache_memory_gib: float | None = None  # default: kv_cache_memory_fraction of available memory
@@ -34,6 +40,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device, self.artifact))
+        if self.artifact is not None and self.quantization not in ("none", "auto"):
+            raise ValueError(f"quantization {self.quantization} applies to a model, not to an artifact "
+                             "(an artifact has the precision it was compiled in)")
+        quantization = "none" if self.artifact is not None else self.quantization
+        object.__setattr__(self, "quantization", resolve_quantization(quantization, self.dtype, self.device))
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
@@ -44,6 +55,8 @@ class EngineConfig:
             raise ValueError("give a model or an artifact, not both")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 
 
 def fit_to_artifact(config: EngineConfig, shapes: dict[str, int]) -> EngineConfig:

@@ -28,6 +28,7 @@ class LLMEngine:
         if loaded is None and config.artifact is not None:
             loaded = load_artifact(config.artifact, config.device)
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
+                                    quantization=config.quantization,
                                     block_size=config.block_size)
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
@@ -40,7 +41,9 @@ class LLMEngine:
         num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
                                                        module.device)
         self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        prefill_bound = config.max_prefill_tokens if config.max_prefill_tokens < config.max_num_batched_tokens else None
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                           prefill_bound)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.runner = ModelRunner(module, num_blocks)
         self.sampler = Sampler(config.seed)

@@ -2,10 +2,16 @@
 
 Each step has a token budget (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`).
 Running requests go first, oldest first: each gets its remaining tokens (one for a decode, the rest of
-its prompt, in chunks, for a prefill), so a long prompt never stalls the decodes. Waiting requests are
-then admitted first come, first served while budget, sequence slots and blocks last. When blocks run
-out, the most recently admitted running request is preempted (its blocks freed, recomputed later from
-the front of the queue), so older requests always make progress and none starves.
+its prompt, in chunks, for a prefill). Waiting requests are then admitted first come, first served while
+budget, sequence slots and blocks last. When blocks run out, the most recently admitted running request
+is preempted (its blocks freed, recomputed later from the front of the queue), so older requests always
+make progress and none starves.
+
+Decodes first: while any request is decoding, prompt tokens (of running and newly admitted requests
+alike) share a smaller budget, `max_prefill_tokens`, so a burst of prompts costs each decoding stream a
+bounded delay per step instead of one long stall, and a burst is admitted a few prompts per step: their
+first tokens come out in turn instead of all at the end, and the requests do not all finish (and come
+back) together. With nothing decoding, prompts get the whole step budget.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    max_prefill_tokens: int | None = None  # prompt tokens per step while any request decodes (None: no bound)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens also draw on prefill_budget; decodes (one token each) only on budget.
+        prefill_budget = budget
+        if self.config.max_prefill_tokens is not None and any(is_decode(r) for r in self.running):
+            prefill_budget = self.config.max_prefill_tokens
         scheduled: list[Request] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            is_prompt = remaining > 1  # a prompt (or a preempted request's recompute), in chunks
+            if is_prompt:
+                if prefill_budget <= 0:
+                    index += 1  # its next chunk waits; the decodes after it still run
+                    continue
+                remaining = min(remaining, prefill_budget)
+            num_new = min(remaining, budget)
             while not self.blocks.allocate(request, num_new):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -94,11 +114,14 @@ class Scheduler:
                 scheduled.append(request)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
+                if is_prompt:
+                    prefill_budget -= num_new
                 index += 1
                 continue
             break
         # Admissions wait while anything is being preempted: the freed blocks go to older requests.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs
+               and not out.preempted):
             request = self.waiting[0]
             reason = self.why_never_fits(request)
             if reason is not None:
@@ -109,7 +132,7 @@ class Scheduler:
             if request.leader is not None and not (request.leader.is_prefill_done or request.leader.is_finished):
                 break  # first come, first served: nothing overtakes a waiting sample
             prefix = self.blocks.find_cached_prefix(request)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            num_new = min(request.num_tokens - prefix.num_tokens, budget, prefill_budget)
             if not self.blocks.allocate(request, num_new, prefix):
                 break
             self.waiting.popleft()
@@ -121,6 +144,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         return out
 
     def finish_step(self, output: SchedulerOutput) -> None:
@@ -145,3 +169,8 @@ class Scheduler:
         request.preempt()
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def is_decode(request: Request) -> bool:
+    """One token left to compute: the last sampled one."""
+    return request.num_tokens - request.num_computed_tokens == 1

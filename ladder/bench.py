@@ -6,7 +6,9 @@ import argparse
 from pathlib import Path
 
 from engine.bench import BenchConfig, format_table, run_bench, write_report
+from engine.config import DEFAULT_MAX_PREFILL_TOKENS
 from ladder.device import add_device_argument
+from ladder.quantization import add_quantization_argument
 from model.loader import DTYPES
 
 
@@ -25,12 +27,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help="prompt tokens per step while other requests decode, so their streams keep flowing "
+                        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; >= --max-num-batched-tokens: no bound)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers generate")
     p.add_argument("--hf-dtype", default=None, choices=sorted(DTYPES),
                    help="dtype of transformers (default: the engine's --dtype; float32 for an artifact)")
     p.add_argument("--skip-hf", action="store_true", help="run the engine alone")
     add_device_argument(p)
+    add_quantization_argument(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON report path")
     p.set_defaults(run=run)
 
@@ -40,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, artifact=args.artifact, num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
+        kv_cache_memory_gib=args.kv_cache_memory,
         hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype, device=args.device,
+        quantization=args.quantization,
     )
     report = run_bench(config)
     print(format_table(report))

@@ -8,10 +8,12 @@ import time
 
 from engine.config import resolve_device
 from ladder.device import add_device_argument
+from ladder.quantization import add_quantization_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.detokenizer import IncrementalDetokenizer
 from model.generator import Generator
 from model.loader import DTYPES, load
+from model.quantization import resolve_quantization
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -27,6 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="a system message for the chat template")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype (default float32)")
     add_device_argument(p)
+    add_quantization_argument(p)
     p.set_defaults(run=run)
 
 
@@ -37,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
-    loaded = load(args.model, dtype=args.dtype, device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    loaded = load(args.model, dtype=args.dtype, device=device,
+                  quantization=resolve_quantization(args.quantization, args.dtype, device))
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer.json, so text prompts cannot be encoded")
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     end = time.perf_counter()
     decode_rate = (num_output - 1) / (end - first_token_at) if num_output > 1 else 0.0
     print(
-        f"[{loaded.name}] prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
+        f"[{loaded.name}{'' if loaded.quantization == 'none' else ', ' + loaded.quantization}] prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
         f"load {loaded.load_seconds:.2f} s | first token {first_token_at - start:.2f} s | "
         f"decode {decode_rate:.1f} tokens/s",
         file=sys.stderr,

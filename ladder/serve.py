@@ -14,8 +14,9 @@ import signal
 import threading
 import time
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
 from ladder.device import add_device_argument
+from ladder.quantization import add_quantization_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.loader import DTYPES
 
@@ -35,6 +36,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help="prompt tokens per step while other requests decode, so their streams keep flowing "
+                        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; >= --max-num-batched-tokens: no bound)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output (default: model's)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="sequences in flight, counted as prompts x n of every request, before 429 (default 256)")
@@ -51,6 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="fraction of available memory for the KV cache when --kv-cache-memory is not given")
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
+    add_quantization_argument(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -79,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.step_timeout < 0:
         raise ValueError(f"--step-timeout must be 0 (off) or positive, got {args.step_timeout}")
     config = EngineConfig(
-        model=args.model, artifact=args.artifact, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        model=args.model, artifact=args.artifact, dtype=args.dtype, device=args.device,
+        quantization=args.quantization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
+        max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,
     )
@@ -99,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             state.attach(AsyncLLMEngine(LLMEngine(config), step_timeout=args.step_timeout or None))
             info = state.engine.info
-            log.info("serving %s as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens, "
-                     "max_model_len %d)", info.model_path, state.model_name, args.host, args.port,
+            log.info("serving %s (%s) as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens, "
+                     "max_model_len %d)", info.model_path, info.precision, state.model_name, args.host, args.port,
                      time.perf_counter() - start, info.num_kv_blocks, info.block_size, info.max_model_len)
         except Exception as error:  # report one line and stop the server
             failure.append(" ".join(str(error).split()) or type(error).__name__)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +15,14 @@ from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
 from model.hf_checkpoint import read_config, read_tensors, safetensors_files
+from model.quantization import QUANTIZATIONS
 from model.step import StepModel
 from model.weights import build_model
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -31,6 +36,7 @@ class LoadedModel:
     name: str  # the name to serve it under
     path: Path  # the file or directory it came from
     load_seconds: float
+    quantization: str = "none"  # applied at load (model/quantization.py QUANTIZATIONS)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -46,10 +52,17 @@ def load(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     block_size: int = 16,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model."""
+    """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model;
+    `quantization` int8 or w8a8 swaps its linears for int8 ones once the float32 weights are in."""
     start = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
+    if quantization != "none" and torch_dtype != torch.float32:
+        raise ValueError(f"quantization {quantization} starts from float32 weights: drop dtype {dtype} "
+                         "(or use quantization none)")
     if source is None or str(source) == DEFAULT_MODEL_NAME:
         path, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -65,6 +78,7 @@ def load(
         config_name = str(path / "config.json")
         module = build_model(config, tensors, str(path), config_name, torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+        weight_files = [path / "config.json", *safetensors_files(path)]
     elif path.is_file() and path.suffix.lower() == ".gguf":
         from model.gguf_checkpoint import GGUFCheckpoint
 
@@ -73,8 +87,36 @@ def load(
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
+        weight_files = [path]
     elif path.exists():
         raise ModelLoadError(f"{path}: not a model (expected a Hugging Face directory or a .gguf file)")
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
-    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start)
+    if quantization != "none":
+        quantize(module, quantization, tokenizer, weight_files)
+    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization)
+
+
+def quantize(module, scheme: str, tokenizer, weight_files: list[Path]) -> None:
+    """Swap the float32 module's linears for the scheme's int8 ones in place; W8A8 is smoothed first,
+    with the calibration read from its cache (computed and cached on the first start)."""
+    from model import smoothquant
+    from model.quantization import quantize_int8
+
+    if scheme == "w8a8":
+        started = time.perf_counter()
+        smoothing, cache, cached = smoothquant.cached_smoothing(module, tokenizer, files_sha256(weight_files))
+        smoothquant.apply(module, smoothing)
+        log.info("SmoothQuant scales %s %s (%.1f s)", "read from" if cached else "calibrated and cached in",
+                 cache, time.perf_counter() - started)
+    quantize_int8(module, scheme)
+
+
+def files_sha256(files: list[Path]) -> str:
+    """One digest of the files' contents, in order."""
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()

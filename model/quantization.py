@@ -13,7 +13,7 @@ reads a few rows, not the whole table.
   with its own scale (per token), the product is an integer matmul (`torch._int_mm`, int32 accumulation;
   VNNI dot products on x86 CPUs), rescaled to float32. Prefill and batched decode, which are compute
   bound, run on integer arithmetic at four to six times the float32 rate. Activation outliers are first
-  moved into the weights by SmoothQuant (`compile/smooth.py`), which the pipeline runs before this.
+  moved into the weights by SmoothQuant (`model/smoothquant.py`), which the pipeline runs before this.
 """
 
 from __future__ import annotations
@@ -21,12 +21,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_int8_linear
+from kernels import cpu_int8_linear, cpu_w8a8_linear
+from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import int8_matmul, quantize_int8_ref
 from model.llama import LlamaForCausalLM
 
 FLOAT_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
+# Applied by `model.load` to the float32 eager model (no compile step); "none" keeps float32.
+QUANTIZATIONS = ("none", "int8", "w8a8")
+
+
+def resolve_quantization(quantization: str, dtype: str, device: str | torch.device) -> str:
+    """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
+    "Fast by default"): W8A8 on a CPU with float32 weights; nothing elsewhere (a 16-bit dtype was asked
+    for, or a GPU, where 16-bit weights are the fast path). Other values pass through, checked."""
+    if quantization == "auto":
+        is_fp32 = dtype in ("float32", "fp32", torch.float32)
+        return "w8a8" if is_fp32 and torch.device(device).type == "cpu" else "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")
+    return quantization
 
 
 class Int8Weights(nn.Module):
@@ -74,18 +89,24 @@ class Int8Linear(Int8Weights):
         return cpu_int8_linear.int8_linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 
-def w8a8_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] float32 quantized per row to int8 (x_scale = max|row| / 127), times weight int8 [N, K]
-    with scale [N], int32 accumulation -> [M, N] float32."""
-    x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # [M, 1]
-    q = torch.round(rows / x_scale).to(torch.int8)  # |rows / x_scale| <= 127 by construction
-    return torch._int_mm(q, weight.t()).float() * x_scale * scale
-
-
 class W8A8Linear(Int8Weights):
-    """y = w8a8_matmul(x, weight_int8, scale) + bias for x [.., K]."""
+    """y = w8a8_matmul(x, weight_int8, scale) + bias for x [.., K], float32 out. On a CPU the VNNI kernel
+    (kernels/cpu_w8a8_linear.py) computes it, bit for bit equal to the torch reference."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        # The CPU kernel's layout and column sums, rebuilt from `weight` by `pack()` (not saved).
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("wsum", None, persistent=False)
+
+    def pack(self) -> W8A8Linear:
+        if self.weight.device.type == "cpu":
+            self.packed, self.wsum = cpu_w8a8_linear.pack(self.weight)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.device.type == "cpu":
+            return cpu_w8a8_linear.w8a8_linear(x, self.packed, self.wsum, self.scale, self.bias, self.out_features)
         y = w8a8_matmul(x.reshape(-1, self.in_features).float(), self.weight, self.scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias

@@ -145,3 +145,34 @@ def test_samples_wait_for_their_leader_and_share_prompt_blocks():
     assert {s.request.request_id: s.num_new_tokens for s in plan.scheduled} == {"a#0": 1, "a#1": 1}
     assert sample.num_cached_tokens == 12
     assert sample.block_ids[:3] == leader.block_ids[:3]
+
+
+def test_prompts_share_a_smaller_budget_while_requests_decode():
+    """Decodes first: with max_prefill_tokens, a burst of prompts is admitted a chunk at a time while every
+    decoding request still advances each step; with nothing decoding, a prompt gets the whole budget."""
+    blocks = KVBlockManager(256, 4, True)
+    sched = Scheduler(SchedulerConfig(16, 64, 256, max_prefill_tokens=12), blocks)
+    first = req("first", 40, 50)
+    sched.add(first)
+    plan = sched.schedule()  # nothing decodes yet: the whole 64-token budget
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("first", 40)]
+    sched.finish_step(plan)
+    first.output_token_ids.append(7)
+    burst = [req(f"b{i}", 10, 5, seed=i) for i in range(6)]
+    for r in burst:
+        sched.add(r)
+    admitted_steps = []
+    for _ in range(12):
+        plan = sched.schedule()
+        by_id = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
+        assert by_id.get("first") == 1  # the decode runs every step
+        assert sum(n for rid, n in by_id.items() if rid != "first" and n > 1) <= 12
+        admitted_steps.append(sorted(rid for rid, n in by_id.items() if rid != "first" and n > 1))
+        sched.finish_step(plan)
+        for s in plan.scheduled:
+            if s.request.num_computed_tokens == s.request.num_tokens:
+                s.request.output_token_ids.append(7)
+    # 6 prompts of 10 tokens through a 12-token prefill budget: spread over several steps, oldest first.
+    started = [rid for step in admitted_steps for rid in step]
+    assert len([s for s in admitted_steps if s]) >= 5
+    assert [rid for i, rid in enumerate(started) if rid not in started[:i]] == [f"b{i}" for i in range(6)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile import smooth
+from model import smoothquant as smooth
 from model.sequences import Sequences
 from model.quantization import W8A8Linear, apply_precision
 from kernels.int8_matmul import quantize_int8_ref
@@ -108,3 +108,48 @@ def test_w8a8_model_tracks_fp32(tiny_dirs):
     logits = _logits(quantized, prompts)
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
+
+
+# -- quantization at load (`model.load(..., quantization=...)`, `--quantization`) ----------------------------
+
+def test_quantization_at_load_caches_the_calibration(tiny_dirs, tmp_path, monkeypatch):
+    """w8a8 at load calibrates SmoothQuant once and reads the cached scales after; a damaged cache file is
+    calibrated again, never trusted; the result is the same model each time."""
+    from model import smoothquant
+
+    monkeypatch.setenv("LADDER_CACHE_DIR", str(tmp_path))
+    ids = [[5, 17, 33, 2, 9], [7, 7, 1]]
+
+    def logits(loaded):
+        from model.sequences import Sequences
+        return Sequences(loaded.module, 2, 16).step(ids)
+
+    first = load(tiny_dirs["qwen2"], quantization="w8a8")
+    assert first.quantization == "w8a8"
+    assert all(isinstance(m, W8A8Linear) for m in (first.module.lm_head, first.module.layers[0].mlp.down_proj))
+    files = list((tmp_path / "smoothquant").glob("*.safetensors"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    second = load(tiny_dirs["qwen2"], quantization="w8a8")
+    assert files[0].stat().st_mtime_ns == stamp  # read, not rewritten
+    assert torch.equal(logits(first), logits(second))
+    files[0].write_bytes(b"not a safetensors file")
+    third = load(tiny_dirs["qwen2"], quantization="w8a8")
+    assert torch.equal(logits(first), logits(third))
+    smoothing = smoothquant.read(files[0], "another key", third.module)
+    assert smoothing is None  # a file made for other weights is not used
+    weight_only = load(tiny_dirs["llama3"], quantization="int8")
+    assert weight_only.quantization == "int8" and not list((tmp_path / "smoothquant").glob("*.tmp"))
+
+
+def test_quantization_choices_and_errors(tiny_dirs):
+    from model.quantization import resolve_quantization
+
+    assert resolve_quantization("auto", "float32", "cpu") == "w8a8"
+    assert resolve_quantization("auto", "bfloat16", "cpu") == "none"
+    assert resolve_quantization("auto", "float32", "cuda") == "none"
+    assert resolve_quantization("int8", "float32", "cpu") == "int8"
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        resolve_quantization("int4", "float32", "cpu")
+    with pytest.raises(ValueError, match="starts from float32 weights"):
+        load(tiny_dirs["llama3"], dtype="bfloat16", quantization="w8a8")

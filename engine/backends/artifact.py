@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ TOKENIZER_DIR = "tokenizer"
 class LoadedArtifact(LoadedModel):
     """A loaded model that came from an artifact: its runtime, and the manifest it was checked against."""
 
-    manifest: Manifest
+    manifest: Manifest = field(kw_only=True)
 
 
 def load_backend(directory: Path, manifest: Manifest, device: torch.device) -> StepModel:

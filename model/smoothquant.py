@@ -26,15 +26,24 @@ its own alpha +0.82% (chosen: 0.7 for 35 linears, 0.8 for 26, 0.6 for 17, 0.5 fo
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from compile import parity
+from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import quantize_int8_ref
 from model.llama import LlamaForCausalLM
-from model.quantization import w8a8_matmul
+from model.perplexity import corpus_text, token_nll
+
+log = logging.getLogger(__name__)
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CALIBRATION_START = 4096  # tokens of the built-in text skipped: the perplexity slice lies before
@@ -48,7 +57,7 @@ def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
     if tokenizer is None:
         generator = torch.Generator().manual_seed(1)
         return torch.randint(0, vocab_size, (CALIBRATION_TOKENS,), generator=generator).tolist()
-    ids = tokenizer.encode(parity.corpus_text(), add_special_tokens=False)
+    ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
     return ids[CALIBRATION_START:CALIBRATION_START + CALIBRATION_TOKENS]
 
 
@@ -74,7 +83,7 @@ def linear_inputs(module: LlamaForCausalLM, token_ids: list[int]) -> dict[str, L
 
     hooks = [m.register_forward_hook(record(name)) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
     try:
-        parity.token_nll(module, token_ids)  # chunked prefill over the text, as the engine runs it
+        token_nll(module, token_ids)  # chunked prefill over the text, as the engine runs it
     finally:
         for hook in hooks:
             hook.remove()
@@ -101,17 +110,46 @@ def choose_scales(inputs: LinearInputs, weight: torch.Tensor) -> tuple[float, to
     return best[1], best[2]
 
 
+@dataclass
+class Smoothing:
+    """Per smoothed linear (by name): the alpha chosen and the scales s [K] it gives."""
+
+    alphas: dict[str, float]
+    scales: dict[str, torch.Tensor]
+
+
 @torch.no_grad()
-def smooth(module: LlamaForCausalLM, token_ids: list[int]) -> dict[str, float]:
-    """Fold SmoothQuant scales into the fp32 module in place (its outputs are unchanged up to rounding);
-    returns the alpha chosen for each smoothed linear, by name."""
+def calibrate(module: LlamaForCausalLM, token_ids: list[int]) -> Smoothing:
+    """Choose each smoothed linear's alpha and scales on the fp32 module (left unchanged)."""
     inputs = linear_inputs(module, token_ids)
+    alphas, scales = {}, {}
+    for name, linear in smoothed_linears(module).items():
+        alphas[name], scales[name] = choose_scales(inputs[name], linear.weight)
+    return Smoothing(alphas, scales)
+
+
+def smoothed_linears(module: LlamaForCausalLM) -> dict[str, nn.Linear]:
+    """Every linear smoothing touches, by name (module.named_modules names)."""
+    found = {}
+    for i, layer in enumerate(module.layers):
+        found[f"layers.{i}.self_attn.qkv_proj"] = layer.self_attn.qkv_proj
+        found[f"layers.{i}.mlp.gate_up_proj"] = layer.mlp.gate_up_proj
+        found[f"layers.{i}.mlp.down_proj"] = layer.mlp.down_proj
+    found["lm_head"] = module.lm_head
+    return found
+
+
+@torch.no_grad()
+def apply(module: LlamaForCausalLM, smoothing: Smoothing) -> None:
+    """Fold the scales into the fp32 module in place: its outputs are unchanged up to rounding."""
     if module.lm_head.weight is module.embed_tokens.weight:  # the embedding lookup keeps the unscaled table
         module.lm_head.weight = nn.Parameter(module.embed_tokens.weight.detach().clone(), requires_grad=False)
-    alphas: dict[str, float] = {}
 
     def fold(norm_weight: torch.Tensor, linear: nn.Linear, name: str) -> None:
-        alphas[name], s = choose_scales(inputs[name], linear.weight)
+        s = smoothing.scales[name]
+        if s.shape != (linear.in_features,):
+            raise ValueError(f"smoothing scales for {name} have shape {tuple(s.shape)}, "
+                             f"the layer takes {linear.in_features} inputs")
         norm_weight.div_(s.to(norm_weight.dtype))
         linear.weight.mul_(s.to(linear.weight.dtype))
 
@@ -122,4 +160,80 @@ def smooth(module: LlamaForCausalLM, token_ids: list[int]) -> dict[str, float]:
         intermediate = mlp.down_proj.in_features
         fold(mlp.gate_up_proj.weight[intermediate:].T, mlp.down_proj, f"layers.{i}.mlp.down_proj")
     fold(module.norm.weight, module.lm_head, "lm_head")
-    return alphas
+
+
+def smooth(module: LlamaForCausalLM, token_ids: list[int]) -> dict[str, float]:
+    """Calibrate and fold in one go; returns the alpha chosen for each smoothed linear, by name."""
+    smoothing = calibrate(module, token_ids)
+    apply(module, smoothing)
+    return smoothing.alphas
+
+
+# -- the calibration cache: smoothing computed once per model file, reused at every start ---------------
+
+CACHE_FORMAT = "ladder-smoothquant"
+CACHE_VERSION = "1"
+
+
+def cache_dir() -> Path:
+    """$LADDER_CACHE_DIR/smoothquant, or ~/.cache/ladder/smoothquant."""
+    root = os.environ.get("LADDER_CACHE_DIR") or Path.home() / ".cache" / "ladder"
+    return Path(root) / "smoothquant"
+
+
+def cache_key(weights_sha256: str, token_ids: list[int]) -> str:
+    """The model's weights and the calibration tokens (the built-in text differs between Pythons)."""
+    tokens = hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+    return hashlib.sha256(f"{weights_sha256}:{tokens}:{CACHE_VERSION}".encode()).hexdigest()
+
+
+def save(smoothing: Smoothing, path: Path, key: str) -> None:
+    """A safetensors file of the scales, with the key and the alphas in its header; written to a
+    temporary name and renamed, so a crash never leaves half a file under the real name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": key,
+                "alphas": json.dumps(smoothing.alphas, sort_keys=True)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({name: s.contiguous() for name, s in smoothing.scales.items()}, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read(path: Path, key: str, module: LlamaForCausalLM) -> Smoothing | None:
+    """The cached smoothing if the file is whole, was made for this key, and fits this module; else None."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if (meta.get("format"), meta.get("version"), meta.get("key")) != (CACHE_FORMAT, CACHE_VERSION, key):
+                return None
+            scales = {name: f.get_tensor(name) for name in f.keys()}
+            alphas = json.loads(meta["alphas"])
+    except (OSError, ValueError, KeyError, json.JSONDecodeError, SafetensorError):
+        return None
+    linears = smoothed_linears(module)
+    if set(scales) != set(linears) or set(alphas) != set(linears):
+        return None
+    if any(scales[n].shape != (m.in_features,) or scales[n].dtype != torch.float32 for n, m in linears.items()):
+        return None
+    return Smoothing(alphas, scales)
+
+
+def cached_smoothing(module: LlamaForCausalLM, tokenizer, weights_sha256: str) -> tuple[Smoothing, Path, bool]:
+    """(smoothing, its cache file, whether it came from the cache) for this fp32 module: read from the
+    cache when a valid file exists, else calibrated now (seconds) and saved for the next start."""
+    token_ids = calibration_ids(tokenizer, module.config.vocab_size)
+    key = cache_key(weights_sha256, token_ids)
+    path = cache_dir() / f"{key[:32]}.safetensors"
+    if path.is_file():
+        smoothing = read(path, key, module)
+        if smoothing is not None:
+            return smoothing, path, True
+        log.warning("%s is not a valid SmoothQuant cache for this model: calibrating again", path)
+    smoothing = calibrate(module, token_ids)
+    try:
+        save(smoothing, path, key)
+    except OSError as error:  # a read-only home: serve anyway, calibrate again next time
+        log.warning("cannot cache the SmoothQuant calibration at %s: %s", path, error)
+    return smoothing, path, False

@@ -1,0 +1,14 @@
+"""The `--quantization` option of serve, generate and bench."""
+
+from __future__ import annotations
+
+import argparse
+
+from model.quantization import QUANTIZATIONS
+
+
+def add_quantization_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
+                   help="int8 linears applied at load, no compile step: int8 (weight-only), w8a8 (int8 weights "
+                        "and activations, SmoothQuant calibrated once and cached), none (the weights' dtype). "
+                        "auto (default): w8a8 on a CPU with float32 weights, else none")
