@@ -69,7 +69,7 @@ def test_manifest_records_what_was_built(artifacts):
     data = json.loads((out / MANIFEST_NAME).read_text())
     assert data["format_version"] == FORMAT_VERSION
     assert data["backend"] == "torch-compile" and data["precision"] == "int8"
-    assert data["shapes"] == {"max_num_seqs": 8, "max_model_len": 256, "block_size": 16}
+    assert data["shapes"] == {"max_num_seqs": 8, "max_model_len": 256, "block_size": 16, "max_num_batched_tokens": 2048}
     assert len(data["model"]["sha256"]) == 64 and data["libraries"]["torch"] == torch.__version__
     assert data["device"]["type"] == "cpu"
     on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {MANIFEST_NAME}
