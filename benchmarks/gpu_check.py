@@ -349,24 +349,31 @@ def run(plan: Plan, only: tuple[str, ...] = SECTIONS) -> Report:
     return report
 
 
+def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + suffix
+
+
 def format_report(report: Report) -> str:
     env = report.environment
-    lines = [f"ladder GPU check{' (DRY RUN: CPU tensors, tiny shapes, Triton interpreted; times mean nothing)' if report.dry_run else ''}",
+    title = "ladder GPU check"
+    if report.dry_run:
+        title += " (DRY RUN: CPU tensors, tiny shapes, Triton interpreted; times mean nothing)"
+    lines = [title,
              f"device {report.device} {env.get('gpu') or ''} | torch {env['torch']} (CUDA {env['cuda']}) | "
              f"triton {env['triton']} ({env['triton_mode']}) | python {env['python']} | {env['date']}",
              f"copy bandwidth {report.copy_bandwidth_bytes_per_s / 1e9:.1f} GB/s", ""]
-    head = f"{'kernel':<20} {'dtype':<9} {'size':<34} {'rel err':>8} {'ok':>4} {'triton ms':>9} {'eager ms':>9} {'x eager':>7} {'of copy bw':>10}"
+    head = (f"{'kernel':<20} {'dtype':<9} {'size':<34} {'rel err':>8} {'ok':>4} {'triton ms':>9} {'eager ms':>9} "
+            f"{'x eager':>7} {'of copy bw':>10}")
     lines += [head, "-" * len(head)]
     for k in report.kernels:
-        def num(v, fmt):
-            return format(v, fmt) if v is not None else "-"
+        fraction = None if k.bandwidth_fraction is None else 100 * k.bandwidth_fraction
         lines.append(f"{k.kernel:<20} {k.dtype:<9} {k.size:<34} {k.rel_error:8.1e} {'yes' if k.passed else 'NO':>4} "
-                     f"{num(k.triton_ms, '9.3f'):>9} {num(k.eager_ms, '9.3f'):>9} {num(k.speedup, '7.2f'):>7} "
-                     f"{num(None if k.bandwidth_fraction is None else 100 * k.bandwidth_fraction, '9.1f') + '%' if k.bandwidth_fraction is not None else '-':>10}"
-                     + (f"  {k.error}" if k.error else ""))
+                     f"{_cell(k.triton_ms, '.3f'):>9} {_cell(k.eager_ms, '.3f'):>9} {_cell(k.speedup, '.2f'):>7} "
+                     f"{_cell(fraction, '.1f', '%'):>10}" + (f"  {k.error}" if k.error else ""))
     lines.append("")
     if report.decode:
-        head = f"{'decode model':<22} {'batch':>5} {'tok/s':>10} {'step ms':>9} {'roofline tok/s':>14} {'of roofline':>11}"
+        head = (f"{'decode model':<22} {'batch':>5} {'tok/s':>10} {'step ms':>9} {'roofline tok/s':>14} "
+                f"{'of roofline':>11}")
         lines += [head, "-" * len(head)]
         for r in report.decode["rows"]:
             lines.append(f"{r['model']:<22} {r['batch']:>5} {r['tokens_per_s']:10.1f} {r['median_step_ms']:9.3f} "

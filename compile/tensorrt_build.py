@@ -31,7 +31,8 @@ def check_available(precision: str, device: torch.device) -> None:
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        raise ValueError("the tensorrt backend needs the `tensorrt` Python package (pip install 'ladder[tensorrt]')") from None
+        raise ValueError("the tensorrt backend needs the `tensorrt` Python package "
+                         "(pip install 'ladder[tensorrt]')") from None
 
 
 def _profile_shapes(config: ModelConfig, shapes: dict[str, int], tokens: int) -> dict[str, tuple[tuple, tuple, tuple]]:

@@ -109,7 +109,8 @@ def run_hf(path: Path, dtype: torch.dtype, work: Workload, batch_size: int, pad_
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=pad_id)
         if out.shape[1] != width + new_tokens:
             raise RuntimeError("transformers stopped early")

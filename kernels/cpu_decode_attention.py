@@ -292,8 +292,8 @@ def check_decode_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     block manager hands out only blocks of the cache, and checking them would read every table on
     every layer."""
     if not (q.is_cpu and kv_cache.is_cpu and block_tables.is_cpu and seq_lens.is_cpu):
-        where = ", ".join(f"{name} on {t.device}" for name, t in (("q", q), ("kv_cache", kv_cache),
-                                                                   ("block_tables", block_tables), ("seq_lens", seq_lens)))
+        named = (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables), ("seq_lens", seq_lens))
+        where = ", ".join(f"{name} on {t.device}" for name, t in named)
         raise ValueError(f"the CPU decode attention kernel takes CPU tensors, got {where}")
     if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
         raise ValueError(f"float32 only, got q {q.dtype} and kv_cache {kv_cache.dtype}")

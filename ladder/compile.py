@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from compile.pipeline import run as compile_model
 
     options = CompileOptions(
-        model=args.model, backend=args.backend, precision=args.precision, out=args.out, device=resolve_device(args.device),
+        model=args.model, backend=args.backend, precision=args.precision, out=args.out,
+        device=resolve_device(args.device),
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, bench_batch=args.bench_batch,
         run_bench=not args.no_bench,

@@ -166,8 +166,8 @@ def test_gpu_check_dry_run_needs_no_serving_or_checkpoint_package(tmp_path):
     # parity section end to end, with what the device machine lacks made unimportable. The full dry run
     # (`benchmarks/gpu_check.sh --dry-run`, about a minute: Inductor compiles) is not run here.
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LADDER_KERNELS")}
-    result = subprocess.run([sys.executable, "-c", BLOCKER, "--dry-run", "--sections", "parity", "--out", str(tmp_path)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-c", BLOCKER, "--dry-run", "--sections", "parity", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] and report["parity"]["passed"] and report["parity"]["greedy_equal"]

@@ -90,7 +90,8 @@ class TorchCompiledModel:
         window = module.config.sliding_window
         if graph_attention:
             # At least the warm-up's width (its sequences reserve WARM_UP_BLOCKS blocks each).
-            width = None if max_model_len is None else max(WARM_UP_BLOCKS, blocks_for_tokens(max_model_len, self.block_size))
+            width = (None if max_model_len is None
+                     else max(WARM_UP_BLOCKS, blocks_for_tokens(max_model_len, self.block_size)))
             self.attention = GraphPagedAttention(module.block_size, window, width)
         else:
             attention_type = OpaquePagedAttention if self.device.type == "cpu" else TorchPagedAttention
