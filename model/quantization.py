@@ -23,7 +23,7 @@ from torch import nn
 
 from kernels import cpu_int8_linear, cpu_w8a8_linear
 from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
-from kernels.int8_matmul import int8_matmul, quantize_int8_ref
+from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
 from model.llama import LlamaForCausalLM
 
 FLOAT_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -83,7 +83,7 @@ class Int8Linear(Int8Weights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # the Triton kernel; bias added after
-            y = int8_matmul(x.reshape(-1, self.in_features), self.weight, self.scale)
+            y = int8_matmul_op(x.reshape(-1, self.in_features), self.weight, self.scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         return cpu_int8_linear.int8_linear(x, self.packed, self.scale, self.bias, self.out_features)
