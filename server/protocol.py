@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator,
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, WithJsonSchema, field_validator,
                       model_validator)
 
 from engine.sampling_params import MAX_LOGPROBS
@@ -18,8 +18,12 @@ MAX_CONTENT_PARTS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 
 
+# Numbers and booleans are strict: lax validation would read `"top_p": true` as 1.0 and `"n": 2.0` as 2,
+# accepting what the schema says is invalid.
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Annotated[bool, Strict()] = False
 
 
 class _Request(BaseModel):
@@ -27,23 +31,23 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    min_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
     ] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    stream: bool = False
+    seed: Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, le=2.0)] | None = None
+    stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: Annotated[bool, Strict()] = False
+    min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     user: str | None = None
 
     @field_validator("stop")
@@ -66,7 +70,7 @@ class _Request(BaseModel):
 
 # The id range is in the schema but checked by the server at the vocabulary size (server/prompts.py): a
 # constraint on each element costs more than twice as much to validate, on the event loop, as the list.
-TokenId = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})]
+TokenId = Annotated[int, Strict(), WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -87,8 +91,8 @@ class CompletionRequest(_Request):
         Annotated[TokenIds, Tag("ids")],
         Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag("id_lists")],
     ], Discriminator(_prompt_shape)]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Annotated[bool, Strict()] = False
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self):
@@ -123,9 +127,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    logprobs: Annotated[bool, Strict()] = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
