@@ -126,10 +126,6 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         return len(self.streams)
 
-    @property
-    def num_sequences_in_flight(self) -> int:
-        return sum(n for _, _, n in list(self.streams.values()))
-
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
