@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	# Build the CPU kernels now (cached), not during the first request; one compiler per core.
 	$(BIN)/python -m kernels.cpu_decode_attention & pid=$$!; \
 	$(BIN)/python -m kernels.cpu_w8a8_linear & pid2=$$!; \
-	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && exit $$status
+	$(BIN)/python -m kernels.cpu_fused_ops & pid3=$$!; \
+	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && wait $$pid3 && exit $$status
 	touch $(STAMP)
 
 setup: $(STAMP)

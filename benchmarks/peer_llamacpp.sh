@@ -74,9 +74,10 @@ GGUF=$("$PY" -c 'from model.default import default_model_path; print(default_mod
 TOKENIZER_DIR=$(mktemp -d)
 "$PY" - "$GGUF" "$TOKENIZER_DIR" <<'EOF'
 import sys
+from pathlib import Path
 from model.gguf_checkpoint import GGUFCheckpoint
 from model.tokenizer import Tokenizer
-Tokenizer.from_gguf_metadata(GGUFCheckpoint(sys.argv[1]).metadata, sys.argv[1]).save(sys.argv[2])
+Tokenizer.from_gguf_metadata(GGUFCheckpoint(Path(sys.argv[1])).metadata, sys.argv[1]).save(Path(sys.argv[2]))
 EOF
 mkdir -p "$OUT"
 IFS=, read -r -a LEVELS <<< "$CONCURRENCY"

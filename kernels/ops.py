@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_decode_attention as cpu_kernel
+from kernels import cpu_fused_ops as cpu_fused
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding_, rotate_ref
 from kernels.runtime import HAS_TRITON, INTERPRETING, require_triton
@@ -52,8 +53,10 @@ TORCH_OPS = Ops(
     name="torch", rms_norm=rms_norm_ref, fused_add_rms_norm=fused_add_rms_norm_ref, apply_rotary=_rotate_both_ref,
     silu_and_mul=silu_and_mul_ref,
 )
-# The CPU default: the references, with decode attention on the C++ kernel when it builds.
-CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu")
+# The CPU default: RMSNorm and the rotary embedding as one C++ call each for float32 (the references
+# otherwise, and under torch.compile), and decode attention on the C++ kernel when it builds.
+CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", rms_norm=cpu_fused.rms_norm,
+                              fused_add_rms_norm=cpu_fused.fused_add_rms_norm, apply_rotary=cpu_fused.rotary)
 TRITON_OPS = Ops(
     name="triton", rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, apply_rotary=_rotate_both_,
     silu_and_mul=silu_and_mul,

@@ -163,7 +163,8 @@ class OpenAIClient:
             record.finished = self.clock.now() - origin
         return record
 
-    async def _send(self, request: PreparedRequest, record: RequestRecord, sent_at: float) -> None:
+    async def _send(self, request: PreparedRequest, record: RequestRecord, sent_at: float,
+                    retry_stale: bool = True) -> None:
         stream = _StreamState(record, sent_at, keep_text=self.counter is not None)
         try:
             # On the event loop's own clock: a timeout is a limit, not a figure, and needs no stamp of `clock`.
@@ -187,6 +188,11 @@ class OpenAIClient:
                 return
             stream.end(self.clock.now())  # all was received; only the body's close was late
         except aiohttp.ClientError as error:
+            if not stream.got_headers and retry_stale and is_stale_connection(error):
+                # A pooled keep-alive connection the server had closed (llama.cpp's server closes after
+                # each stream): the request never reached it. Once more on a fresh connection; the
+                # request's clock keeps running from the first send.
+                return await self._send(request, record, sent_at, retry_stale=False)
             if not stream.got_headers:
                 record.fail(CONNECTION_ERROR, describe(error))
                 return
@@ -304,3 +310,9 @@ async def error_text(response: aiohttp.ClientResponse) -> str:
 
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def is_stale_connection(error: aiohttp.ClientError) -> bool:
+    """A write to a pooled keep-alive connection that the server had already closed: the request body
+    could not be sent (a refused connection or a server that hangs up after reading is a real error)."""
+    return isinstance(error, aiohttp.ClientOSError) and not isinstance(error, aiohttp.ClientConnectorError)
