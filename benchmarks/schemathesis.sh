@@ -25,7 +25,7 @@ if [ -z "$MODEL" ]; then
 fi
 PORT="${PORT:-8937}"
 "$PY" -m ladder.cli serve --model "$MODEL" --port "$PORT" --max-model-len 256 --kv-cache-memory 0.02 \
-  --log-level warning >"$OUT/server.log" 2>&1 &
+  --log-level info >"$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 300); do
   curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
@@ -41,5 +41,8 @@ set +e
 STATUS=${PIPESTATUS[0]}
 set -e
 echo "schemathesis: exit $STATUS in $(( $(date +%s) - START )) s; server still alive: $(kill -0 "$SERVER" 2>/dev/null && echo yes || echo no)"
-grep -c " 500 \| 50[0-9] " "$OUT/server.log" >/dev/null && echo "5xx lines in the server log: $(grep -c ' 50[0-9] ' "$OUT/server.log")" || true
+# Requests the server answered, per operation and status class, from its access log.
+echo "requests served (operation, status class, count):"
+grep -oE '"(GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) [^ ?"]+[^"]*" [0-9]{3}' "$OUT/server.log" \
+  | sed -E 's/^"([A-Z]+) ([^ ?]+)[^"]*" ([0-9])[0-9]{2}$/\1 \2 \3xx/' | sort | uniq -c | sort -k2,3
 exit "$STATUS"
