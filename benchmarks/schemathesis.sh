@@ -33,11 +33,14 @@ for _ in $(seq 300); do
   sleep 0.5
 done
 START=$(date +%s)
+ROOT="$(pwd)"
+ST="$(cd "$(dirname "$PY")" && pwd)/st"
 set +e
-.venv/bin/st run "http://127.0.0.1:$PORT/openapi.json" -n "$CASES" --seed 0 \
+# Run from the scratch directory: schemathesis keeps a cache directory in its working directory.
+(cd "$WORK" && "$ST" run "http://127.0.0.1:$PORT/openapi.json" -n "$CASES" --seed 0 \
   --checks not_a_server_error,response_schema_conformance,content_type_conformance,negative_data_rejection \
   --suppress-health-check all --request-timeout 120 --workers 2 --continue-on-failure --generation-database none \
-  --report junit --report-dir "$OUT" | tee "$OUT/summary.txt"
+  --report junit --report-dir "$ROOT/$OUT") | tee "$OUT/summary.txt"
 STATUS=${PIPESTATUS[0]}
 set -e
 echo "schemathesis: exit $STATUS in $(( $(date +%s) - START )) s; server still alive: $(kill -0 "$SERVER" 2>/dev/null && echo yes || echo no)"
