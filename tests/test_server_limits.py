@@ -25,9 +25,10 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-chat")
 
 
-def make_state(tiny_dir, step_timeout: float | None = None, **settings) -> ServerState:
+def make_state(tiny_dir, step_timeout: float | None = None, max_model_len: int = 256, **settings) -> ServerState:
     state = ServerState(ServerSettings(**settings))
-    engine = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_memory_gib=0.01, max_model_len=256, max_num_seqs=8))
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_memory_gib=0.01, max_model_len=max_model_len,
+                                    max_num_seqs=8))
     state.attach(AsyncLLMEngine(engine, step_timeout=step_timeout))
     return state
 
@@ -144,7 +145,9 @@ def test_sigterm_lets_the_stream_finish_then_exits(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def fuzz_app(tiny_dir):
-    state = make_state(tiny_dir)
+    # A short context bounds every generated answer (a body without max_tokens runs to the context's end,
+    # n times over): each case stays well inside the client's 10 s timeout on a busy machine.
+    state = make_state(tiny_dir, max_model_len=96)
     yield create_app(state)
     state.engine.shutdown()
 
