@@ -10,10 +10,12 @@ reads a few rows, not the whole table.
 - `int8`, weight-only (`Int8Linear`), as gpt-fast does: activations stay float32. Decode reads a quarter
   of the fp32 weight bytes, which is what bounds it at small batches; the arithmetic is still float32.
 - `w8a8`, weights and activations (`W8A8Linear`): each row of the input is quantized to int8 on the fly
-  with its own scale (per token), the product is an integer matmul (`torch._int_mm`, int32 accumulation;
-  VNNI dot products on x86 CPUs), rescaled to float32. Prefill and batched decode, which are compute
-  bound, run on integer arithmetic at four to six times the float32 rate. Activation outliers are first
-  moved into the weights by SmoothQuant (`model/smoothquant.py`), which the pipeline runs before this.
+  with its own scale (per token), the product is an integer matmul with int32 accumulation (on a CPU the
+  VNNI kernel of kernels/cpu_w8a8_linear.py, bit-equal to its `torch._int_mm` reference), rescaled to
+  float32. It is the fastest form here at every batch size: one VNNI instruction per 64 weight bytes keeps
+  batch-1 decode at the memory bound, and prefill runs on integer arithmetic. Activation outliers are
+  first moved into the weights by SmoothQuant (`model/smoothquant.py`), which `ladder compile` and
+  `model.load(..., quantization="w8a8")` run before this.
 """
 
 from __future__ import annotations
