@@ -249,11 +249,6 @@ def load():
     return _extension.load()
 
 
-def available() -> bool:
-    """Whether `w8a8_linear` runs the C++ kernel (built here and not switched off by LADDER_CPU_KERNELS=0)."""
-    return cpu_kernels_enabled() and load() is not None
-
-
 def w8a8_matmul_ref(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The reference: rows [M, K] float32 quantized per row to int8, times weight int8 [N, K] with scale [N],
     int32 accumulation -> [M, N] float32."""
@@ -282,6 +277,14 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(blocks * BLOCK_N, groups * GROUP_K)[:n, :k]
 
 
+def _reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               n: int) -> torch.Tensor:
+    """`w8a8_linear` by the torch reference, from the packed weight."""
+    k = x.shape[-1]
+    y = w8a8_matmul_ref(x.reshape(-1, k).float(), unpack(packed, n, k), scale.float())
+    return (y if bias is None else y + bias.float()).view(*x.shape[:-1], n)
+
+
 @torch.library.custom_op("ladder::w8a8_linear", mutates_args=())
 def _w8a8_linear_op(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -293,10 +296,7 @@ def _w8a8_linear_op(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, s
         out = module.w8a8_linear(x.reshape(-1, k).float().contiguous(), packed.contiguous(), wsum.contiguous(),
                                  scale.float().contiguous(), None if bias is None else bias.float().contiguous(), n)
         return out.view(*x.shape[:-1], n)
-    y = w8a8_matmul_ref(x.reshape(-1, k).float(), unpack(packed, n, k), scale.float())
-    if bias is not None:
-        y = y + bias.float()
-    return y.view(*x.shape[:-1], n)
+    return _reference(x, packed, scale, bias, n)
 
 
 @_w8a8_linear_op.register_fake
@@ -309,9 +309,7 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scale
     """y [..., N] float32 = w8a8(x [..., K], weight) (+ bias) with `packed, wsum = pack(weight)`; equal bit
     for bit to `w8a8_matmul_ref(x, weight, scale) + bias`."""
     if not cpu_kernels_enabled() or x.device.type != "cpu":
-        k = x.shape[-1]
-        y = w8a8_matmul_ref(x.reshape(-1, k).float(), unpack(packed, n, k), scale.float())
-        return (y if bias is None else y + bias.float()).view(*x.shape[:-1], n)
+        return _reference(x, packed, scale, bias, n)
     load()  # registers the C++ kernel before the first dispatch
     return torch.ops.ladder.w8a8_linear(x, packed, wsum, scale, bias, n)
 
