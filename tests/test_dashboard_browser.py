@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server_process import API_KEY, free_port
+from server_process import API_KEY
 from tiny_models import make_tiny_chat_model
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -25,37 +24,19 @@ pytestmark = [
 ]
 
 
-class InProcessServer:
-    """The real app on uvicorn in a thread: no second Python process to start for one short test."""
-
-    def __init__(self, directory: Path) -> None:
-        import uvicorn
-
-        from engine.async_engine import AsyncLLMEngine
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
-        from server.app import ServerSettings, ServerState, create_app
-
-        self.state = ServerState(ServerSettings(api_key=API_KEY))
-        config = EngineConfig(model=str(directory), kv_cache_memory_gib=0.02, max_model_len=512)
-        self.state.attach(AsyncLLMEngine(LLMEngine(config)))
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.state.engine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    running = InProcessServer(make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-chat"))
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from server.app import ServerSettings, ServerState
+    from test_server_limits import InProcessServer
+
+    directory = make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-chat")
+    state = ServerState(ServerSettings(api_key=API_KEY))
+    state.attach(AsyncLLMEngine(LLMEngine(EngineConfig(model=str(directory), kv_cache_memory_gib=0.02,
+                                                       max_model_len=512))))
+    running = InProcessServer(state)
     yield running
     running.stop()
 
