@@ -6,7 +6,7 @@ and returns the attention output [T, heads, head_dim]:
 
 - TorchPagedAttention: the plain-torch reference (`kernels/paged_attention.py`); runs anywhere and
   defines what the others compute.
-- CpuPagedAttention: the reference, with float32 decode steps on the C++ kernel
+- CpuPagedAttention: the reference, with decode steps (float32, bfloat16 or float16) on the C++ kernel
   (`kernels/cpu_decode_attention.py`), which reads cached blocks in place instead of gathering them.
 - OpaquePagedAttention: CpuPagedAttention behind one custom op, so `torch.compile` neither traces nor
   breaks on it (compiled CPU artifacts).
@@ -77,10 +77,11 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The reference, with float32 decode steps on the C++ kernel."""
+    """The reference, with decode steps on the C++ kernel (any of its cache dtypes; it computes in float32)."""
 
     def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
-        if plan.is_decode and q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and cpu_kernel.load():
+        if (plan.is_decode and kv_cache.dtype in cpu_kernel.CACHE_DTYPES and q.dtype == kv_cache.dtype
+                and cpu_kernel.load()):
             write_kv_cache_ref(k, v, kv_cache, plan.slot_mapping)
             return cpu_kernel.paged_decode_attention(q, kv_cache, plan.block_tables, plan.seq_lens, scale,
                                                      self.sliding_window)

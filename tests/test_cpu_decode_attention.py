@@ -1,4 +1,5 @@
-"""The C++ CPU decode attention against the plain-torch reference, and inside the model."""
+"""The C++ CPU decode attention against the plain-torch reference (float32, bfloat16 and float16
+caches), and inside a bfloat16 model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import torch
 
 from kernels import cpu_decode_attention as kernel
 from kernels.paged_attention import paged_attention_ref
+
+# A 16-bit kernel computes in float32 and rounds once at the output: within half a unit in the last
+# place of the float32 reference on the widened inputs, plus float32's own error (the atol, for outputs
+# near 0). 2**-8 and 2**-10 are one unit of bfloat16's and float16's significands.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-8, atol=1e-5),
+             torch.float16: dict(rtol=2**-10, atol=1e-5)}
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in TOLERANCE]
 
 pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU kernel could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch path is used instead")
@@ -25,7 +33,9 @@ pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU kernel co
     (3, 50, 4, 2, 128, None),
 ])
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
-def test_decode_kernel_matches_reference(num_seqs, max_len, num_heads, num_kv_heads, head_dim, window, portable):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_kernel_matches_reference(num_seqs, max_len, num_heads, num_kv_heads, head_dim, window, portable,
+                                         dtype):
     gen = torch.Generator().manual_seed(num_seqs * 100 + max_len)
     block_size = 16
     blocks_per_seq = -(-max_len // block_size) + 1
@@ -35,30 +45,35 @@ def test_decode_kernel_matches_reference(num_seqs, max_len, num_heads, num_kv_he
     seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
     seq_lens[0] = max_len  # block boundaries and odd lengths both occur
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
-    ref = paged_attention_ref(q, cache, torch.arange(num_seqs + 1), seq_lens, tables, 1, int(seq_lens.max()),
-                              head_dim**-0.5, window)
+    cache, q = cache.to(dtype), q.to(dtype)
+    # The reference in float32 on the same (widened) values.
+    ref = paged_attention_ref(q.float(), cache.float(), torch.arange(num_seqs + 1), seq_lens, tables, 1,
+                              int(seq_lens.max()), head_dim**-0.5, window)
     out = kernel.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, window, portable=portable)
-    assert not out.isnan().any()
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32])
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
-def test_ignores_slots_past_the_sequence(head_dim, portable):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ignores_slots_past_the_sequence(head_dim, portable, dtype):
     """The unused tail of a sequence's last block may hold anything (here NaN): it must not leak in."""
     block_size, lens = 16, [5, 16, 21, 40]
-    cache = torch.full((2, 12, block_size, 2, head_dim), float("nan"))
+    cache = torch.full((2, 12, block_size, 2, head_dim), float("nan"), dtype=dtype)
     tables = torch.arange(12).view(4, 3)
     for s, n in enumerate(lens):
         for pos in range(n):
-            cache[:, tables[s, pos // block_size], pos % block_size] = torch.randn(2, 2, head_dim)
+            cache[:, tables[s, pos // block_size], pos % block_size] = torch.randn(2, 2, head_dim).to(dtype)
     seq_lens = torch.tensor(lens)
-    q = torch.randn(4, 6, head_dim)
-    ref = paged_attention_ref(q, cache.nan_to_num(0.0), torch.arange(5), seq_lens, tables, 1, 40,
+    q = torch.randn(4, 6, head_dim).to(dtype)
+    ref = paged_attention_ref(q.float(), cache.float().nan_to_num(0.0), torch.arange(5), seq_lens, tables, 1, 40,
                               head_dim**-0.5, None)
     out = kernel.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, portable=portable)
     assert not out.isnan().any()
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
 def test_rejects_what_it_cannot_run():
@@ -67,6 +82,62 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="group"):
         kernel.paged_decode_attention(q, cache, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
                                       0.25)
-    with pytest.raises(ValueError, match="float32"):
-        kernel.paged_decode_attention(q.half(), cache.half(), torch.zeros(2, 1, dtype=torch.long),
-                                      torch.ones(2, dtype=torch.long), 0.25)
+    q = torch.randn(2, 4, 16)
+    tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel.paged_decode_attention(q.bfloat16(), cache, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel.paged_decode_attention(q.double(), cache.double(), tables, lens, 0.25)
+
+
+def greedy_tokens(module, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Decode several sequences of different lengths side by side; their tokens and the last logits."""
+    from model.sequences import Sequences
+
+    sequences = Sequences(module, len(prompts), max(map(len, prompts)) + steps)
+    with torch.inference_mode():
+        logits = sequences.step(prompts)
+        tokens = [[t] for t in logits.argmax(dim=-1).tolist()]
+        for _ in range(steps - 1):
+            logits = sequences.step([[out[-1]] for out in tokens])
+            for out, t in zip(tokens, logits.argmax(dim=-1).tolist()):
+                out.append(t)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["portable", "fast"])
+def test_bfloat16_model_decodes_on_the_kernel_with_the_gather_paths_tokens(head_dim, tmp_path, monkeypatch):
+    """A bfloat16 model's decode steps run on the kernel (not the gather path) and pick the same greedy
+    tokens as the plain-torch backend, over block boundaries and sequences of different lengths."""
+    import transformers
+    from tiny_models import hf_config
+
+    import model
+
+    config = hf_config("llama3")
+    config.head_dim = head_dim  # 64: the AVX-512 version's shape; 16: the portable loop
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    monkeypatch.setenv("LADDER_KERNELS", "torch")
+    reference = model.load(tmp_path, dtype="bfloat16").module
+    monkeypatch.setenv("LADDER_KERNELS", "auto")
+    ours = model.load(tmp_path, dtype="bfloat16").module
+    assert reference.ops.name == "torch" and ours.ops.name == "cpu"
+
+    calls = []
+    real = kernel.paged_decode_attention
+
+    def counted(q, kv_cache, *args, **kwargs):
+        calls.append(kv_cache.dtype)
+        return real(q, kv_cache, *args, **kwargs)
+
+    monkeypatch.setattr(kernel, "paged_decode_attention", counted)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (5, 14, 31)]
+    ref_tokens, ref_logits = greedy_tokens(reference, prompts, 12)
+    assert not calls
+    tokens, logits = greedy_tokens(ours, prompts, 12)
+    assert set(calls) == {torch.bfloat16} and len(calls) == 11 * config.num_hidden_layers
+    assert tokens == ref_tokens
+    # Both in bfloat16: the kernel's float32 sums differ from the gather path's by bfloat16 rounding.
+    assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 3e-2
