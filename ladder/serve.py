@@ -8,6 +8,7 @@ in-flight requests run to completion for up to `--shutdown-timeout` seconds, the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -15,8 +16,10 @@ import threading
 import time
 
 from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
+from ladder import serve_ray
 from ladder.device import add_device_argument
 from ladder.quantization import add_quantization_argument
+from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.loader import DTYPES
 
@@ -56,10 +59,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
     add_quantization_argument(p)
+    add_tensor_parallel_argument(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve_ray.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -90,12 +95,17 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = ServerState(ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
-                                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                                       max_prompts_per_request=args.max_prompts_per_request,
-                                       max_prompt_chars=args.max_prompt_chars))
+    settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
+                              max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                              max_prompts_per_request=args.max_prompts_per_request,
+                              max_prompt_chars=args.max_prompt_chars)
+    if args.ray:
+        server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
+        return serve_ray.run(args, serve_ray.engine_kwargs_of(config, args.device, args.quantization), server_kwargs)
+    state = ServerState(settings)
     server = DrainingServer(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             state, args.shutdown_timeout)

@@ -1,0 +1,112 @@
+"""The application's HTTP entry: reads a request, hashes its prompt's leading blocks for the router, and
+relays it to an engine replica and the replica's answer back, byte for byte.
+
+The ingress holds no model. It answers /health and /metrics (the router's counts) itself; every other
+route, /ready included, is the replicas' `ladder serve` app. A replica that dies before answering gets
+the request once more on another replica (nothing was sent back yet); one that dies mid-stream ends the
+stream with an error event, as an engine failure does in `ladder serve`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deploy.forwarding import ForwardedRequest
+from deploy.prefix_key import request_prefix
+from deploy.routing_stats import STATS
+from server.errors import error_response, sse_error
+
+log = logging.getLogger("ladder.ingress")
+REPLICA_GONE = "the replica serving this request stopped; retry"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class LadderIngress:
+    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 4 << 20) -> None:
+        self.replicas = replicas.options(method_name="forward", stream=True)
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/health":
+            return JSONResponse({"status": "ok"})
+        if path == "/metrics":
+            return Response(STATS.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        try:
+            body = await self.read_body(request)
+        except BodyTooLarge:
+            return error_response(413, f"request body larger than {self.max_body_bytes} bytes")
+        forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
+                                     tuple(request.scope["headers"]), body, request_prefix(path, body))
+        for attempt in range(2):
+            stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
+            try:
+                first = await stream.__anext__()
+            except RayActorError as error:
+                log.warning("replica died before answering (attempt %d): %s", attempt + 1, type(error).__name__)
+                continue
+            except StopAsyncIteration:
+                return error_response(500, "the replica sent no response")
+            return RelayedResponse(first, stream)
+        return error_response(503, REPLICA_GONE)
+
+    async def read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            raise BodyTooLarge
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BodyTooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+class RelayedResponse(Response):
+    """The replica's ASGI messages, sent on as they come. `first` starts with http.response.start."""
+
+    def __init__(self, first: list[dict], stream: DeploymentResponseGenerator) -> None:
+        self.first, self.stream = first, stream
+        start = first[0]
+        self.status_code = start["status"]
+        self.raw_headers = list(start.get("headers", []))
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        is_sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in self.raw_headers)
+        finished = False
+        try:
+            for message in self.first:
+                await send(message)
+                finished = is_last(message)
+            while not finished:
+                try:
+                    messages = await self.stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                for message in messages:
+                    await send(message)
+                    finished = is_last(message)
+        except RayActorError:
+            if is_sse:  # the stream's own way of failing, then its end
+                tail = (sse_error(503, REPLICA_GONE) + "data: [DONE]\n\n").encode()
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                finished = True
+        finally:
+            if not finished:  # the client left, or the replica ended without a last message
+                self.stream.cancel()
+        if not finished:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def is_last(message: dict) -> bool:
+    return message["type"] == "http.response.body" and not message.get("more_body", False)

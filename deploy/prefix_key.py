@@ -1,0 +1,75 @@
+"""What the router knows of a request before any replica sees it: chained hashes of its prompt's leading
+text blocks.
+
+The ingress has no tokenizer, so blocks are counted in characters: `BLOCK_CHARS` characters are about 16
+tokens of English, one KV block of the engine's default size. Hash i covers blocks 0..i (each hash chains
+the one before), so two prompts share hash i exactly when they share their first i + 1 blocks, which is
+what decides how much of the second one the first one's replica finds in its prefix cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+BLOCK_CHARS = 64
+MAX_BLOCKS = 64  # 4096 characters: past that a longer match changes nothing about where to route
+
+
+def routing_text(path: str, body: bytes) -> str | None:
+    """The text whose prefix decides the replica: the prompt of /v1/completions, the messages of
+    /v1/chat/completions. None for other routes and for bodies the replica will refuse anyway."""
+    if not path.endswith(("/completions", "/chat/completions")):
+        return None
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    if path.endswith("/chat/completions"):
+        return messages_text(payload.get("messages"))
+    return prompt_text(payload.get("prompt"))
+
+
+def prompt_text(prompt: object) -> str | None:
+    # A batch routes as its first prompt: one request goes to one replica.
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):  # token ids: their decimal text keeps the prefix property
+            return ",".join(str(token) for token in prompt)
+        return prompt_text(first)
+    return None
+
+
+def messages_text(messages: object) -> str | None:
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: their text, in order
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        parts.append(f"{message.get('role')}\x00{content if isinstance(content, str) else ''}\x00")
+    return "".join(parts) or None
+
+
+def block_hashes(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:
+    """Chained 64-bit hashes of the full `block_chars` blocks at the start of `text`, at most `max_blocks`.
+    A partial last block has no hash: its replica's cache does not hold it as a block either."""
+    hashes = []
+    previous = b""
+    for start in range(0, min(len(text) // block_chars, max_blocks) * block_chars, block_chars):
+        digest = hashlib.blake2b(previous + text[start:start + block_chars].encode(), digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        previous = digest
+    return tuple(hashes)
+
+
+def request_prefix(path: str, body: bytes) -> tuple[int, ...]:
+    text = routing_text(path, body)
+    return block_hashes(text) if text else ()

@@ -1,0 +1,69 @@
+"""Counts of routing decisions, rendered as Prometheus text by the ingress's /metrics.
+
+The router runs inside the ingress process (Ray Serve builds it for the ingress's handle to the
+replicas), so one module-level instance is shared by the router that writes it and the route that
+reads it; each ingress replica counts its own decisions.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RoutingStats:
+    num_requests: int = 0  # routed requests that carried a prompt
+    num_matches: int = 0  # of those, ones whose leading blocks a live replica had served
+    num_hits: int = 0  # of those, ones routed to that replica
+    num_balanced: int = 0  # matches sent elsewhere because their replica was too busy
+    num_replica_deaths: int = 0
+    per_replica: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def observe(self, replica_id: str, preferred: str | None, has_prefix: bool) -> None:
+        with self.lock:
+            self.per_replica[replica_id] = self.per_replica.get(replica_id, 0) + 1
+            if not has_prefix:
+                return
+            self.num_requests += 1
+            if preferred is not None:
+                self.num_matches += 1
+                if preferred == replica_id:
+                    self.num_hits += 1
+                else:
+                    self.num_balanced += 1
+
+    def replica_died(self) -> None:
+        with self.lock:
+            self.num_replica_deaths += 1
+
+    @property
+    def hit_ratio(self) -> float:
+        """Requests routed to the replica holding their prefix, of all requests with a prompt: first
+        sightings of a prefix count as misses."""
+        return self.num_hits / self.num_requests if self.num_requests else 0.0
+
+    def render(self) -> str:
+        with self.lock:
+            lines = []
+            for name, doc, value in (
+                ("ladder_router_requests", "Routed requests that carried a prompt", self.num_requests),
+                ("ladder_router_prefix_matches", "Requests whose prompt prefix a live replica had served",
+                 self.num_matches),
+                ("ladder_router_prefix_hits", "Requests routed to the replica holding their prefix", self.num_hits),
+                ("ladder_router_prefix_balanced", "Prefix matches sent elsewhere because their replica was busy",
+                 self.num_balanced),
+                ("ladder_router_replica_deaths", "Replicas seen dying by the router", self.num_replica_deaths),
+            ):
+                lines += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter", f"{name}_total {value}"]
+            lines += ["# HELP ladder_router_prefix_hit_ratio Prefix hits over routed requests with a prompt",
+                      "# TYPE ladder_router_prefix_hit_ratio gauge", f"ladder_router_prefix_hit_ratio {self.hit_ratio}",
+                      "# HELP ladder_router_replica_requests_total Requests routed to each replica",
+                      "# TYPE ladder_router_replica_requests_total counter"]
+            lines += [f'ladder_router_replica_requests_total{{replica="{replica}"}} {count}'
+                      for replica, count in sorted(self.per_replica.items())]
+            return "\n".join(lines) + "\n"
+
+
+STATS = RoutingStats()

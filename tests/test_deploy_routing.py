@@ -1,0 +1,89 @@
+"""The Ray application's pure parts, without a Ray cluster: prompt prefix keys, the affinity table, the
+routing counters, and the application's arguments."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from deploy.affinity import AffinityTable, Match
+from deploy.prefix_key import BLOCK_CHARS, block_hashes, request_prefix, routing_text
+from deploy.routing_stats import RoutingStats
+
+SHARED = "You are a careful assistant who answers in one short sentence. " * 3  # 3 full blocks and more
+
+
+def test_block_hashes_chain_so_a_shared_hash_means_a_shared_prefix():
+    a = block_hashes(SHARED + "What is the capital of France? Answer briefly, please, in English.")
+    b = block_hashes(SHARED + "Name three colours of the rainbow and nothing else, thank you kindly.")
+    num_shared = len(SHARED) // BLOCK_CHARS
+    assert a[:num_shared] == b[:num_shared]
+    assert a[num_shared:] and set(a[num_shared:]).isdisjoint(b)  # once they part, no later hash is shared
+    # The same block text at another position hashes differently: position is part of the chain.
+    block = "x" * BLOCK_CHARS
+    assert block_hashes(block * 2)[1] != block_hashes(block)[0]
+    assert block_hashes("short") == ()  # no full block: nothing a replica would hold as a block
+
+
+def test_routing_text_reads_the_prompt_of_each_openai_route():
+    completion = json.dumps({"prompt": "Hello world"}).encode()
+    assert routing_text("/v1/completions", completion) == "Hello world"
+    assert routing_text("/v1/completions", json.dumps({"prompt": ["first", "second"]}).encode()) == "first"
+    assert routing_text("/v1/completions", json.dumps({"prompt": [1, 2, 3]}).encode()) == "1,2,3"
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    assert routing_text("/v1/chat/completions", json.dumps(chat).encode()) == "system\x00Be brief.\x00user\x00Hi\x00"
+    # Bodies the replica will refuse route anywhere, without an error here.
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", json.dumps({"prompt": 5}).encode()):
+        assert routing_text("/v1/completions", body) is None
+    assert routing_text("/v1/models", completion) is None
+    assert request_prefix("/v1/completions", json.dumps({"prompt": SHARED}).encode()) == block_hashes(SHARED)
+
+
+def test_the_affinity_table_finds_the_live_replica_with_the_longest_match():
+    table = AffinityTable()
+    long_prompt, other = block_hashes(SHARED + "a" * 200), block_hashes(SHARED + "b" * 200)
+    table.record(long_prompt[:2], "r1")
+    table.record(long_prompt, "r2")  # r2 now holds all of it, the first two blocks included
+    assert table.lookup(other, {"r1", "r2"}) == Match("r2", len(SHARED) // BLOCK_CHARS)
+    assert table.lookup(long_prompt, {"r1"}) == Match(None, 0)  # r2's entries mean nothing once r2 is gone
+    assert table.num_blocks("r2") == len(long_prompt) and table.num_blocks("r1") == 0
+    table.forget("r2")
+    assert len(table) == 0 and table.lookup(long_prompt, {"r1", "r2"}) == Match(None, 0)
+
+
+def test_the_affinity_table_evicts_least_recently_used_blocks():
+    table = AffinityTable(capacity=4)
+    first, second = block_hashes("a" * 4 * BLOCK_CHARS), block_hashes("b" * 2 * BLOCK_CHARS)
+    table.record(first, "r1")
+    table.record(first[:1], "r1")  # touched again: the most recently used
+    table.record(second, "r2")
+    assert len(table) == 4 and table.num_blocks("r1") + table.num_blocks("r2") == 4
+    assert table.lookup(first[:3], {"r1"}) == Match("r1", 1)  # its blocks 1 and 2 went first
+    assert table.lookup(second, {"r2"}) == Match("r2", 2)
+    with pytest.raises(ValueError, match="capacity"):
+        AffinityTable(0)
+
+
+def test_routing_stats_count_first_sightings_as_misses():
+    stats = RoutingStats()
+    stats.observe("r1", None, has_prefix=True)  # a new prefix
+    stats.observe("r1", "r1", has_prefix=True)  # its owner: a hit
+    stats.observe("r2", "r1", has_prefix=True)  # its owner was busy
+    stats.observe("r2", None, has_prefix=False)  # /ready and the like: no prompt
+    assert (stats.num_requests, stats.num_matches, stats.num_hits, stats.num_balanced) == (3, 2, 1, 1)
+    assert stats.hit_ratio == pytest.approx(1 / 3)
+    text = stats.render()
+    assert "ladder_router_prefix_hits_total 1\n" in text and "ladder_router_requests_total 3\n" in text
+    assert 'ladder_router_replica_requests_total{replica="r2"} 2' in text
+
+
+def test_serve_ray_without_ray_says_so_in_one_line(monkeypatch, capsys):
+    from ladder.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as when it is absent
+    assert main(["serve", "--ray", "--replicas", "2"]) == 1
+    assert capsys.readouterr().err.strip() == ("ladder serve: error: ladder serve --ray needs Ray Serve "
+                                               "(ray is missing): pip install 'ladder[ray]'")
