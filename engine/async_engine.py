@@ -9,6 +9,9 @@ Faults, as designed:
   every KV block came back, and serves new requests. After MAX_CONSECUTIVE_STEP_FAILURES failed steps
   with no good step between (or if its bookkeeping did not come back whole) the engine is dead: requests
   end with ENGINE_DIED, new ones are refused, and the process stays up to report it (health 503).
+- A tensor-parallel worker that dies (or a collective that fails) ends the group for good: every request
+  in flight ends with ENGINE_WORKER_LOST (503) as soon as the worker's process exits, even between
+  steps, and the engine is dead.
 - A step that runs past `step_timeout` seconds (a hung forward) cannot be interrupted; a watchdog
   thread logs it, ends every request in flight with ENGINE_HUNG and marks the engine dead, so clients
   get an answer and health turns 503 for the orchestrator to restart the process.
@@ -35,6 +38,8 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from model.config import ModelConfig
 from model.tokenizer import Tokenizer
+from parallel.errors import TensorParallelError
+from parallel.tensor_parallel_model import TensorParallelModel
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 ENGINE_DIED = "the engine stopped after an internal error"
 STEP_FAILED = "the engine step running this request failed"
 ENGINE_HUNG = "the engine stopped responding: a step ran past its time limit"
+ENGINE_WORKER_LOST = "the engine lost a tensor-parallel worker process and cannot run; restart the server"
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
@@ -115,6 +121,8 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ladder-engine", daemon=True)
         self._thread.start()
+        if isinstance(engine.runner.module, TensorParallelModel):
+            engine.runner.module.on_failure(self._worker_lost)
         if step_timeout is not None:
             threading.Thread(target=self._watch, args=(step_timeout,), name="ladder-watchdog", daemon=True).start()
 
@@ -163,6 +171,7 @@ class AsyncLLMEngine:
         self._stop.set()
         self.commands.put(None)
         self._thread.join(timeout)
+        self.engine.close()
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -181,6 +190,9 @@ class AsyncLLMEngine:
             except Exception as error:  # the step loop must never die silently
                 self._step_started = None
                 if self.dead_reason is not None:
+                    return
+                if isinstance(error, TensorParallelError):  # no step can run again: nothing to recover
+                    self._worker_lost(str(error))
                     return
                 log.exception("engine step failed")
                 self._recover(f"{type(error).__name__}: {error}")
@@ -212,6 +224,11 @@ class AsyncLLMEngine:
         log.warning("engine step failed (%s); its requests got errors, the engine serves on (%d of %d "
                     "failures in a row allowed)", cause, self._consecutive_failures,
                     MAX_CONSECUTIVE_STEP_FAILURES - 1)
+
+    def _worker_lost(self, reason: str) -> None:
+        """The tensor-parallel group failed (called from its monitor thread or the engine thread)."""
+        if self.dead_reason is None:
+            self._die(reason, ENGINE_WORKER_LOST)
 
     def _watch(self, timeout: float) -> None:
         """The step watchdog: a step over `timeout` seconds ends every request with ENGINE_HUNG."""

@@ -43,6 +43,7 @@ class BenchConfig:
     hf_dtype: str | None = None  # transformers' dtype; default: the engine's, float32 for an artifact
     device: str = "cpu"  # the engine's (EngineConfig.device); transformers runs on the same device
     quantization: str = "none"  # the engine's (EngineConfig.quantization); transformers runs unquantized
+    tensor_parallel_size: int = 1  # the engine's (EngineConfig.tensor_parallel_size)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -123,6 +124,7 @@ def run_bench(config: BenchConfig) -> dict:
                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_prefill_tokens=config.max_prefill_tokens,
                                  kv_cache_memory_gib=config.kv_cache_memory_gib,
+                                 tensor_parallel_size=config.tensor_parallel_size,
                                  max_model_len=int((config.input_len + config.output_len)
                                                    * (1 + config.range_ratio)) + 1)
     start = time.perf_counter()
@@ -132,9 +134,16 @@ def run_bench(config: BenchConfig) -> dict:
     special = tokenizer.special_ids if tokenizer else frozenset()
     work = make_workload(config, engine.model.config.vocab_size, special)
     # Warm up allocator and kernels on a small batch so neither side pays first-call costs in the figures.
-    run_engine(engine, Workload(work.prompts[:2], [4, 4]))
-    engine_seconds = run_engine(engine, work)
+    try:
+        run_engine(engine, Workload(work.prompts[:2], [4, 4]))
+        warm = engine.stats.snapshot()
+        engine_seconds = run_engine(engine, work)
+    finally:
+        engine.close()
     stats = engine.stats
+    # The measured run only: the warm-up's steps (first calls, the workers' too) are left out.
+    communication = {op: s - warm["communication"].get(op, 0.0) for op, s in stats.communication.items()}
+    step_seconds = {phase: s - warm["seconds"].get(phase, 0.0) for phase, s in stats.seconds.items()}
     rows = {"ladder": summarize(work, engine_seconds, load_seconds)}
     manifest = engine.model.manifest if isinstance(engine.model, LoadedArtifact) else None
     if not config.skip_hf:
@@ -158,8 +167,11 @@ def run_bench(config: BenchConfig) -> dict:
         "num_prompt_tokens": work.num_prompt_tokens,
         "num_output_tokens": work.num_output_tokens,
         "results": rows,
-        "engine_step_seconds": dict(stats.seconds),
-        "engine_steps": stats.num_steps,
+        "engine_step_seconds": step_seconds,
+        "engine_steps": stats.num_steps - warm["num_steps"],
+        "tensor_parallel_size": config.tensor_parallel_size,
+        # Rank 0's seconds in each collective (inside the forward phase); empty for one process.
+        "communication_seconds": communication,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "machine": platform.machine(), "threads": torch.get_num_threads()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -190,6 +202,12 @@ def format_table(report: dict) -> str:
     total = sum(steps.values()) or 1.0
     split = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))
     lines.append(f"engine time by phase over {report['engine_steps']} steps: {split}")
+    if report.get("communication_seconds"):
+        comm = report["communication_seconds"]
+        parts = ", ".join(f"{op} {s / total:.1%}" for op, s in sorted(comm.items(), key=lambda kv: -kv[1]))
+        lines.append(f"tensor parallel ({report['tensor_parallel_size']} ranks): communication "
+                     f"{sum(comm.values()) / total:.1%} of step time ({parts}), "
+                     f"{sum(comm.values()) / max(report['engine_steps'], 1) * 1e3:.2f} ms per step")
     return "\n".join(lines)
 
 

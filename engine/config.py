@@ -37,6 +37,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.25
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Ranks the model is split over (parallel/): this process and N-1 workers it starts. The KV cache
+    # budget is the whole group's: each rank holds its KV heads of every block.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device, self.artifact))
@@ -57,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.artifact is not None:
+            raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
 
 
 def fit_to_artifact(config: EngineConfig, shapes: dict[str, int]) -> EngineConfig:

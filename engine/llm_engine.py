@@ -21,6 +21,8 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
 from model.loader import LoadedModel, load
+from parallel import tensor_parallel_model
+from parallel.tensor_parallel_model import TensorParallelModel
 
 
 class LLMEngine:
@@ -32,6 +34,8 @@ class LLMEngine:
                                     block_size=config.block_size)
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
+        if config.tensor_parallel_size > 1:  # a model passed in is left whole: the ranks get copies
+            self.model = tensor_parallel_model.start(self.model, config.tensor_parallel_size)
         self.config = config
         if self.model.module.block_size != config.block_size:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
@@ -92,6 +96,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine runs no more steps after."""
+        if isinstance(self.runner.module, TensorParallelModel):
+            self.runner.module.close()
+
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[SampleDelta]:
@@ -112,6 +121,8 @@ class LLMEngine:
             sampled_at = time.perf_counter()
             self.stats.record_step(batch, len(inputs.sample_requests), scheduled_at - started,
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
+            if isinstance(self.runner.module, TensorParallelModel):
+                self.stats.record_communication(self.runner.module.communication_seconds())
             self.scheduler.finish_step(batch)
             if sampled is not None:
                 for i, request in enumerate(inputs.sample_requests):

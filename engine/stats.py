@@ -46,6 +46,9 @@ class EngineStats:
     prefix_hits: int = 0
     num_preemptions: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> count
+    # Tensor parallelism: seconds rank 0 spent in each collective since start (broadcast, all_reduce,
+    # gather), all inside the forward phase; empty for one process.
+    communication: dict[str, float] = field(default_factory=dict)
     # Called from the engine thread with each finished sample's timing (the server feeds histograms).
     observers: list[Callable[[RequestTiming], None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -60,6 +63,10 @@ class EngineStats:
                 self.num_prompt_tokens += min(item.num_new_tokens, prompt_left)
             self.num_generation_tokens += num_sampled
             self.seconds.update({"schedule": schedule, "prepare": prepare, "forward": forward, "sample": sample})
+
+    def record_communication(self, seconds: dict[str, float]) -> None:
+        with self.lock:
+            self.communication = dict(seconds)
 
     def observe_queue(self, scheduler: Scheduler, blocks: KVBlockManager) -> None:
         with self.lock:
@@ -95,4 +102,5 @@ class EngineStats:
             values = {k: v for k, v in vars(self).items() if k not in ("observers", "lock")}
             values["seconds"] = dict(self.seconds)
             values["finished"] = dict(self.finished)
+            values["communication"] = dict(self.communication)
         return values

@@ -9,6 +9,7 @@ from engine.bench import BenchConfig, format_table, run_bench, write_report
 from engine.config import DEFAULT_MAX_PREFILL_TOKENS
 from ladder.device import add_device_argument
 from ladder.quantization import add_quantization_argument
+from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.loader import DTYPES
 
 
@@ -37,6 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-hf", action="store_true", help="run the engine alone")
     add_device_argument(p)
     add_quantization_argument(p)
+    add_tensor_parallel_argument(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON report path")
     p.set_defaults(run=run)
 
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_memory_gib=args.kv_cache_memory,
         hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype, device=args.device,
-        quantization=args.quantization,
+        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
     )
     report = run_bench(config)
     print(format_table(report))

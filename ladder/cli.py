@@ -10,6 +10,7 @@ from ladder import bench, doctor, generate, serve
 from ladder import compile as compile_cli
 from loadtest import cli as loadtest_cli
 from model.errors import ModelLoadError
+from parallel.errors import TensorParallelError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ArtifactError, ModelLoadError, ValueError) as error:
+    except (ArtifactError, ModelLoadError, TensorParallelError, ValueError) as error:
         print(f"ladder {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -9,11 +9,13 @@ import time
 from engine.config import resolve_device
 from ladder.device import add_device_argument
 from ladder.quantization import add_quantization_argument
+from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.detokenizer import IncrementalDetokenizer
 from model.generator import Generator
 from model.loader import DTYPES, load
 from model.quantization import resolve_quantization
+from parallel import tensor_parallel_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -30,6 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype (default float32)")
     add_device_argument(p)
     add_quantization_argument(p)
+    add_tensor_parallel_argument(p)
     p.set_defaults(run=run)
 
 
@@ -43,6 +46,16 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     loaded = load(args.model, dtype=args.dtype, device=device,
                   quantization=resolve_quantization(args.quantization, args.dtype, device))
+    if args.tensor_parallel_size != 1:
+        loaded = tensor_parallel_model.start(loaded, args.tensor_parallel_size)
+    try:
+        return stream(args, loaded)
+    finally:
+        if isinstance(loaded.module, tensor_parallel_model.TensorParallelModel):
+            loaded.module.close()
+
+
+def stream(args: argparse.Namespace, loaded) -> int:
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer.json, so text prompts cannot be encoded")
@@ -74,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     end = time.perf_counter()
     decode_rate = (num_output - 1) / (end - first_token_at) if num_output > 1 else 0.0
     print(
-        f"[{loaded.name}{'' if loaded.quantization == 'none' else ', ' + loaded.quantization}] prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
+        f"[{loaded.name}{'' if loaded.quantization == 'none' else ', ' + loaded.quantization}"
+        f"{'' if args.tensor_parallel_size == 1 else f', {args.tensor_parallel_size} ranks'}] prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
         f"load {loaded.load_seconds:.2f} s | first token {first_token_at - start:.2f} s | "
         f"decode {decode_rate:.1f} tokens/s",
         file=sys.stderr,

@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from engine.async_engine import ENGINE_DIED, ENGINE_HUNG, STEP_FAILED, AsyncLLMEngine, EngineDeadError
+from engine.async_engine import (ENGINE_DIED, ENGINE_HUNG, ENGINE_WORKER_LOST, STEP_FAILED, AsyncLLMEngine,
+                                 EngineDeadError)
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -137,7 +138,7 @@ def request_error(delta: SampleDelta) -> APIError:
     """A sample that ended in error: the engine's failure is a 500 without details, an engine that hung or
     had already stopped is a 503; a request the engine refused (it can never fit, say) is a 400 with the
     engine's reason."""
-    if delta.error in (ENGINE_HUNG, ENGINE_STOPPED):
+    if delta.error in (ENGINE_HUNG, ENGINE_STOPPED, ENGINE_WORKER_LOST):
         return APIError(503, delta.error)
     if delta.error is None or delta.error in (ENGINE_DIED, STEP_FAILED, ENGINE_FAILED):
         return APIError(500, ENGINE_FAILED)

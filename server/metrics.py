@@ -52,6 +52,25 @@ class EngineCollector(Collector):
         for phase in ("schedule", "prepare", "forward", "sample"):
             phases.add_metric([phase], s["seconds"].get(phase, 0.0))
         yield phases
+        if s["communication"]:  # tensor parallel: the communication part of the forward phase
+            yield from communication_metrics(s["communication"], sum(s["seconds"].values()))
+
+
+COLLECTIVES = ("broadcast", "all_reduce", "gather")
+
+
+def communication_metrics(seconds: dict[str, float], step_seconds: float) -> Iterator:
+    spent = CounterMetricFamily("ladder_tensor_parallel_communication_seconds",
+                                "Rank 0's time in tensor-parallel collectives by op (part of the forward phase)",
+                                labels=["op"])
+    share = GaugeMetricFamily("ladder_tensor_parallel_communication_share",
+                              "Fraction of engine step time spent in each tensor-parallel collective since start",
+                              labels=["op"])
+    for op in COLLECTIVES:
+        spent.add_metric([op], seconds.get(op, 0.0))
+        share.add_metric([op], seconds.get(op, 0.0) / step_seconds if step_seconds else 0.0)
+    yield spent
+    yield share
 
 
 class ServerMetrics:

@@ -10,12 +10,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "model", "engine", "compile", "server", "loadtest", "doctor", "deploy", "ladder")
+PACKAGES = ("kernels", "model", "parallel", "engine", "compile", "server", "loadtest", "doctor", "deploy", "ladder")
 # What each package may import besides itself.
 ALLOWED = {
     "kernels": set(),
     "model": {"kernels"},
-    "engine": {"model", "kernels"},
+    # Layer 2 shards the model from outside it; the engine drives a sharded model as any other.
+    "parallel": {"model", "kernels"},
+    "engine": {"model", "kernels", "parallel"},
     "compile": {"model", "kernels", "engine"},
     "server": {"engine", "model"},
     "loadtest": set(),  # HTTP only: it measures any OpenAI-compatible server
@@ -25,7 +27,7 @@ ALLOWED = {
     # Ray Serve replicas each run the server's app over their own engine; the ingress reuses the server's
     # error shapes. Nothing below imports deploy: it sits beside the command line, on top of the server.
     "deploy": {"server", "engine", "model"},
-    "ladder": {"kernels", "model", "engine", "compile", "server", "loadtest", "doctor", "deploy"},
+    "ladder": {"kernels", "model", "parallel", "engine", "compile", "server", "loadtest", "doctor", "deploy"},
 }
 
 

@@ -1,0 +1,134 @@
+"""Tensor parallelism applied from outside the model: slice a loaded decoder's weights for one rank and
+add the collectives around its unchanged layers.
+
+Per decoder layer (Megatron style):
+- qkv_proj is column-parallel: a rank keeps the q, k and v rows of its heads, so attention runs on local
+  heads and writes a KV cache of local KV heads only;
+- o_proj is row-parallel: a rank keeps the input columns of its heads; its partial output is summed over
+  the ranks by an all-reduce (a forward hook);
+- gate_up_proj is column-parallel (the rank's columns of gate and of up), down_proj row-parallel with an
+  all-reduce, so the MLP needs one collective;
+- the embedding and the LM head are split by vocabulary rows: the lookup ends in an all-reduce, the LM
+  head's logits are gathered on rank 0.
+Norms, rotary tables and the residual stream are replicated. The same slicing serves float and int8
+linears (model/quantization.py): their weights are [out, in] with one scale per output row, so a
+column-parallel layer slices the scales with the rows and a row-parallel one keeps them all. (W8A8 then
+quantizes a row-parallel layer's activations per token over the rank's columns only: a finer scale
+than one process uses, so results agree to rounding, not bit for bit.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from kernels.ops import Ops
+from model.config import ModelConfig
+from model.llama import LlamaForCausalLM
+from model.quantization import INT8_LINEARS, Int8Weights, int8_skeleton, pack_all
+from model.rope import inverse_frequencies
+from parallel.collectives import Collectives
+from parallel.layout import TensorParallelLayout
+from parallel.vocab_parallel_embedding import VocabParallelEmbedding
+
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _rows(t: torch.Tensor, ranges: list[range]) -> torch.Tensor:
+    return torch.cat([t[r.start:r.stop] for r in ranges])  # a copy: the full tensor is not kept alive
+
+
+def _columns(t: torch.Tensor, r: range) -> torch.Tensor:
+    return t[:, r.start:r.stop].contiguous().clone()
+
+
+def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: TensorParallelLayout,
+                rank: int) -> dict[str, torch.Tensor]:
+    """The full model's state dict -> rank `rank`'s part, under the same names."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    q_rows, kv_rows, cols = layout.q_rows(rank), layout.kv_rows(rank), layout.intermediate[rank]
+    qkv_rows = [q_rows, range(q + kv_rows.start, q + kv_rows.stop), range(q + kv + kv_rows.start, q + kv + kv_rows.stop)]
+    shards = {}
+    for name, t in state.items():
+        module, _, kind = name.rpartition(".")
+        if module in ("embed_tokens", "lm_head"):  # weight [V, H], scale [V]
+            shards[name] = _rows(t, [layout.vocab[rank]])
+        elif module.endswith("self_attn.qkv_proj"):  # weight [q + 2 kv, H], bias and scale [q + 2 kv]
+            shards[name] = _rows(t, qkv_rows)
+        elif module.endswith("mlp.gate_up_proj"):  # weight [2 I, H], scale [2 I]
+            shards[name] = _rows(t, [cols, range(inter + cols.start, inter + cols.stop)])
+        elif module.endswith(ROW_PARALLEL) and kind == "weight":  # [H, in]: the rank's input columns
+            shards[name] = _columns(t, q_rows if module.endswith("o_proj") else cols)
+        elif module.endswith(ROW_PARALLEL) and kind == "bias":  # added once, after the sum
+            shards[name] = t.clone() if rank == 0 else torch.zeros_like(t)
+        else:  # norms and per-output-row scales of row-parallel layers: replicated
+            shards[name] = t
+    return shards
+
+
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if isinstance(getattr(owner, attr), nn.Parameter):
+        setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
+    else:
+        setattr(owner, attr, tensor)
+
+
+def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantization: str,
+                      state: Mapping[str, torch.Tensor], layout: TensorParallelLayout,
+                      collectives: Collectives) -> LlamaForCausalLM:
+    """Rank `collectives.rank`'s decoder from its `shard_state` (tensors already on its device): the
+    model's own classes, with local head counts and the collectives hooked on."""
+    rank = collectives.rank
+    with torch.device("meta"):  # nothing is allocated until the shard's tensors are assigned
+        module = LlamaForCausalLM(config, block_size=block_size, ops=ops)
+        if quantization in INT8_LINEARS:
+            int8_skeleton(module, quantization)
+        module.embed_tokens = VocabParallelEmbedding(torch.empty(len(layout.vocab[rank]), config.hidden_size),
+                                                     layout.vocab[rank], collectives)
+    for name, tensor in state.items():
+        _assign(module, name, tensor)
+    device = module.embed_tokens.weight.device
+    if config.tie_word_embeddings and type(module.lm_head) is nn.Linear:
+        module.lm_head.weight = module.embed_tokens.weight  # one copy of the shared rows
+    module.inv_freq = inverse_frequencies(config).to(device)  # a buffer outside the state dict
+    missing = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t is not None and t.is_meta]
+    if missing:
+        raise ValueError(f"rank {rank}'s shard lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+    num_kv = len(layout.kv_heads[rank])
+    for layer in module.layers:
+        attn = layer.self_attn
+        attn.num_kv_heads, attn.num_heads = num_kv, num_kv * layout.heads_per_kv
+        attn.q_size, attn.kv_size = attn.num_heads * config.head_dim, num_kv * config.head_dim
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, Int8Weights)):
+            m.out_features, m.in_features = m.weight.shape
+    pack_all(module)
+    hook_collectives(module, layout, collectives)
+    return module.eval().requires_grad_(False)
+
+
+def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, collectives: Collectives) -> None:
+    """An all-reduce after each row-parallel layer, a gather of the vocabulary shards after the LM head."""
+
+    def all_reduce(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(output)
+
+    for layer in module.layers:
+        layer.self_attn.o_proj.register_forward_hook(all_reduce)
+        layer.mlp.down_proj.register_forward_hook(all_reduce)
+
+    widths = [len(r) for r in layout.vocab]
+    width = layout.vocab_shard_width
+
+    def gather_logits(_module, _inputs, output: torch.Tensor) -> torch.Tensor:  # [B, V / size] -> [B, V]
+        if output.shape[0] == 0:  # no row is sampled this step, on any rank: nothing to gather
+            return output.new_empty(0, sum(widths))
+        if output.shape[1] < width:
+            output = nn.functional.pad(output, (0, width - output.shape[1]))
+        return collectives.gather_columns(output, widths)
+
+    module.lm_head.register_forward_hook(gather_logits)

@@ -1,0 +1,91 @@
+"""Ranks 1..N-1 of a tensor-parallel group: each in its own process, started by rank 0.
+
+A worker joins the process group, receives its shard of the weights from rank 0 (torch.distributed
+sends of raw tensors: the weights are loaded once, by rank 0), then runs the commands rank 0 writes to
+its pipe: allocate the KV cache (its KV heads only), run a step, stop. It exits when rank 0 says stop,
+when the pipe closes (rank 0 exited), or when a collective fails (a peer died, or the timeout passed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from kernels.ops import select_ops
+from model.config import ModelConfig
+from model.step import allocate_kv_caches
+from parallel import step_message
+from parallel.collectives import Collectives
+from parallel.layout import TensorParallelLayout
+from parallel.shard import build_rank_module
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs besides the weights (plain data: it crosses the process boundary)."""
+
+    rank: int
+    size: int
+    backend: str  # gloo or nccl
+    store_host: str
+    store_port: int
+    timeout_s: float  # of every collective, and of joining the group
+    device: str  # this rank's device
+    num_threads: int  # torch intra-op threads of this rank (CPU)
+    config: ModelConfig
+    block_size: int
+    quantization: str  # the int8 scheme the linears carry, or none
+    tensors: list[tuple[str, tuple[int, ...], str]]  # the shard's state dict: (name, shape, dtype), in send order
+
+
+def join_group(rank: int, size: int, backend: str, host: str, port: int, timeout_s: float,
+               store: dist.TCPStore | None = None) -> None:
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def worker_main(spec: WorkerSpec, commands: Connection) -> None:
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    join_group(spec.rank, spec.size, spec.backend, spec.store_host, spec.store_port, spec.timeout_s)
+    state = {}
+    for name, shape, dtype in spec.tensors:
+        state[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.recv(state[name], src=0)
+    layout = TensorParallelLayout.for_model(spec.config, spec.size)
+    module = build_rank_module(spec.config, spec.block_size, select_ops(device), spec.quantization, state, layout,
+                               Collectives(spec.rank, spec.size))
+    del state
+    local_config = layout.local_config(spec.config, spec.rank)
+    kv_caches: list[torch.Tensor] = []
+    with torch.inference_mode():
+        while True:
+            try:
+                command, values = step_message.command_of(commands.recv_bytes())
+            except (EOFError, OSError):  # rank 0 is gone
+                log.warning("tensor-parallel rank %d: rank 0 closed the pipe; exiting", spec.rank)
+                os._exit(0)  # nothing to tear down with a peer that is gone
+            if command == step_message.STOP:
+                break
+            if command == step_message.ALLOCATE:
+                kv_caches = allocate_kv_caches(local_config, spec.block_size, int(values[0]), module.kv_cache_dtype,
+                                               device)
+            elif command == step_message.STEP:
+                step = step_message.decode_step(values, device)
+                plan = module.plan(step.meta)
+                module.sample_logits(step.input_ids, step.positions, kv_caches, plan, step.sample_rows)
+            else:
+                raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown command {command}")
+    dist.destroy_process_group()
