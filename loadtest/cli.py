@@ -54,6 +54,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           help="spread lengths uniformly over ±this fraction (default 0)")
     workload.add_argument("--prefix-len", type=int, default=0,
                           help="tokens of a prefix shared by all random prompts (default 0)")
+    workload.add_argument("--num-prefixes", type=int, default=1,
+                          help="distinct shared prefixes of --prefix-len tokens: request i starts with prefix "
+                               "i mod N (default 1)")
     workload.add_argument("--tokenizer", dest="tokenizer_path", default=None, metavar="PATH",
                           help="tokenizer.json (or its directory): exact prompt lengths, and token counts "
                                "when the server sends no usage")
@@ -108,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         api_key=args.api_key,
         endpoint=args.endpoint,
         workload=WorkloadConfig(args.dataset, args.dataset_path, args.input_len, args.output_len,
-                                args.range_ratio, args.prefix_len, args.seed, args.tokenizer_path),
+                                args.range_ratio, args.prefix_len, args.seed, args.tokenizer_path,
+                                num_prefixes=args.num_prefixes),
         shape=LoadShape(rate, args.burstiness, concurrency, num_requests, args.duration),
         sweep=sweep,
         slo=Slo.parse(args.slo) if args.slo else None,

@@ -28,6 +28,7 @@ class WorkloadConfig:
     prefix_len: int = 0
     seed: int = 0
     tokenizer_path: str | None = None
+    num_prefixes: int = 1  # distinct shared prefixes: request i starts with prefix i mod num_prefixes
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -42,6 +43,10 @@ class WorkloadConfig:
             raise LoadTestError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         if self.prefix_len < 0:
             raise LoadTestError(f"--prefix-len must be at least 0, got {self.prefix_len}")
+        if self.num_prefixes < 1:
+            raise LoadTestError(f"--num-prefixes must be at least 1, got {self.num_prefixes}")
+        if self.num_prefixes > 1 and self.prefix_len == 0:
+            raise LoadTestError("--num-prefixes needs --prefix-len")
 
 
 @dataclass(frozen=True)

@@ -42,15 +42,21 @@ def spread(rng: random.Random, length: int, range_ratio: float) -> int:
 
 class RandomWorkload:
     """Prompts of random common words: a shared prefix of `prefix_len` tokens, then a unique part of
-    about `input_len` tokens (exactly, with a tokenizer)."""
+    about `input_len` tokens (exactly, with a tokenizer). With `num_prefixes` > 1, request i shares
+    prefix i mod num_prefixes (as tenants or system prompts would), which tells a router that keeps
+    prefixes on their replica from one that spreads them."""
 
     def __init__(self, config: WorkloadConfig, counter: TokenCounter | None) -> None:
         self.config = config
         self.counter = counter
         self.output_len = config.output_len or DEFAULT_OUTPUT_LEN
-        self.prefix = self._text(random.Random(f"{config.seed}:prefix"), config.prefix_len)
+        self.prefixes = [self._text(random.Random(f"{config.seed}:prefix" + (f"{g}" if g else "")), config.prefix_len)
+                         for g in range(config.num_prefixes)]
+        self.prefix = self.prefixes[0]
         spread_note = f" ±{config.range_ratio:.0%}" if config.range_ratio else ""
         prefix_note = f" (+{config.prefix_len} shared)" if config.prefix_len else ""
+        if config.num_prefixes > 1:
+            prefix_note = f" (+{config.prefix_len} shared by 1 in {config.num_prefixes})"
         self.description = f"random {config.input_len}{prefix_note} -> {self.output_len} tokens{spread_note}"
 
     def _text(self, rng: random.Random, num_tokens: int, lead: str = "") -> str:
@@ -65,7 +71,8 @@ class RandomWorkload:
         input_len = spread(rng, self.config.input_len, self.config.range_ratio)
         output_len = spread(rng, self.output_len, self.config.range_ratio)
         # The unique part starts with a space, so that tokens do not merge across the seam.
-        prompt = self.prefix + self._text(rng, input_len, lead=" " if self.prefix else "")
+        prefix = self.prefixes[index % len(self.prefixes)]
+        prompt = prefix + self._text(rng, input_len, lead=" " if prefix else "")
         if self.counter:
             num_prompt, source = self.counter.count(prompt), "tokenizer"
         else:

@@ -288,6 +288,19 @@ def test_random_workload_is_repeatable_and_shaped():
     assert specs[0].messages == ({"role": "user", "content": specs[0].prompt},)
 
 
+def test_several_shared_prefixes_take_turns():
+    config = WorkloadConfig(input_len=10, output_len=4, prefix_len=12, num_prefixes=3, seed=2)
+    workload = RandomWorkload(config, None)
+    assert len(set(workload.prefixes)) == 3 and workload.prefix == workload.prefixes[0]
+    # Group 0 is the prefix a single-prefix workload of the same seed has.
+    assert workload.prefix == RandomWorkload(WorkloadConfig(input_len=10, prefix_len=12, seed=2), None).prefix
+    for i in range(9):
+        assert workload.request(i).prompt.startswith(workload.prefixes[i % 3] + " ")
+    for bad, message in (({"num_prefixes": 0, "prefix_len": 4}, "at least 1"), ({"num_prefixes": 2}, "--prefix-len")):
+        with pytest.raises(LoadTestError, match=message):
+            WorkloadConfig(**bad)
+
+
 def test_exact_lengths_with_a_tokenizer(tiny_tokenizer):
     counter = TokenCounter(tiny_tokenizer)
     rng = random.Random(0)
