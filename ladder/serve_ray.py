@@ -50,6 +50,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level=args.log_level.upper())
     else:
+        # Ray starts its workers at niceness 15, below everything else on the machine; here the workers are
+        # the engines, the reason the machine runs at all.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=args.log_level.upper())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own

@@ -30,7 +30,8 @@ def default_model():
 
 # Files that take minutes (Inductor compiles) go first, so that under pytest-xdist (`make test` runs two
 # workers, a file per worker) they overlap the many short files instead of running last on their own.
-FIRST = ("test_compile_default.py", "test_compile.py")
+# test_ray_serve.py (a local Ray instance, about a minute of waiting on it) follows them for the same reason.
+FIRST = ("test_compile_default.py", "test_compile.py", "test_ray_serve.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -6,6 +6,7 @@ Serve replaces it."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -35,7 +36,13 @@ def metrics(url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def ray_app(tmp_path_factory):
     model_dir = make_tiny_chat_model(tmp_path_factory.mktemp("tiny"))
+    niceness = os.environ.get("RAY_worker_niceness")
+    os.environ["RAY_worker_niceness"] = "0"  # as `ladder serve --ray` starts them: not below the other tests
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if niceness is None:
+        os.environ.pop("RAY_worker_niceness")
+    else:
+        os.environ["RAY_worker_niceness"] = niceness
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
