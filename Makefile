@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m kernels.cpu_decode_attention & pid=$$!; \
 	$(BIN)/python -m kernels.cpu_w8a8_linear & pid2=$$!; \
 	$(BIN)/python -m kernels.cpu_fused_ops & pid3=$$!; \
-	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && wait $$pid3 && exit $$status
+	$(BIN)/python -m kernels.cpu_w4a8_linear & pid4=$$!; \
+	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && wait $$pid3 && wait $$pid4 && \
+	exit $$status
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from model.config import ModelConfig
 
 # Bytes of one weight and the arithmetic the matmuls run in, per precision (model/quantization.py's names).
-WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "w8a8": 1}
-MATMUL_KIND = {"fp32": "fp32", "fp16": "bf16", "bf16": "bf16", "int8": "fp32", "w8a8": "int8"}
+WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "w8a8": 1, "w4a8": 0.625}  # w4a8: Q4_1, 20 bytes per 32
+MATMUL_KIND = {"fp32": "fp32", "fp16": "bf16", "bf16": "bf16", "int8": "fp32", "w8a8": "int8", "w4a8": "int8"}
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,15 @@
 Dequantization (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the other types the `gguf` package
 knows) is done by the `gguf` package in numpy. Names are mapped from llama.cpp's (`blk.0.attn_q.weight`)
 to Hugging Face's (`layers.0.self_attn.q_proj.weight`).
+
+Linear weights stored as Q4_0, Q4_1 or Q8_0 can also be read as they are (`read_blocks`), for the W4A8
+layers that compute on the file's own blocks (model/block_quantization.py).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,54 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# GGML block types the W4A8 layers take: type -> (code bits, zero). Q4_1 stores d and m per block;
+# Q4_0 is w = d (u - 8); Q8_0 is w = d q, read as u = q + 128, w = d (u - 128).
+BLOCK_TYPES = {"Q4_0": (4, 8), "Q4_1": (4, 0), "Q8_0": (8, 128)}
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A linear weight [N, K] as the file stores it: w[n, k] = d[n, k / 32] * codes[n, k] + m[n, k / 32]
+    (m given), or d * (codes - zero) (m None)."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15 (bits 4) or 0..255 (bits 8)
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor | None  # [N, K / 32] float16
+    bits: int
+    zero: int
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32 as the `gguf` package dequantizes it (the float model's weight)."""
+        d = self.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
+        if self.m is None:
+            return (self.codes.float() - self.zero) * d
+        return d * self.codes.float() + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)
+
+
+def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockWeight:
+    """One tensor's raw bytes ([N, bytes per row] uint8, as GGUFReader maps them) -> its BlockWeight."""
+    n, k = shape
+    bits, zero = BLOCK_TYPES[type_name]
+    blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, k // BLOCK_SIZE, -1).copy())
+    d = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    if type_name == "Q8_0":
+        codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        m = None
+    else:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if type_name == "Q4_1" else None
+        nibbles = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # inputs 0..15 low, 16..31 high
+    return BlockWeight(codes.reshape(n, k), d, m, bits, zero)
+
+
+def linear_gguf_names(types: dict[str, str]) -> list[str]:
+    """The file's tensors that become linear layers: the projections, and the LM head (the token
+    embedding when the file ties them)."""
+    names = [name for name in types if (match := LAYER_PATTERN.fullmatch(name)) and match.group(3) == "weight"
+             and match.group(2) in LAYER_NAMES and LAYER_NAMES[match.group(2)].endswith("_proj")]
+    return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
 
 
 class GGUFCheckpoint:
@@ -141,6 +193,28 @@ class GGUFCheckpoint:
                 weight = unpermute_rotary(weight, self.config.num_kv_heads)
             tensors[name] = weight
         return tensors
+
+    def read_blocks(self) -> dict[str, BlockWeight]:
+        """Every linear weight as its raw blocks, under Hugging Face names (the LM head as
+        `lm_head.weight` also when tied), rows in the same order as `read_tensors`. ModelLoadError when a
+        linear weight is of a type other than Q4_0, Q4_1, Q8_0."""
+        by_name = {t.name: t for t in self.reader.tensors}
+        blocks: dict[str, BlockWeight] = {}
+        for gguf_name in linear_gguf_names({name: t.tensor_type.name for name, t in by_name.items()}):
+            tensor = by_name[gguf_name]
+            if tensor.tensor_type.name not in BLOCK_TYPES:
+                raise ModelLoadError(f"{self.path}: tensor {gguf_name!r} is {tensor.tensor_type.name}; the w4a8 "
+                                     f"layers take {', '.join(BLOCK_TYPES)} (use --quantization w8a8)")
+            k, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest dimension first
+            weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
+            name = "lm_head.weight" if gguf_name in ("output.weight", "token_embd.weight") else self._hf_name(gguf_name)
+            if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+                order = unpermute_rotary(torch.arange(n), heads)  # the rows' new order
+                weight = BlockWeight(weight.codes[order], weight.d[order], None if weight.m is None else weight.m[order],
+                                     weight.bits, weight.zero)
+            blocks[name] = weight
+        return blocks
 
     @staticmethod
     def _hf_name(name: str) -> str | None:

@@ -55,7 +55,8 @@ def load(
     quantization: str = "none",
 ) -> LoadedModel:
     """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model;
-    `quantization` int8 or w8a8 swaps its linears for int8 ones once the float32 weights are in."""
+    `quantization` int8 or w8a8 swaps its linears for int8 ones once the float32 weights are in, w4a8
+    (GGUF files) for layers over the file's own blocks."""
     start = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
     if quantization not in QUANTIZATIONS:
@@ -92,7 +93,14 @@ def load(
         raise ModelLoadError(f"{path}: not a model (expected a Hugging Face directory or a .gguf file)")
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
-    if quantization != "none":
+    if quantization == "w4a8":
+        if path.is_dir():
+            raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "
+                             "Face directory (use w8a8)")
+        from model.block_quantization import quantize_w4a8
+
+        quantize_w4a8(module, checkpoint.read_blocks())
+    elif quantization != "none":
         quantize(module, quantization, tokenizer, weight_files)
     return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization)
 

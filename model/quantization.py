@@ -16,6 +16,9 @@ reads a few rows, not the whole table.
   batch-1 decode at the memory bound, and prefill runs on integer arithmetic. Activation outliers are
   first moved into the weights by SmoothQuant (`model/smoothquant.py`), which `ladder compile` and
   `model.load(..., quantization="w8a8")` run before this.
+
+A third form, `w4a8`, keeps a GGUF file's own 4-bit (and 8-bit) blocks instead of int8 rows: see
+model/block_quantization.py.
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ from model.llama import LlamaForCausalLM
 FLOAT_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
 # Applied by `model.load` to the float32 eager model (no compile step); "none" keeps float32.
-QUANTIZATIONS = ("none", "int8", "w8a8")
+QUANTIZATIONS = ("none", "int8", "w8a8", "w4a8")  # w4a8: GGUF files only (model/block_quantization.py)
 
 
 def resolve_quantization(quantization: str, dtype: str, device: str | torch.device) -> str:
     """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
     "Fast by default"): W8A8 on a CPU with float32 weights; nothing elsewhere (a 16-bit dtype was asked
-    for, or a GPU, where 16-bit weights are the fast path). Other values pass through, checked."""
+    for, or a GPU, where 16-bit weights are the fast path). W4A8 (a GGUF's own blocks) is faster for one
+    stream but slower for batches of 32 ("W4A8 on the GGUF's own blocks"), and one server cannot mix the
+    two without breaking batch invariance, so `auto` keeps W8A8. Other values pass through, checked."""
     if quantization == "auto":
         is_fp32 = dtype in ("float32", "fp32", torch.float32)
         return "w8a8" if is_fp32 and torch.device(device).type == "cpu" else "none"

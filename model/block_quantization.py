@@ -1,0 +1,86 @@
+"""W4A8: linear layers that compute on a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0).
+
+The float model loaded from such a file holds the dequantized weights, d * u + m per 32-block; these
+layers keep u, d and m as the file has them and quantize each 32-block of the activations to int8 on the
+fly (kernels/cpu_w4a8_linear.py). The weights carry no error beyond the file's own, so no calibration
+(SmoothQuant) is needed: only the activations are rounded, per block of 32, which bounds an outlier's
+damage to its own block. A batch-1 decode step reads 5/8 of the bytes the W8A8 layers read for the
+4-bit projections (and the file's Q8_0 LM head as it is).
+
+A module swap applied from outside model/llama.py, like model/quantization.py's INT8 forms: q/k/v and
+gate/up are fused here the way model/weights.py fuses the float weights (rows concatenated).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import cpu_w4a8_linear
+from model.config import ModelConfig
+from model.errors import ModelLoadError
+from model.gguf_checkpoint import BlockWeight
+from model.llama import LlamaForCausalLM
+
+
+class W4A8Linear(nn.Module):
+    """y [..., N] float32 = x [..., K] times w = d * u + m (or d * (u - zero)) per 32-block of each row,
+    activations quantized per 32-block to int8; bit for bit `cpu_w4a8_linear.w4a8_matmul_ref`."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        self.bits, self.zero = weight.bits, weight.zero
+        codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits)
+        self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 256 or 512] uint8
+        self.register_buffer("scales", scales)  # [ceil(N / 16), K / 32, 1 or 2, 16] float16
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_w4a8_linear.w4a8_linear(x, self.codes, self.scales, self.bias, self.out_features, self.zero)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Each linear module of the model -> the checkpoint weights its rows come from, in order."""
+    sources = {"lm_head": ["lm_head.weight"]}
+    for i in range(config.num_layers):
+        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        sources[attn + "qkv_proj"] = [attn + f"{x}_proj.weight" for x in "qkv"]
+        sources[attn + "o_proj"] = [attn + "o_proj.weight"]
+        sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        sources[mlp + "down_proj"] = [mlp + "down_proj.weight"]
+    return sources
+
+
+def concat(parts: list[BlockWeight], name: str) -> BlockWeight:
+    """Row-concatenated weights of one format: Q4_0 parts beside Q4_1 ones get an explicit m = -8 d (exact
+    in float16); 4-bit beside 8-bit codes cannot share one packed layout."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.bits for p in parts}) > 1:
+        raise ModelLoadError(f"{name}: its parts mix 4-bit and 8-bit blocks, which w4a8 cannot fuse "
+                             "(use --quantization w8a8)")
+    if len({(p.m is None, p.zero) for p in parts}) > 1:
+        parts = [p if p.m is not None else BlockWeight(p.codes, p.d, (p.d.float() * -p.zero).half(), p.bits, 0)
+                 for p in parts]
+    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+    return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].bits,
+                       parts[0].zero)
+
+
+def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> LlamaForCausalLM:
+    """Swap every linear layer for a W4A8Linear over the file's blocks (`GGUFCheckpoint.read_blocks`), in
+    place; biases (Qwen2's q/k/v) stay float. A tied LM head gets its own copy of the embedding's blocks."""
+    for name, sources in linear_sources(module.config).items():
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        old = getattr(parent, child)
+        weight = concat([blocks[source] for source in sources], name)
+        if tuple(weight.codes.shape) != (old.out_features, old.in_features):
+            raise ModelLoadError(f"{name}: blocks of shape {list(weight.codes.shape)}, the layer is "
+                                 f"[{old.out_features}, {old.in_features}]")
+        setattr(parent, child, W4A8Linear(weight, old.bias))
+    return module
