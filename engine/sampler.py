@@ -4,6 +4,13 @@ Logits [B, V] go through penalties, temperature, top-k, top-p and min-p as tenso
 parameters. Each row then draws one uniform number (from the request's own generator when it has a
 seed, so a seeded request samples the same tokens whatever else is in the batch) and picks the token
 where that number falls in its cumulative distribution. Greedy rows take the argmax.
+
+Top-k and top-p need each row's most likely tokens in order. Sorting the whole vocabulary (49,152 tokens
+for the default model) every step costs milliseconds per row, so a filter looks only at the rows that
+use it, and top-p first at a short `topk` list of candidates: the kept set is exactly what a full sort
+would keep whenever the candidates' mass reaches top_p (the rare row where it does not, or where equal
+probabilities straddle the cut, is sorted in full as before). Every probability and cumulative sum is
+computed by the same operations as with a full sort, so the draws, tokens and logprobs are the same.
 """
 
 from __future__ import annotations
@@ -38,20 +45,27 @@ class Sampler:
         self._suppress_stop_tokens(logits, requests)
         if any(p.has_penalties for p in params):
             apply_penalties(logits, requests)
+        # Every row draws, greedy ones too, so each generator's stream does not depend on the batch.
+        uniform = torch.stack([self._uniform(r) for r in requests]).to(device)  # [B]
+        if all(p.is_greedy for p in params):  # no filter changes an argmax
+            token_ids = logits.argmax(dim=-1).tolist()
+            return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
         temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
         logits.div_(temperature[:, None])
-        top_k = [p.top_k for p in params]
-        if any(top_k):
-            vocab = logits.shape[1]
-            logits = apply_top_k(logits, torch.tensor([min(k, vocab) or vocab for k in top_k], device=device))
+        # Filters run on the sampled rows that use them (a greedy row's argmax survives every filter).
+        vocab = logits.shape[1]
+        top_k_rows = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k < vocab]
+        if top_k_rows:
+            apply_top_k_(logits, top_k_rows, [params[i].top_k for i in top_k_rows])
         probs = torch.softmax(logits, dim=-1)
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            probs = apply_top_p(probs, torch.tensor(top_p, device=device))
-        min_p = [p.min_p for p in params]
+        # A row with top_p 1 is left alone whatever else the batch holds (through the filter, it would lose
+        # the tail tokens whose preceding mass rounds to 1 in float32).
+        top_p_rows = [i for i, p in enumerate(params) if not p.is_greedy and p.top_p < 1.0]
+        if top_p_rows:
+            apply_top_p_(probs, top_p_rows, [params[i].top_p for i in top_p_rows])
+        min_p = [0.0 if p.is_greedy else p.min_p for p in params]
         if any(min_p):
             probs = apply_min_p(probs, torch.tensor(min_p, device=device))
-        uniform = torch.stack([self._uniform(r) for r in requests]).to(device)  # [B]
         cdf = probs.cumsum(dim=-1)
         target = uniform[:, None] * cdf[:, -1:]
         # right=True: the first token whose cumulative mass exceeds the draw, never a zero-mass one.
@@ -103,20 +117,78 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     logits.sub_(frequency * counts + presence * (counts > 0))
 
 
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits (ties at the k-th value are kept)."""
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth = sorted_logits.gather(1, (k - 1).clamp(min=0)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
+# `topk` of a few thousand out of 49,152 costs well under a millisecond against ~11 ms for a sort (one
+# core); past a sixth of the vocabulary it costs most of a sort. A step's nucleus rarely holds more than
+# a few hundred tokens, so top-p starts with this many candidates.
+TOP_P_FIRST_CANDIDATES = 256
+TOPK_MAX_FRACTION = 6  # wider than vocab / 6: sort in full
 
 
-def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return probs.masked_fill(drop, 0.0)
+def apply_top_k_(logits: torch.Tensor, rows: list[int], top_k: list[int]) -> None:
+    """In place on logits [B, V]: row rows[j] keeps its top_k[j] largest logits (ties at the k-th value
+    are kept), each 0 < k < V. The k-th largest value is the same whether `topk` or a sort finds it."""
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits[index]  # [R, V]
+    widest = max(top_k)
+    if widest * TOPK_MAX_FRACTION <= logits.shape[1]:
+        largest = sub.topk(widest, dim=-1).values  # [R, widest] descending
+    else:
+        largest = sub.sort(dim=-1, descending=True).values
+    kth = largest.gather(1, torch.tensor(top_k, device=logits.device)[:, None] - 1)  # [R, 1]
+    logits[index] = sub.masked_fill(sub < kth, float("-inf"))
+
+
+def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> None:
+    """In place on probs [B, V]: row rows[j] keeps the smallest set of most likely tokens whose mass
+    reaches top_p[j] (always at least one) and zeroes the rest.
+
+    With the row sorted in descending order, token i is dropped when the mass before it, cumsum[i] - p[i],
+    is >= top_p. That mass never decreases along the sorted row (cumsum[j] >= cumsum[i] and p[j] <= p[i]
+    for j > i, and rounding is monotone), so once a candidate is dropped every later token is too, and the
+    candidates' prefix sums are the full sort's (a cumulative sum's prefix does not depend on what
+    follows). A row is settled from its candidates when its first dropped candidate, the cut, lies
+    before the candidates' smallest value (any `topk` picks the same tokens above it) and is strictly
+    smaller than the last kept one (no tie across the cut, whose order a full sort would decide).
+    A row whose candidates fall short tries again with more, or is sorted in full."""
+    device = probs.device
+    index = torch.tensor(rows, device=device)
+    sub = probs[index]  # [R, V]
+    threshold = torch.tensor(top_p, dtype=probs.dtype, device=device)  # [R]
+    vocab = sub.shape[1]
+    pending = torch.arange(len(rows), device=device)  # rows of `sub` still to try with candidates
+    tied = []  # rows with equal probabilities across the cut: only a full sort orders those
+    width = TOP_P_FIRST_CANDIDATES
+    while len(pending) and width * TOPK_MAX_FRACTION <= vocab:
+        values, order = sub[pending].topk(width, dim=-1)  # [P, width] descending
+        mass = values.cumsum(dim=-1)
+        mass_before = mass - values
+        drop = mass_before >= threshold[pending, None]
+        cut = drop.int().argmax(dim=1)  # [P] first dropped candidate (0 where none is)
+        smallest_from = (values == values[:, -1:]).int().argmax(dim=1)  # first candidate of the smallest value
+        reached = drop.any(dim=1) & (cut >= 1) & (cut <= smallest_from)
+        untied = values.gather(1, (cut - 1).clamp(min=0)[:, None])[:, 0] > values.gather(1, cut[:, None])[:, 0]
+        settled = reached & untied
+        if settled.any():
+            kept = values[settled].masked_fill(torch.arange(width, device=device) >= cut[settled, None], 0.0)
+            filtered = torch.zeros(len(kept), vocab, dtype=sub.dtype, device=device)
+            sub[pending[settled]] = filtered.scatter_(1, order[settled], kept)
+        tied.append(pending[reached & ~untied])
+        # Every token past the candidates is at most as likely as the smallest one, so a row short of
+        # its mass needs at least (top_p - mass) / smallest more: try twice that many next.
+        short = ~reached
+        if short.any():
+            needed = (threshold[pending[short]] - mass[short, -1]) / values[short, -1].clamp(min=1e-30)
+            width = 1 << max(width, int(2 * (width + needed.max().clamp(max=vocab).item()))).bit_length()
+        pending = pending[short]
+    pending = torch.cat([pending, *tied])
+    if len(pending):  # the full sort
+        full = sub[pending]
+        sorted_probs, order = full.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= threshold[pending, None]
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        sub[pending] = full.masked_fill(drop, 0.0)
+    probs[index] = sub
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from engine.request import Request
 from engine.sampler import Sampler
+from engine.sampler_ref import FullSortSampler
 from engine.sampling_params import SamplingParams
 
 
@@ -103,3 +106,88 @@ def test_out_of_range_top_k_and_tiny_temperature_are_safe():
     out = Sampler()(logits, requests(SamplingParams(top_k=10_000), SamplingParams(temperature=1e-30)))
     assert 0 <= out.token_ids[0] < 10
     assert out.token_ids[1] == int(logits[1].argmax())
+
+
+# --- The sampler against the full-sort algorithm it replaced (engine/sampler_ref.py) ------------------
+
+VOCAB = 8192  # wide enough that top-p settles rows on short and on longer candidate lists, or sorts in full
+SCALES = [0.3, 1.5, 2.5, 4.0, 8.0, 20.0]  # logit spreads from flat (the full sort) to peaked (a few tokens)
+
+
+def random_logits(batch: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows from flat to peaked, some rounded to bfloat16 or to integers so that equal probabilities
+    occur, also across a top-p cut."""
+    rows = []
+    for _ in range(batch):
+        scale = SCALES[int(torch.randint(len(SCALES), (), generator=gen))]
+        row = torch.randn(VOCAB, generator=gen) * scale
+        kind = int(torch.randint(3, (), generator=gen))
+        rows.append(row if kind == 0 else row.bfloat16().float() if kind == 1 else row.round())
+    return torch.stack(rows)
+
+
+def random_params(gen: torch.Generator, seeded: bool) -> SamplingParams:
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=gen))]
+
+    return SamplingParams(
+        temperature=pick([0.0, 0.3, 0.7, 1.0, 1.5]), top_p=pick([1.0, 1.0, 0.999, 0.95, 0.9, 0.5, 0.1, 1e-6]),
+        top_k=pick([0, 0, 1, 5, 50, 1000, 20_000, VOCAB, 100_000]), min_p=pick([0.0, 0.0, 0.01, 0.2]),
+        seed=int(torch.randint(2**31, (), generator=gen)) if seeded else None, logprobs=pick([None, 3]),
+    )
+
+
+def test_seeded_draws_match_the_full_sort_sampler_row_by_row():
+    """Mixed batches on the new sampler give each seeded request exactly the tokens and logprobs the
+    full-sort sampler gives it alone, step after step (its own generator advances each step)."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(8):
+        reqs = requests(*[random_params(gen, seeded=True) for _ in range(1 + trial % 5)])
+        ours, reference = Sampler(seed=trial), FullSortSampler(seed=trial)
+        for _ in range(3):
+            logits = random_logits(len(reqs), gen)
+            out = ours(logits, reqs)
+            for row, request in enumerate(reqs):
+                alone = reference(logits[row:row + 1], [request])
+                assert (out.token_ids[row], out.logprobs[row]) == (alone.token_ids[0], alone.logprobs[0]), \
+                    (trial, row, request.params)
+
+
+def test_unseeded_batches_match_the_full_sort_sampler():
+    """Unseeded rows draw from the sampler's own generator in batch order: the same stream as before.
+    (Every row uses top-p, or none does: before, a row with top_p 1 in a batch with another row's top-p
+    also lost the tail tokens whose preceding mass rounds to 1 in float32; now it never does, so
+    its draws no longer depend on its batch.)"""
+    gen = torch.Generator().manual_seed(8)
+    for trial in range(8):
+        params = [random_params(gen, seeded=trial % 2 == 0) for _ in range(1 + trial % 5)]
+        if trial % 3:
+            params = [dataclasses.replace(p, top_p=1.0 if trial % 3 == 1 else min(p.top_p, 0.9)) for p in params]
+        reqs = requests(*params)
+        ours, reference = Sampler(seed=trial), FullSortSampler(seed=trial)
+        for _ in range(3):
+            logits = random_logits(len(reqs), gen)
+            assert ours(logits, reqs) == reference(logits, reqs), (trial, params)
+
+
+@pytest.mark.parametrize("rounding", ["none", "bfloat16", "integer"])
+def test_top_p_keeps_exactly_what_a_full_sort_keeps(rounding):
+    """At the default model's vocabulary, rows from flat (sorted in full) to peaked (settled on the first
+    candidates), through rows that need a second, longer candidate list."""
+    from engine.sampler import apply_top_p_
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 49_152, generator=gen) * torch.tensor(SCALES)[:, None]
+    logits = {"none": logits, "bfloat16": logits.bfloat16().float(), "integer": logits.round()}[rounding]
+    probs = torch.softmax(logits, dim=-1)
+    top_p = [0.9, 0.3, 0.6, 0.9, 0.9, 0.05]  # nuclei of about 41,000, 1,000, 600, 360, 4 and 1 tokens
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= torch.tensor(top_p)[:, None]
+    expected = probs.masked_fill(torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted), 0.0)
+    ours = probs.clone()
+    apply_top_p_(ours, list(range(6)), top_p)
+    assert torch.equal(ours, expected)
+    # Rows left out are untouched.
+    ours = probs.clone()
+    apply_top_p_(ours, [1, 4], [top_p[1], top_p[4]])
+    assert torch.equal(ours[[1, 4]], expected[[1, 4]]) and torch.equal(ours[[0, 2, 3, 5]], probs[[0, 2, 3, 5]])

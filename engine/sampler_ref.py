@@ -1,0 +1,52 @@
+"""The reference sampler: every filter sorts the whole vocabulary of every row.
+
+What `engine.sampler.Sampler` computed before its filters looked at short candidate lists; the Sampler
+must give the same tokens and logprobs (tests/test_sampler.py) and is timed against it
+(benchmarks/sampler_bench.py). One difference is by design: here, once any row of a batch uses top-p,
+every row goes through it, and a row whose top_p is 1 loses the tail tokens whose preceding mass
+rounds to 1 in float32; the Sampler leaves such a row alone, so its draws never depend on its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, compute_logprobs
+
+
+class FullSortSampler(Sampler):
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits [B, V] float32, one row per request, in order."""
+        raw_logits = logits
+        logits = logits.clone()
+        device = logits.device
+        params = [r.params for r in requests]
+        self._suppress_stop_tokens(logits, requests)
+        if any(p.has_penalties for p in params):
+            apply_penalties(logits, requests)
+        temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+        logits.div_(temperature[:, None])
+        top_k = [p.top_k for p in params]
+        if any(top_k):
+            vocab = logits.shape[1]
+            k = torch.tensor([min(k, vocab) or vocab for k in top_k], device=device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(min=0)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop_sorted = mass_before >= torch.tensor(top_p, device=device)[:, None]
+            probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted), 0.0)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            probs = apply_min_p(probs, torch.tensor(min_p, device=device))
+        uniform = torch.stack([self._uniform(r) for r in requests]).to(device)  # [B]
+        cdf = probs.cumsum(dim=-1)
+        target = uniform[:, None] * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
+        greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled).tolist()
+        return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
