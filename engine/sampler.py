@@ -70,9 +70,10 @@ class Sampler:
         target = uniform[:, None] * cdf[:, -1:]
         # right=True: the first token whose cumulative mass exceeds the draw, never a zero-mass one.
         sampled = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
-        greedy = torch.tensor([p.is_greedy for p in params], device=device)
-        chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
-        token_ids = chosen.tolist()
+        if any(p.is_greedy for p in params):
+            greedy = torch.tensor([p.is_greedy for p in params], device=device)
+            sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        token_ids = sampled.tolist()
         return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
 
     def _uniform(self, request: Request) -> torch.Tensor:
@@ -126,21 +127,25 @@ TOPK_MAX_FRACTION = 6  # wider than vocab / 6: sort in full
 
 def apply_top_k_(logits: torch.Tensor, rows: list[int], top_k: list[int]) -> None:
     """In place on logits [B, V]: row rows[j] keeps its top_k[j] largest logits (ties at the k-th value
-    are kept), each 0 < k < V. The k-th largest value is the same whether `topk` or a sort finds it."""
+    are kept), each 0 < k < V, rows ascending. The k-th largest value is the same whether `topk` or a sort
+    finds it."""
+    every_row = len(rows) == logits.shape[0]
     index = torch.tensor(rows, device=logits.device)
-    sub = logits[index]  # [R, V]
+    sub = logits if every_row else logits[index]  # [R, V]
     widest = max(top_k)
     if widest * TOPK_MAX_FRACTION <= logits.shape[1]:
         largest = sub.topk(widest, dim=-1).values  # [R, widest] descending
     else:
         largest = sub.sort(dim=-1, descending=True).values
     kth = largest.gather(1, torch.tensor(top_k, device=logits.device)[:, None] - 1)  # [R, 1]
-    logits[index] = sub.masked_fill(sub < kth, float("-inf"))
+    sub.masked_fill_(sub < kth, float("-inf"))
+    if not every_row:
+        logits[index] = sub
 
 
 def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> None:
     """In place on probs [B, V]: row rows[j] keeps the smallest set of most likely tokens whose mass
-    reaches top_p[j] (always at least one) and zeroes the rest.
+    reaches top_p[j] (always at least one) and zeroes the rest; rows ascending.
 
     With the row sorted in descending order, token i is dropped when the mass before it, cumsum[i] - p[i],
     is >= top_p. That mass never decreases along the sorted row (cumsum[j] >= cumsum[i] and p[j] <= p[i]
@@ -151,15 +156,16 @@ def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> No
     smaller than the last kept one (no tie across the cut, whose order a full sort would decide).
     A row whose candidates fall short tries again with more, or is sorted in full."""
     device = probs.device
+    every_row = len(rows) == probs.shape[0]
     index = torch.tensor(rows, device=device)
-    sub = probs[index]  # [R, V]
+    sub = probs if every_row else probs[index]  # [R, V]
     threshold = torch.tensor(top_p, dtype=probs.dtype, device=device)  # [R]
     vocab = sub.shape[1]
     pending = torch.arange(len(rows), device=device)  # rows of `sub` still to try with candidates
     tied = []  # rows with equal probabilities across the cut: only a full sort orders those
     width = TOP_P_FIRST_CANDIDATES
     while len(pending) and width * TOPK_MAX_FRACTION <= vocab:
-        values, order = sub[pending].topk(width, dim=-1)  # [P, width] descending
+        values, order = (sub if len(pending) == len(sub) else sub[pending]).topk(width, dim=-1)  # [P, width]
         mass = values.cumsum(dim=-1)
         mass_before = mass - values
         drop = mass_before >= threshold[pending, None]
@@ -168,10 +174,11 @@ def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> No
         reached = drop.any(dim=1) & (cut >= 1) & (cut <= smallest_from)
         untied = values.gather(1, (cut - 1).clamp(min=0)[:, None])[:, 0] > values.gather(1, cut[:, None])[:, 0]
         settled = reached & untied
-        if settled.any():
+        if settled.any():  # zero the rows, then put back the kept candidates
             kept = values[settled].masked_fill(torch.arange(width, device=device) >= cut[settled, None], 0.0)
-            filtered = torch.zeros(len(kept), vocab, dtype=sub.dtype, device=device)
-            sub[pending[settled]] = filtered.scatter_(1, order[settled], kept)
+            settled_rows = pending[settled]
+            sub.index_fill_(0, settled_rows, 0.0)
+            sub[settled_rows[:, None], order[settled]] = kept
         tied.append(pending[reached & ~untied])
         # Every token past the candidates is at most as likely as the smallest one, so a row short of
         # its mass needs at least (top_p - mass) / smallest more: try twice that many next.
@@ -188,7 +195,8 @@ def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> No
         drop_sorted = mass_before >= threshold[pending, None]
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         sub[pending] = full.masked_fill(drop, 0.0)
-    probs[index] = sub
+    if not every_row:
+        probs[index] = sub
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
