@@ -7,7 +7,7 @@
 #
 #   benchmarks/ray_replicas.sh [--replicas 2] [--concurrency 32] [--requests-per-user 2] [--rounds 2]
 #                              [--input-len 96] [--output-len 32] [--prefix-len 256] [--num-prefixes 8]
-#                              [--prefix-requests 96] [--out DIR] [-- ladder serve args for both]
+#                              [--prefix-requests 192] [--out DIR] [-- ladder serve args for both]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,7 +21,7 @@ INPUT_LEN=96
 OUTPUT_LEN=32
 PREFIX_LEN=256
 NUM_PREFIXES=8
-PREFIX_REQUESTS=96
+PREFIX_REQUESTS=192
 OUT=benchmarks/results/ray_replicas
 PORT_ONE=${PORT_ONE:-8094}
 PORT_RAY=${PORT_RAY:-8095}

@@ -1,5 +1,5 @@
-"""Ray Serve request router for the engine replicas: the replica that served a prompt's prefix, unless it
-is much busier than the least loaded one; otherwise the least loaded.
+"""Ray Serve request router for the engine replicas: a replica that served a prompt's prefix, unless it is
+much busier than the least loaded one; otherwise the least loaded.
 
 Serve builds one router per handle, inside the process that holds the handle (the ingress), and calls
 `choose_replicas` for each request: it returns ranks of candidates, and Serve sends the request to the
@@ -39,9 +39,9 @@ class PrefixAffinityRouter(RequestRouter):
         # counters are looked up there, in the ingress's own copy of deploy.routing_stats.
         self.stats: routing_stats.RoutingStats = routing_stats.STATS
         self.in_flight: dict[str, int] = {}  # replica id -> requests sent and not completed
-        # internal request id -> the replica holding its prefix, from choice to routing; bounded, since a
+        # internal request id -> the replicas holding its prefix, from choice to routing; bounded, since a
         # request cancelled while it waits for a replica is never routed
-        self.preferred: OrderedDict[str, str | None] = OrderedDict()
+        self.holders: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         self.dead: set[str] = set()
 
     def load(self, replica: RunningReplica) -> int:
@@ -56,16 +56,18 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         hashes = prefix_of(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        match = self.table.lookup(hashes, set(by_id)) if hashes else None
+        holders = self.table.lookup(hashes, set(by_id)).replica_ids if hashes else ()
         if pending_request is not None:
-            self.preferred[pending_request.metadata.internal_request_id] = match.replica_id if match else None
-            while len(self.preferred) > MAX_PENDING:
-                self.preferred.popitem(last=False)
+            self.holders[pending_request.metadata.internal_request_id] = holders
+            while len(self.holders) > MAX_PENDING:
+                self.holders.popitem(last=False)
         loads = {rid: self.load(r) for rid, r in by_id.items()}
         least = min(loads.values())
-        if match is not None and match.replica_id is not None:
-            if loads[match.replica_id] <= least + self.imbalance_threshold:
-                owner = by_id[match.replica_id]
+        if holders:
+            # The least loaded of the replicas holding the prefix, unless even it is far busier than the
+            # least loaded replica: then the prefix spills over to that one, which holds it from then on.
+            owner = by_id[min(holders, key=lambda rid: loads[rid])]
+            if loads[owner.replica_id.unique_id] <= least + self.imbalance_threshold:
                 return [[owner], [r for r in candidate_replicas if r is not owner]]
         # No owner, or a busy one: the least loaded, and of equally loaded ones the one holding the fewest
         # prefixes, so new prefixes spread over the replicas even when traffic is light.
@@ -76,9 +78,9 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = replica_id.unique_id
         hashes = prefix_of(pending_request)
-        preferred = self.preferred.pop(pending_request.metadata.internal_request_id, None)
+        holders = self.holders.pop(pending_request.metadata.internal_request_id, ())
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        self.stats.observe(rid, preferred, bool(hashes))
+        self.stats.observe(rid, holders, bool(hashes))
         if hashes:
             self.table.record(hashes, rid)
 

@@ -15,21 +15,22 @@ from dataclasses import dataclass, field
 class RoutingStats:
     num_requests: int = 0  # routed requests that carried a prompt
     num_matches: int = 0  # of those, ones whose leading blocks a live replica had served
-    num_hits: int = 0  # of those, ones routed to that replica
-    num_balanced: int = 0  # matches sent elsewhere because their replica was too busy
+    num_hits: int = 0  # of those, ones routed to such a replica
+    num_balanced: int = 0  # matches sent elsewhere because those replicas were too busy
     num_replica_deaths: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def observe(self, replica_id: str, preferred: str | None, has_prefix: bool) -> None:
+    def observe(self, replica_id: str, holders: tuple[str, ...], has_prefix: bool) -> None:
+        """One routed request: `holders` are the live replicas that held its prefix when it was routed."""
         with self.lock:
             self.per_replica[replica_id] = self.per_replica.get(replica_id, 0) + 1
             if not has_prefix:
                 return
             self.num_requests += 1
-            if preferred is not None:
+            if holders:
                 self.num_matches += 1
-                if preferred == replica_id:
+                if replica_id in holders:
                     self.num_hits += 1
                 else:
                     self.num_balanced += 1
@@ -51,8 +52,8 @@ class RoutingStats:
                 ("ladder_router_requests", "Routed requests that carried a prompt", self.num_requests),
                 ("ladder_router_prefix_matches", "Requests whose prompt prefix a live replica had served",
                  self.num_matches),
-                ("ladder_router_prefix_hits", "Requests routed to the replica holding their prefix", self.num_hits),
-                ("ladder_router_prefix_balanced", "Prefix matches sent elsewhere because their replica was busy",
+                ("ladder_router_prefix_hits", "Requests routed to a replica holding their prefix", self.num_hits),
+                ("ladder_router_prefix_balanced", "Prefix matches sent elsewhere because their replicas were busy",
                  self.num_balanced),
                 ("ladder_router_replica_deaths", "Replicas seen dying by the router", self.num_replica_deaths),
             ):

@@ -12,7 +12,7 @@ from deploy.affinity import AffinityTable, Match
 from deploy.prefix_key import BLOCK_CHARS, block_hashes, request_prefix, routing_text
 from deploy.routing_stats import RoutingStats
 
-SHARED = "You are a careful assistant who answers in one short sentence. " * 3  # 3 full blocks and more
+SHARED = "You are a careful assistant who answers in one short sentence. " * 5  # 4 full blocks and more
 
 
 def test_block_hashes_chain_so_a_shared_hash_means_a_shared_prefix():
@@ -42,16 +42,22 @@ def test_routing_text_reads_the_prompt_of_each_openai_route():
     assert request_prefix("/v1/completions", json.dumps({"prompt": SHARED}).encode()) == block_hashes(SHARED)
 
 
-def test_the_affinity_table_finds_the_live_replica_with_the_longest_match():
+def test_the_affinity_table_finds_the_live_replicas_with_the_longest_match():
     table = AffinityTable()
+    num_shared = len(SHARED) // BLOCK_CHARS
     long_prompt, other = block_hashes(SHARED + "a" * 200), block_hashes(SHARED + "b" * 200)
     table.record(long_prompt[:2], "r1")
-    table.record(long_prompt, "r2")  # r2 now holds all of it, the first two blocks included
-    assert table.lookup(other, {"r1", "r2"}) == Match("r2", len(SHARED) // BLOCK_CHARS)
-    assert table.lookup(long_prompt, {"r1"}) == Match(None, 0)  # r2's entries mean nothing once r2 is gone
-    assert table.num_blocks("r2") == len(long_prompt) and table.num_blocks("r1") == 0
+    table.record(long_prompt, "r2")
+    assert table.lookup(long_prompt, {"r1", "r2"}) == Match(("r2",), len(long_prompt))
+    assert table.lookup(other, {"r1", "r2"}) == Match(("r2",), num_shared)  # r1 holds only 2 of the shared blocks
+    assert table.lookup(other[:2], {"r1", "r2"}) == Match(("r1", "r2"), 2)  # both hold those
+    assert table.lookup(long_prompt, {"r1"}) == Match(("r1",), 2)  # r2's entries mean nothing once r2 is gone
+    assert table.num_blocks("r2") == len(long_prompt) and table.num_blocks("r1") == 2
+    table.record(long_prompt, "r2")  # served again: nothing new to hold
+    assert len(table) == len(long_prompt) + 2
     table.forget("r2")
-    assert len(table) == 0 and table.lookup(long_prompt, {"r1", "r2"}) == Match(None, 0)
+    assert len(table) == 2 and table.lookup(long_prompt, {"r1", "r2"}) == Match(("r1",), 2)
+    assert table.lookup(block_hashes("z" * 300), {"r1"}) == Match((), 0)
 
 
 def test_the_affinity_table_evicts_least_recently_used_blocks():
@@ -61,18 +67,18 @@ def test_the_affinity_table_evicts_least_recently_used_blocks():
     table.record(first[:1], "r1")  # touched again: the most recently used
     table.record(second, "r2")
     assert len(table) == 4 and table.num_blocks("r1") + table.num_blocks("r2") == 4
-    assert table.lookup(first[:3], {"r1"}) == Match("r1", 1)  # its blocks 1 and 2 went first
-    assert table.lookup(second, {"r2"}) == Match("r2", 2)
+    assert table.lookup(first[:3], {"r1"}) == Match(("r1",), 1)  # its blocks 1 and 2 went first
+    assert table.lookup(second, {"r2"}) == Match(("r2",), 2)
     with pytest.raises(ValueError, match="capacity"):
         AffinityTable(0)
 
 
 def test_routing_stats_count_first_sightings_as_misses():
     stats = RoutingStats()
-    stats.observe("r1", None, has_prefix=True)  # a new prefix
-    stats.observe("r1", "r1", has_prefix=True)  # its owner: a hit
-    stats.observe("r2", "r1", has_prefix=True)  # its owner was busy
-    stats.observe("r2", None, has_prefix=False)  # /ready and the like: no prompt
+    stats.observe("r1", (), has_prefix=True)  # a new prefix
+    stats.observe("r1", ("r1", "r2"), has_prefix=True)  # a replica holding it: a hit
+    stats.observe("r2", ("r1",), has_prefix=True)  # its only holder was busy
+    stats.observe("r2", (), has_prefix=False)  # /ready and the like: no prompt
     assert (stats.num_requests, stats.num_matches, stats.num_hits, stats.num_balanced) == (3, 2, 1, 1)
     assert stats.hit_ratio == pytest.approx(1 / 3)
     text = stats.render()
