@@ -88,7 +88,8 @@ def stream(args: argparse.Namespace, loaded) -> int:
     decode_rate = (num_output - 1) / (end - first_token_at) if num_output > 1 else 0.0
     print(
         f"[{loaded.name}{'' if loaded.quantization == 'none' else ', ' + loaded.quantization}"
-        f"{'' if args.tensor_parallel_size == 1 else f', {args.tensor_parallel_size} ranks'}] prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
+        f"{'' if args.tensor_parallel_size == 1 else f', {args.tensor_parallel_size} ranks'}] "
+        f"prompt {len(prompt_ids)} tokens | output {num_output} tokens | "
         f"load {loaded.load_seconds:.2f} s | first token {first_token_at - start:.2f} s | "
         f"decode {decode_rate:.1f} tokens/s",
         file=sys.stderr,

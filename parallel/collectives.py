@@ -1,7 +1,9 @@
 """The collectives a tensor-parallel step runs, timed on the calling rank.
 
-Each op is a blocking torch.distributed call (gloo on a CPU, NCCL on CUDA) on the default group, whose
-timeout bounds how long a rank waits for a peer that stopped. The time a rank spends in an op is the
+Each op is a blocking call on the group's own process group (gloo on a CPU, NCCL on CUDA), not on
+torch.distributed's global default group, so one process may hold several groups one after another (or
+at once) and a program that uses torch.distributed itself is left alone. The group's timeout bounds
+how long a rank waits for a peer that stopped. The time a rank spends in an op is the
 transfer plus the wait for the slowest peer to arrive: on rank 0 that is the communication part of a
 step as the engine sees it. (On CUDA an NCCL call returns once queued, so the host time counts only
 what the stream had to finish first.)
@@ -11,13 +13,25 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
+def create_group(backend: str, store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A process group of `size` ranks met through `store` (returns once every rank has joined)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
 class Collectives:
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.group = group
         self.rank = rank
         self.size = size
         self.seconds: Counter = Counter()  # op -> seconds spent in it on this rank, since start
@@ -30,7 +44,7 @@ class Collectives:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place; returns it."""
         started = time.perf_counter()
-        dist.all_reduce(x)
+        self.group.allreduce([x]).wait()
         self._timed("all_reduce", started)
         return x
 
@@ -38,12 +52,21 @@ class Collectives:
         """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on rank 0 the
         concatenation [N, sum(widths)]; on the other ranks x itself (they have no use for the result)."""
         started = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x.contiguous(), parts, dst=0)
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self.group.gather([parts] if parts else [], [x.contiguous()], options).wait()
         self._timed("gather", started)
-        if parts is None:
+        if not parts:
             return x
         return torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
+
+    def send(self, x: torch.Tensor, rank: int) -> None:
+        self.group.send([x.contiguous()], rank, 0).wait()
+
+    def receive(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        self.group.recv([x], rank, 0).wait()
+        return x
 
     def record(self, op: str, started: float) -> None:
         """Time spent in an op that runs outside torch.distributed (the step broadcast over pipes)."""

@@ -49,7 +49,8 @@ def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: 
     """The full model's state dict -> rank `rank`'s part, under the same names."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     q_rows, kv_rows, cols = layout.q_rows(rank), layout.kv_rows(rank), layout.intermediate[rank]
-    qkv_rows = [q_rows, range(q + kv_rows.start, q + kv_rows.stop), range(q + kv + kv_rows.start, q + kv + kv_rows.stop)]
+    k_rows, v_rows = (range(offset + kv_rows.start, offset + kv_rows.stop) for offset in (q, q + kv))
+    qkv_rows = [q_rows, k_rows, v_rows]
     shards = {}
     for name, t in state.items():
         module, _, kind = name.rpartition(".")

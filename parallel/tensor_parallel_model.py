@@ -34,17 +34,19 @@ from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel
+from model.quantization import INT8_LINEARS
 from model.step import allocate_kv_caches
 from parallel import step_message
-from parallel.collectives import Collectives
+from parallel.collectives import Collectives, create_group
 from parallel.errors import TensorParallelError
 from parallel.layout import TensorParallelLayout
 from parallel.shard import build_rank_module, shard_state
-from parallel.worker import WorkerSpec, join_group, worker_main
+from parallel.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+SPLIT_QUANTIZATIONS = ("none", *INT8_LINEARS)  # the linears `shard.py` knows how to split
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,6 @@ class TensorParallelModel:
                 worker.join(1.0)
         for pipe in self.pipes:
             pipe.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         if self.device.type == "cpu":
             torch.set_num_threads(self._num_threads_before)
 
@@ -206,6 +206,9 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     full = loaded.module
     if not isinstance(full, LlamaForCausalLM):
         raise ValueError("tensor parallelism applies to an eager model, not to a compiled artifact")
+    if loaded.quantization not in SPLIT_QUANTIZATIONS:
+        raise ValueError(f"quantization {loaded.quantization} is not split across tensor-parallel ranks "
+                         f"(choose {', '.join(INT8_LINEARS)} or none)")
     config = loaded.config
     layout = TensorParallelLayout.for_model(config, size)
     device = full.device
@@ -217,8 +220,6 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
         devices, backend = [torch.device("cuda", base + rank) for rank in range(size)], "nccl"
     else:
         devices, backend = [torch.device("cpu")] * size, "gloo"
-    if dist.is_initialized():
-        raise ValueError("this process already belongs to a torch.distributed group")
     threads_before = torch.get_num_threads()
     num_threads = cpu_threads_per_rank(size) if device.type == "cpu" else threads_before
     state = full.state_dict()
@@ -228,32 +229,32 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     context = mp.get_context("spawn")
     workers, pipes = [], []
     for rank in range(1, size):
+        tensors = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in shards[rank].items()]
         spec = WorkerSpec(rank, size, backend, "127.0.0.1", store.port, timeout_s, str(devices[rank]), num_threads,
-                          config, full.block_size, loaded.quantization,
-                          [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in shards[rank].items()])
+                          config, full.block_size, loaded.quantization, tensors)
         receive, send = context.Pipe(duplex=False)
         worker = context.Process(target=worker_main, args=(spec, receive), name=f"ladder-tp-rank{rank}", daemon=True)
         worker.start()
         receive.close()
         workers.append(worker)
         pipes.append(send)
+    joined: list[Collectives] = []
+
     def join_and_send() -> None:
-        join_group(0, size, backend, "127.0.0.1", store.port, timeout_s, store=store)
+        joined.append(Collectives(create_group(backend, store, 0, size, timeout_s), 0, size))
         for rank in range(1, size):
             for tensor in shards[rank].values():
-                dist.send(tensor.contiguous(), dst=rank)  # from rank 0's device (NCCL) or the CPU (gloo)
+                joined[0].send(tensor, rank)  # from rank 0's device (NCCL) or the CPU (gloo)
 
-    collectives = Collectives(0, size)
     try:
         run_watching(workers, join_and_send)
+        collectives = joined[0]
         module = build_rank_module(config, full.block_size, full.ops, loaded.quantization, shards[0], layout,
                                    collectives)
     except BaseException:
         for worker in workers:
             worker.kill()
             worker.join(1.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         raise
     del shards, state
     if device.type == "cpu":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -21,7 +22,7 @@ from kernels.ops import select_ops
 from model.config import ModelConfig
 from model.step import allocate_kv_caches
 from parallel import step_message
-from parallel.collectives import Collectives
+from parallel.collectives import Collectives, create_group
 from parallel.layout import TensorParallelLayout
 from parallel.shard import build_rank_module
 
@@ -46,27 +47,22 @@ class WorkerSpec:
     tensors: list[tuple[str, tuple[int, ...], str]]  # the shard's state dict: (name, shape, dtype), in send order
 
 
-def join_group(rank: int, size: int, backend: str, host: str, port: int, timeout_s: float,
-               store: dist.TCPStore | None = None) -> None:
-    timeout = timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-
-
 def worker_main(spec: WorkerSpec, commands: Connection) -> None:
+    # Ctrl-C reaches the whole process group; rank 0 handles it and closes the pipe, which ends this rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    join_group(spec.rank, spec.size, spec.backend, spec.store_host, spec.store_port, spec.timeout_s)
-    state = {}
-    for name, shape, dtype in spec.tensors:
-        state[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.recv(state[name], src=0)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.size, is_master=False,
+                          timeout=timedelta(seconds=spec.timeout_s))
+    group = create_group(spec.backend, store, spec.rank, spec.size, spec.timeout_s)
+    collectives = Collectives(group, spec.rank, spec.size)
+    state = {name: collectives.receive(torch.empty(shape, dtype=getattr(torch, dtype), device=device), 0)
+             for name, shape, dtype in spec.tensors}
     layout = TensorParallelLayout.for_model(spec.config, spec.size)
     module = build_rank_module(spec.config, spec.block_size, select_ops(device), spec.quantization, state, layout,
-                               Collectives(spec.rank, spec.size))
+                               collectives)
     del state
     local_config = layout.local_config(spec.config, spec.rank)
     kv_caches: list[torch.Tensor] = []
@@ -88,4 +84,3 @@ def worker_main(spec: WorkerSpec, commands: Connection) -> None:
                 module.sample_logits(step.input_ids, step.positions, kv_caches, plan, step.sample_rows)
             else:
                 raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown command {command}")
-    dist.destroy_process_group()

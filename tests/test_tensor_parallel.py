@@ -181,6 +181,10 @@ def test_a_killed_worker_turns_the_server_to_503_with_a_clear_error(default_tp):
     state.attach(AsyncLLMEngine(default_tp, step_timeout=None))
     server = InProcessServer(state)
     try:
+        metrics = httpx.get(server.url + "/metrics").text  # the parity test's steps: communication measured
+        share = [line for line in metrics.splitlines()
+                 if line.startswith('ladder_tensor_parallel_communication_share{op="all_reduce"}')]
+        assert len(share) == 1 and 0 < float(share[0].split()[-1]) < 1
         worker = default_tp.runner.module.workers[0]
         answers: list[httpx.Response] = []
         body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
