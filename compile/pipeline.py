@@ -110,7 +110,10 @@ def quantize(module, options: CompileOptions, tokenizer) -> tuple[Any, dict[str,
 def export(module, options: CompileOptions, directory: Path) -> list[str]:
     """The backend's files for the (already precision-changed) module, written into `directory`."""
     if options.backend == "torch-compile":
-        return save_weights(module, directory)
+        files = save_weights(module, directory)
+        if torch.device(options.device).type == "cpu":
+            files += compile_package(options, directory)
+        return files
     from compile import onnx_export
 
     if options.backend == "onnx":
@@ -134,6 +137,29 @@ def save_weights(module, directory: Path) -> list[str]:
     save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / CONFIG).write_text(json.dumps(module.config.to_dict(), indent=1), encoding="utf-8")
     return [WEIGHTS, CONFIG]
+
+
+def compile_package(options: CompileOptions, directory: Path) -> list[str]:
+    """The step compiled ahead of time (AOTInductor) over the module rebuilt from the weights just saved,
+    exactly as `ladder serve --artifact` rebuilds it (compile/aoti_export.py), and the int8 kernels' packed
+    weights (engine/backends/packed_weights.py)."""
+    from compile.aoti_export import export_package
+    from engine.backends.packed_weights import save_packed
+    from engine.backends.torch_compiled import rebuild
+    from model.quantization import activation_dtype
+
+    device = torch.device(options.device)
+    module = rebuild(directory, options.precision, options.block_size, device)
+    packed = save_packed(module, directory)  # int8 layouts, so serving does not pack them again
+    return packed + export_package(module, directory, activation_dtype(options.precision, device))
+
+
+def package_record(options: CompileOptions) -> dict[str, Any]:
+    if options.backend != "torch-compile" or torch.device(options.device).type != "cpu":
+        return {}
+    from engine.backends.aoti_runtime import package_record as record
+
+    return record()
 
 
 def backend_options(options: CompileOptions) -> dict[str, Any]:
@@ -163,7 +189,8 @@ def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".ladder-compile-", dir=parent))
     try:
-        with log.stage("export", f"{options.backend} files"):
+        with log.stage("export", f"{options.backend} files" + (" (weights; the step compiled by AOTInductor)"
+                                                               if package_record(options) else "")):
             files = export(module, options, staging)
             if loaded.tokenizer is not None:
                 (staging / TOKENIZER_DIR).mkdir()
@@ -176,9 +203,9 @@ def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
             shapes={"max_num_seqs": options.max_num_seqs, "max_model_len": options.max_model_len,
                     "block_size": options.block_size, "max_num_batched_tokens": options.max_num_batched_tokens},
             device=describe_device(device), libraries=library_versions(), backend_options=backend_options(options),
-            quantization=quantization,
+            quantization=quantization, package=package_record(options),
         )
-        with log.stage("build", "load the artifact back from its files (and compile it)"):
+        with log.stage("build", "load the artifact back from its files, as serving will"):
             model = load_backend(staging, manifest, device)
         with log.stage("verify", "parity against fp32 eager"):
             manifest.parity = parity.compare(model, reference).to_dict()

@@ -17,6 +17,9 @@ import torch
 from safetensors import safe_open
 
 from engine.backends import load_artifact
+from engine.backends.aoti_runtime import PACKAGE, VECTOR_FLAGS, PackagedModel, cpu_vector_flags, package_record
+from engine.backends.packed_weights import PACKED, load_packed
+from engine.backends.torch_compiled import rebuild
 from engine.backends.manifest import FORMAT_VERSION, MANIFEST_NAME, ArtifactError, read_manifest
 from compile.pipeline import CompileOptions, run
 from engine.config import GIB, bytes_per_block
@@ -74,7 +77,8 @@ def test_manifest_records_what_was_built(artifacts):
     assert data["device"]["type"] == "cpu"
     on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {MANIFEST_NAME}
     assert set(data["files"]) == on_disk
-    assert {"model.safetensors", "config.json", "tokenizer/tokenizer.json"} <= on_disk
+    assert {"model.safetensors", "config.json", "tokenizer/tokenizer.json", PACKAGE} <= on_disk
+    assert data["package"] == package_record() and data["package"]["torch"] == torch.__version__
     # Every linear layer is stored int8 with float32 per-channel scales; the embedding stays float.
     with safe_open(out / "model.safetensors", "pt") as f:
         tensors = {name: f.get_slice(name).get_dtype() for name in f.keys()}
@@ -161,6 +165,74 @@ def test_wrong_device_is_refused(copy_of):
     (art / MANIFEST_NAME).write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="built for cuda"):
         load_artifact(art, "cpu")
+
+
+def test_cpu_artifacts_serve_their_compiled_step(artifacts):
+    # Every CPU torch-compile precision runs the AOTInductor package written beside its weights (the
+    # parity test above checks what it computes, the preemption test how it batches).
+    for precision in PRECISIONS:
+        assert isinstance(artifacts[precision].module, PackagedModel), precision
+        assert artifacts[precision].manifest.files[PACKAGE]["bytes"] > 0
+        assert (PACKED in artifacts[precision].manifest.files) == (precision in ("int8", "w8a8"))
+
+
+def test_stored_packing_is_what_packing_gives_and_is_ignored_from_other_kernel_code(copy_of):
+    art = copy_of("w8a8")
+    module = rebuild(art, "w8a8", 16, torch.device("cpu"))  # from packed.safetensors
+    stored = {name: t.clone() for name, t in module.named_buffers() if name.endswith((".packed", ".wsum"))}
+    for sub in module.modules():
+        if hasattr(sub, "wsum"):
+            sub.pack()
+    assert stored and all(torch.equal(t, module.get_buffer(name)) for name, t in stored.items())
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(art / PACKED), str(art / PACKED), metadata={"layout": "from other kernel code"})
+    assert not load_packed(module, art)
+
+
+def test_changed_compiled_step_is_refused(copy_of):
+    art = copy_of("w8a8")
+    package = art / PACKAGE
+    data = bytearray(package.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    package.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=f"{PACKAGE}: sha256 does not match"):
+        load_artifact(art)
+
+
+def _edit_package_record(art, **changes):
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    data["package"] |= changes
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def test_compiled_step_of_another_torch_or_cpu_is_refused(copy_of):
+    art = copy_of()
+    _edit_package_record(art, torch="2.0.0+cpu")
+    with pytest.raises(ArtifactError, match="built with torch 2.0.0") as refused:
+        load_artifact(art)
+    assert "\n" not in str(refused.value)
+    lacking = [flag for flag in VECTOR_FLAGS if flag not in cpu_vector_flags()][0]
+    _edit_package_record(art, torch=torch.__version__, cpu_flags=[*cpu_vector_flags(), lacking])
+    with pytest.raises(ArtifactError, match=f"CPU lacks {lacking}: recompile"):
+        load_artifact(art)
+
+
+def test_artifact_without_compiled_step_compiles_at_start(artifacts, copy_of):
+    # A format 1 artifact (written before packages) still loads: its step is compiled with torch.compile,
+    # the path CUDA artifacts take, and it gives the package's tokens.
+    art = copy_of()
+    (art / PACKAGE).unlink()
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    del data["package"], data["files"][PACKAGE]
+    data["format_version"] = 1
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+    old = load_artifact(art)
+    assert not isinstance(old.module, PackagedModel)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts()[:3]
+    expected = [r.outputs[0].token_ids for r in LLM(loaded=artifacts["fp32"]).generate(prompts, params)]
+    assert [r.outputs[0].token_ids for r in LLM(loaded=old).generate(prompts, params)] == expected
 
 
 def test_not_an_artifact_is_refused(tiny_model):

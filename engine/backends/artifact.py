@@ -31,7 +31,7 @@ def load_backend(directory: Path, manifest: Manifest, device: torch.device) -> S
         from engine.backends import torch_compiled
 
         return torch_compiled.load(directory, manifest.precision, block_size, device, manifest.backend_options,
-                                   manifest.shapes["max_model_len"])
+                                   manifest.shapes["max_model_len"], manifest.package)
     if manifest.backend == "onnx":
         from engine.backends.onnx_runtime import OnnxModel
         from model.quantization import activation_dtype

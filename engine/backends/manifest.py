@@ -5,6 +5,10 @@ and its sha256), with what (library versions, device), how well it matches fp32 
 report) and how fast it ran (the benchmark figures), and the sha256 and size of every other file in the
 directory. Loading refuses a newer format, a missing or changed file, and a device the artifact was
 not built for, each with one line that names the problem. `compile/manifest.py` writes it.
+
+Format 2 added `package`: a CPU torch-compile artifact's step compiled ahead of time (AOTInductor), with
+the torch and CPU it was built for (`engine/backends/aoti_runtime.py` checks them). Format 1 artifacts,
+without it, still load: their step is compiled at start-up.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from model.quantization import PRECISIONS
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 BACKENDS = ("torch-compile", "onnx", "tensorrt")
 
@@ -41,6 +45,8 @@ class Manifest:
     parity: dict[str, Any] = field(default_factory=dict)
     bench: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {sha256, bytes}
+    # The step compiled ahead of time: {file, kind, torch, machine, cpu_capability, cpu_flags}; empty: none.
+    package: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     created: str = ""
 

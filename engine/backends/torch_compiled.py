@@ -3,8 +3,10 @@
 The artifact (`compile/pipeline.py` writes it) holds the weights after the precision change
 (`model.safetensors`: float, or int8 with per-channel scales; a tied LM head gets its own copy once
 quantized or smoothed), the model config and the tokenizer; the manifest's `backend_options` hold the
-`torch.compile` arguments. Loading rebuilds exactly that module and compiles it again; Inductor's on-disk
-cache, warmed by `ladder compile` on the same machine, makes that quick.
+`torch.compile` arguments. Loading rebuilds exactly that module. On a CPU the artifact also holds the
+step compiled ahead of time (`step.pt2`, an AOTInductor package: `engine/backends/aoti_runtime.py`), which
+runs that module's weights without compiling at start-up; elsewhere (CUDA, where decode steps replay CUDA
+graphs, and CPU artifacts written before packages) the module is compiled again at every start.
 
 What Inductor sees: one step, `sample_logits(input_ids, positions, kv_caches, plan, sample_rows)`, with
 every batch dimension dynamic. Paged attention stays one opaque custom op (`ladder::paged_attention`,
@@ -35,7 +37,10 @@ import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 
+from engine.backends.aoti_runtime import PackagedModel, check_package
 from engine.backends.graph_attention import GraphPagedAttention
+from engine.backends.packed_weights import load_packed
+from kernels import cpu_w8a8_linear
 from kernels.kv_layout import blocks_for_tokens
 from kernels.ops import TORCH_OPS, Ops, select_ops
 from model.attention import AttentionPlan, OpaquePagedAttention, TorchPagedAttention
@@ -102,6 +107,9 @@ class TorchCompiledModel:
         # Dynamo caches graphs per code object, and every model's `sample_logits` shares one: leave room
         # for several models in a process (tests, the compile pipeline) beside their shape variants.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        if self.device.type == "cpu" and precision == "w8a8":
+            # Built (or read from its cache) before tracing: the lazy build takes a lock Dynamo cannot trace.
+            cpu_w8a8_linear.load()
         self.cuda_graphs = options.get("mode") == "reduce-overhead"
         if self.cuda_graphs:
             # Weights and int8 scales never move: recorded graphs read them where they are.
@@ -128,15 +136,6 @@ class TorchCompiledModel:
                 torch._dynamo.mark_static_address(cache)
         return caches
 
-    def warm_up(self) -> None:
-        """Compile now, not on the first requests: run the kinds of step the engine makes (one prompt,
-        one decode, decodes beside a prefill chunk) on a scratch cache."""
-        seqs = Sequences(self, 3, WARM_UP_BLOCKS * self.block_size)
-        seqs.step([[1, 2, 3], [], []])  # a prompt alone
-        seqs.step([[4], [], []])  # one decode
-        seqs.step([[5], [1] * 19, [2, 3]])  # a decode beside two prompts of other lengths
-        seqs.step([[6], [7], [8]])  # a decode batch
-
     def sample_logits(self, input_ids, positions, kv_caches, plan, sample_rows) -> torch.Tensor:
         # Size-oblivious shapes: a batch of one sequence or one token is not a special case, so the
         # same graph serves every step instead of one graph per pattern of 1s in the shapes.
@@ -147,6 +146,21 @@ class TorchCompiledModel:
             # A new step: the graphs' previous outputs may be overwritten (ours were cloned).
             torch.compiler.cudagraph_mark_step_begin()
             return self._decode(input_ids, positions, kv_caches, plan, sample_rows).clone()
+
+
+def warm_up(model: TorchCompiledModel | PackagedModel) -> None:
+    """Compile now, not on the first requests: run the kinds of step the engine makes (one prompt, one
+    decode, decodes beside a prefill chunk) on a scratch cache. A package needs no compile: one prompt
+    and one decode beside a prompt load the C++ kernels it calls and show that it runs."""
+    seqs = Sequences(model, 3, WARM_UP_BLOCKS * model.block_size)
+    if isinstance(model, PackagedModel):
+        seqs.step([[1, 2, 3], [], []])
+        seqs.step([[4], [5, 6], []])
+        return
+    seqs.step([[1, 2, 3], [], []])  # a prompt alone
+    seqs.step([[4], [], []])  # one decode
+    seqs.step([[5], [1] * 19, [2, 3]])  # a decode beside two prompts of other lengths
+    seqs.step([[6], [7], [8]])  # a decode batch
 
 
 def cuda_graph_state(device: torch.device) -> dict[str, Any]:
@@ -163,9 +177,8 @@ def cuda_graph_state(device: torch.device) -> dict[str, Any]:
     return {"last_step": state, "skipped_graphs": int(counters["inductor"]["cudagraph_skips"])}
 
 
-def load(directory: Path, precision: str, block_size: int, device: torch.device,
-         options: dict[str, Any], max_model_len: int | None = None) -> TorchCompiledModel:
-    """Rebuild the saved module (no random init, no pickle) and compile it with the recorded options."""
+def rebuild(directory: Path, precision: str, block_size: int, device: torch.device) -> LlamaForCausalLM:
+    """The saved module from the artifact's weights and config (no random init, no pickle), packed."""
     from safetensors.torch import load_file
 
     config = ModelConfig.from_dict(json.loads((directory / CONFIG).read_text(encoding="utf-8")))
@@ -181,7 +194,22 @@ def load(directory: Path, precision: str, block_size: int, device: torch.device,
     if tied:
         module.lm_head.weight = module.embed_tokens.weight
     module.inv_freq = inverse_frequencies(config).to(device)
-    pack_all(module)
-    model = TorchCompiledModel(module.eval().requires_grad_(False), precision, options, max_model_len)
-    model.warm_up()
+    if not (device.type == "cpu" and load_packed(module, directory)):  # CPU artifacts store the packing
+        pack_all(module)
+    return module.eval().requires_grad_(False)
+
+
+def load(directory: Path, precision: str, block_size: int, device: torch.device,
+         options: dict[str, Any], max_model_len: int | None = None,
+         package: dict[str, Any] | None = None) -> TorchCompiledModel | PackagedModel:
+    """The saved module, run by its AOTInductor package when the artifact has one (`package`: the
+    manifest's record of it; CPU only, loads in about a second), else compiled now with the recorded
+    options (CUDA, and artifacts written before packages existed)."""
+    module = rebuild(directory, precision, block_size, device)
+    if package and device.type == "cpu":
+        check_package(package)
+        model: TorchCompiledModel | PackagedModel = PackagedModel(directory / package["file"], module, precision)
+    else:
+        model = TorchCompiledModel(module, precision, options, max_model_len)
+    warm_up(model)
     return model
