@@ -54,7 +54,7 @@ SOURCE = r"""
 
 constexpr int BN = 16;  // output channels per block
 constexpr int QK = 32;  // input channels per quantization block
-constexpr int MAX_MR = 8;
+constexpr int MAX_MR = 4;
 
 // One row x [KB * 32] -> int8 xq, and per block its scale xs[b] and xs[b] * sum(xq of the block) xc[b].
 static void quantize_row_portable(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
@@ -186,7 +186,7 @@ static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict
 
 // The widest group of blocks whose accumulators (2 * MR * NB) fit the 32 vector registers.
 static inline int max_nb(int mr) {
-  static const int table[MAX_MR + 1] = {0, 6, 4, 3, 2, 2, 2, 1, 1};
+  static const int table[MAX_MR + 1] = {0, 6, 4, 3, 3};
   return table[mr];
 }
 
@@ -198,7 +198,7 @@ static TileFn pick_nb(int nb) {
   switch (nb) {
     case 1: return tile<FOUR, MR, 1>;
     case 2: if constexpr (MR <= 6) return tile<FOUR, MR, 2>; break;
-    case 3: if constexpr (MR <= 3) return tile<FOUR, MR, 3>; break;
+    case 3: if constexpr (MR <= 4) return tile<FOUR, MR, 3>; break;
     case 4: if constexpr (MR <= 2) return tile<FOUR, MR, 4>; break;
     case 5: if constexpr (MR <= 1) return tile<FOUR, MR, 5>; break;
     case 6: if constexpr (MR <= 1) return tile<FOUR, MR, 6>; break;
@@ -213,10 +213,6 @@ static TileFn pick(int mr, int nb) {
     case 2: return pick_nb<FOUR, 2>(nb);
     case 3: return pick_nb<FOUR, 3>(nb);
     case 4: return pick_nb<FOUR, 4>(nb);
-    case 5: return pick_nb<FOUR, 5>(nb);
-    case 6: return pick_nb<FOUR, 6>(nb);
-    case 7: return pick_nb<FOUR, 7>(nb);
-    case 8: return pick_nb<FOUR, 8>(nb);
   }
   TORCH_CHECK(false, "no ", mr, "-row tile");
 }
