@@ -41,11 +41,13 @@ class Collectives:
         self.seconds[op] += time.perf_counter() - started
         self.calls[op] += 1
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks in place; returns it."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or, op "max", the maximum of) `x` over the ranks in place; returns it."""
         started = time.perf_counter()
-        self.group.allreduce([x]).wait()
-        self._timed("all_reduce", started)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        self.group.allreduce([x], options).wait()
+        self._timed("all_reduce" if op == "sum" else f"all_reduce_{op}", started)
         return x
 
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:

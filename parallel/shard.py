@@ -12,9 +12,14 @@ Per decoder layer (Megatron style):
   head's logits are gathered on rank 0.
 Norms, rotary tables and the residual stream are replicated. The same slicing serves float and int8
 linears (model/quantization.py): their weights are [out, in] with one scale per output row, so a
-column-parallel layer slices the scales with the rows and a row-parallel one keeps them all. (W8A8 then
-quantizes a row-parallel layer's activations per token over the rank's columns only: a finer scale
-than one process uses, so results agree to rounding, not bit for bit.)
+column-parallel layer slices the scales with the rows and a row-parallel one keeps them all.
+
+W8A8 quantizes each token's activations with one scale, the row's absolute maximum / 127; a rank of a
+row-parallel layer holds only some of the row's columns. So before each row-parallel W8A8 layer the
+ranks all-reduce each token's maximum ([T, 1], MAX) and append it to the input as one more column,
+against a zero column of weights: the kernel then takes the whole row's scale, every rank quantizes as
+one process does, and the integer products split exactly (results agree with one process to float
+rounding, as float32 ones do). The price is one small collective more per row-parallel layer.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import nn
 from kernels.ops import Ops
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from model.quantization import INT8_LINEARS, Int8Weights, int8_skeleton, pack_all
+from model.quantization import INT8_LINEARS, Int8Weights, W8A8Linear, int8_skeleton, pack_all
 from model.rope import inverse_frequencies
 from parallel.collectives import Collectives
 from parallel.layout import TensorParallelLayout
@@ -104,6 +109,10 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
         attn = layer.self_attn
         attn.num_kv_heads, attn.num_heads = num_kv, num_kv * layout.heads_per_kv
         attn.q_size, attn.kv_size = attn.num_heads * config.head_dim, num_kv * config.head_dim
+    for layer in module.layers:
+        for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if isinstance(m, W8A8Linear):  # the column that carries the row's maximum (see above)
+                m.weight = torch.cat([m.weight, m.weight.new_zeros(m.weight.shape[0], 1)], dim=1)
     for m in module.modules():
         if isinstance(m, (nn.Linear, Int8Weights)):
             m.out_features, m.in_features = m.weight.shape
@@ -118,9 +127,16 @@ def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, col
     def all_reduce(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce(output)
 
+    def append_row_maximum(_module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:  # [T, K] -> [T, K + 1]
+        (x,) = inputs
+        maximum = collectives.all_reduce(x.abs().amax(dim=-1, keepdim=True), op="max")
+        return (torch.cat([x, maximum.to(x.dtype)], dim=-1),)
+
     for layer in module.layers:
-        layer.self_attn.o_proj.register_forward_hook(all_reduce)
-        layer.mlp.down_proj.register_forward_hook(all_reduce)
+        for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if isinstance(row_parallel, W8A8Linear):
+                row_parallel.register_forward_pre_hook(append_row_maximum)
+            row_parallel.register_forward_hook(all_reduce)
 
     widths = [len(r) for r in layout.vocab]
     width = layout.vocab_shard_width

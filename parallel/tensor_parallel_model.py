@@ -122,7 +122,8 @@ class TensorParallelModel:
 
     def communication_seconds(self) -> dict[str, float]:
         """Seconds rank 0 has spent per collective since start: broadcast (the step's inputs to the
-        workers), all_reduce, gather."""
+        workers), all_reduce (the row-parallel sums), all_reduce_max (W8A8's activation scales), gather
+        (the logits)."""
         return dict(self.collectives.seconds)
 
     def on_failure(self, listener: Callable[[str], None]) -> None:

@@ -56,7 +56,7 @@ class EngineCollector(Collector):
             yield from communication_metrics(s["communication"], sum(s["seconds"].values()))
 
 
-COLLECTIVES = ("broadcast", "all_reduce", "gather")
+COLLECTIVES = ("broadcast", "all_reduce", "all_reduce_max", "gather")  # all_reduce_max: W8A8 scales
 
 
 def communication_metrics(seconds: dict[str, float], step_seconds: float) -> Iterator:
