@@ -134,10 +134,10 @@ def test_bfloat16_model_decodes_on_the_kernel_with_the_gather_paths_tokens(head_
     monkeypatch.setattr(kernel, "paged_decode_attention", counted)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (5, 14, 31)]
-    ref_tokens, ref_logits = greedy_tokens(reference, prompts, 12)
+    ref_tokens, ref_logits = greedy_tokens(reference, prompts, 10)
     assert not calls
-    tokens, logits = greedy_tokens(ours, prompts, 12)
-    assert set(calls) == {torch.bfloat16} and len(calls) == 11 * config.num_hidden_layers
+    tokens, logits = greedy_tokens(ours, prompts, 10)
+    assert set(calls) == {torch.bfloat16} and len(calls) == 9 * config.num_hidden_layers
     assert tokens == ref_tokens
     # Both in bfloat16: the kernel's float32 sums differ from the gather path's by bfloat16 rounding.
     assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 3e-2
