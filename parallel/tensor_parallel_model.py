@@ -253,9 +253,10 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
         module = build_rank_module(config, full.block_size, full.ops, loaded.quantization, shards[0], layout,
                                    collectives)
     except BaseException:
-        for worker in workers:
+        for worker, pipe in zip(workers, pipes):
             worker.kill()
             worker.join(1.0)
+            pipe.close()
         raise
     del shards, state
     if device.type == "cpu":
@@ -264,8 +265,6 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
              [len(r) for r in layout.kv_heads], num_threads)
     model = TensorParallelModel(module, config, layout, collectives, workers, pipes, threads_before)
     return dataclasses.replace(loaded, module=model)
-
-
 
 
 def run_watching(workers: list, fn: Callable[[], None]) -> None:
