@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M) in its fast forms: the quantization `ladder serve` runs by default
-(W8A8 applied at load, no compile step), weight-only INT8 at load, and a `ladder compile` artifact, each
-against fp32 eager on the parity inputs, and served batched as alone.
+(W8A8 applied at load, no compile step), W4A8 on the file's own Q4_1/Q8_0 blocks at load, and a `ladder
+compile` artifact, each against fp32 eager on the parity inputs, and served batched as alone. (Weight-only
+INT8 at load is checked on tiny models in tests/test_w8a8.py.)
 
 A compile of the default model takes minutes on two cores (mostly Inductor's), so the suite compiles
 one: `w8a8` (int8 activations too, after SmoothQuant), served as the compile verified it (loaded back
@@ -38,7 +39,7 @@ def fp32_reference():
     return parity.reference(loaded.module, prompts, corpus)
 
 
-@pytest.fixture(scope="module", params=["w8a8", "int8"])
+@pytest.fixture(scope="module", params=["w8a8", "w4a8"])
 def at_load(request, fp32_reference):
     """The default model quantized at load as `--quantization` does it, and its parity report."""
     loaded = model.load(quantization=request.param)
