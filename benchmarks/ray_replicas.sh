@@ -7,7 +7,12 @@
 #
 #   benchmarks/ray_replicas.sh [--replicas 2] [--concurrency 32] [--requests-per-user 2] [--rounds 2]
 #                              [--input-len 96] [--output-len 32] [--prefix-len 256] [--num-prefixes 8]
-#                              [--prefix-requests 192] [--out DIR] [-- ladder serve args for both]
+#                              [--prefix-requests 192] [--one-threads N] [--out DIR]
+#                              [-- ladder serve args for both]
+#
+# --one-threads N runs the single process with N torch threads (OMP_NUM_THREADS) instead of one per core:
+# on a machine whose cores other work oversubscribes, threads of one process wait for each other at every
+# parallel region, which replicas of one thread each never do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -26,6 +31,7 @@ OUT=benchmarks/results/ray_replicas
 PORT_ONE=${PORT_ONE:-8094}
 PORT_RAY=${PORT_RAY:-8095}
 LADDER_ARGS=(--kv-cache-memory 1)
+ONE_THREADS=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --replicas) REPLICAS=$2; shift 2 ;;
@@ -37,6 +43,7 @@ while [[ $# -gt 0 ]]; do
     --prefix-len) PREFIX_LEN=$2; shift 2 ;;
     --num-prefixes) NUM_PREFIXES=$2; shift 2 ;;
     --prefix-requests) PREFIX_REQUESTS=$2; shift 2 ;;
+    --one-threads) ONE_THREADS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --) shift; LADDER_ARGS=("$@"); break ;;
     *) echo "ray_replicas.sh: unknown argument $1" >&2; exit 2 ;;
@@ -53,7 +60,11 @@ wait_ready() {  # url pid
   echo "server not ready after 300 s" >&2; return 1
 }
 
-"$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" > "$OUT/serve-one.log" 2>&1 &
+if [[ -n $ONE_THREADS ]]; then
+  OMP_NUM_THREADS=$ONE_THREADS "$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" > "$OUT/serve-one.log" 2>&1 &
+else
+  "$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" > "$OUT/serve-one.log" 2>&1 &
+fi
 ONE=$!
 "$LADDER" serve --ray --replicas "$REPLICAS" --port "$PORT_RAY" "${LADDER_ARGS[@]}" > "$OUT/serve-ray.log" 2>&1 &
 RAY=$!
@@ -81,11 +92,11 @@ load "$PORT_RAY" prefix --prefix-len "$PREFIX_LEN" --num-prefixes "$NUM_PREFIXES
   --num-requests "$PREFIX_REQUESTS"
 curl -sf "http://127.0.0.1:$PORT_RAY/metrics" > "$OUT/router-after.txt"
 
-"$PY" - "$OUT" "$ROUNDS" "$REPLICAS" "$CONCURRENCY" "$PREFIX_LEN" "$NUM_PREFIXES" <<'PYEOF'
+"$PY" - "$OUT" "$ROUNDS" "$REPLICAS" "$CONCURRENCY" "$PREFIX_LEN" "$NUM_PREFIXES" "${ONE_THREADS:-0}" <<'PYEOF'
 import json, statistics, sys
 from pathlib import Path
 
-out, rounds, replicas, users, prefix_len, num_prefixes = Path(sys.argv[1]), *map(int, sys.argv[2:])
+out, rounds, replicas, users, prefix_len, num_prefixes, one_threads = Path(sys.argv[1]), *map(int, sys.argv[2:])
 
 
 def summary(name):
@@ -114,7 +125,8 @@ prefix = summary("prefix")
 
 print(f"| server | round | output tok/s | TTFT p50 ms | TPOT p50 ms | ok/failed | load avg |")
 print("|---|---|---|---|---|---|---|")
-for kind, label in (("one", "ladder serve (1 process)"), ("ray", f"ladder serve --ray --replicas {replicas}")):
+one_label = f"ladder serve (1 process, {one_threads} thread(s))" if one_threads else "ladder serve (1 process)"
+for kind, label in (("one", one_label), ("ray", f"ladder serve --ray --replicas {replicas}")):
     for r, s in enumerate(runs[kind], 1):
         print(f"| {label} | {r} | {s['output_tok_s']:.1f} | {s['ttft_p50_ms']:,.0f} | {s['tpot_p50_ms']:.1f} | "
               f"{s['ok']}/{s['failed']} | {s['loadavg']:.2f} |")
@@ -124,7 +136,7 @@ print(f"shared-prefix workload ({num_prefixes} prefixes of {prefix_len} tokens):
       f"{int(routed['prefix_matches'])} found their prefix on a live replica, {int(routed['prefix_hits'])} went "
       f"there; hit rate {hit_rate:.1%} (first sightings count as misses); "
       f"{prefix['output_tok_s']:.1f} output tok/s, {prefix['ok']}/{prefix['failed']} ok/failed")
-result = {"replicas": replicas, "concurrency": users, "runs": runs, "ratios": ratios,
+result = {"replicas": replicas, "concurrency": users, "one_threads": one_threads or None, "runs": runs, "ratios": ratios,
           "median_ratio": statistics.median(ratios),
           "prefix_workload": {"num_prefixes": num_prefixes, "prefix_len": prefix_len, "routed": routed,
                               "hit_rate": hit_rate, "summary": prefix}}

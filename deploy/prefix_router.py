@@ -73,6 +73,10 @@ class PrefixAffinityRouter(RequestRouter):
         # prefixes, so new prefixes spread over the replicas even when traffic is light.
         ranked = sorted(candidate_replicas, key=lambda r: (loads[r.replica_id.unique_id],
                                                            self.table.num_blocks(r.replica_id.unique_id)))
+        if hashes:
+            # Held from now on, before Serve sends the request: in a burst, the next new prefix then goes to
+            # another replica, and the next request of this one finds it here.
+            self.table.record(hashes, ranked[0].replica_id.unique_id)
         return [ranked[:1], ranked[1:]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
