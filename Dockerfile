@@ -26,6 +26,7 @@ COPY pyproject.toml README.md ./
 # Every package the `ladder` command imports (tests/test_dockerfile.py checks this list against the code).
 COPY ladder ladder
 COPY model model
+COPY parallel parallel
 COPY engine engine
 COPY server server
 COPY kernels kernels
