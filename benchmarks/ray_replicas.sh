@@ -136,8 +136,8 @@ print(f"shared-prefix workload ({num_prefixes} prefixes of {prefix_len} tokens):
       f"{int(routed['prefix_matches'])} found their prefix on a live replica, {int(routed['prefix_hits'])} went "
       f"there; hit rate {hit_rate:.1%} (first sightings count as misses); "
       f"{prefix['output_tok_s']:.1f} output tok/s, {prefix['ok']}/{prefix['failed']} ok/failed")
-result = {"replicas": replicas, "concurrency": users, "one_threads": one_threads or None, "runs": runs, "ratios": ratios,
-          "median_ratio": statistics.median(ratios),
+result = {"replicas": replicas, "concurrency": users, "one_threads": one_threads or None, "runs": runs,
+          "ratios": ratios, "median_ratio": statistics.median(ratios),
           "prefix_workload": {"num_prefixes": num_prefixes, "prefix_len": prefix_len, "routed": routed,
                               "hit_rate": hit_rate, "summary": prefix}}
 (out / "ray_replicas.json").write_text(json.dumps(result, indent=2) + "\n")
