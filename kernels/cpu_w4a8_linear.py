@@ -11,8 +11,9 @@ s = max(max|x_block|, 1e-12) / 127, a = round(x / s) (half to even). Then
 
 with dot = sum_k u * a exact in int32, each product and sum rounded to float32 as written, left to right:
 `(y + t) + r`. Where m is implied (m = -zero * d), the offset is taken out of the integer sum instead,
-exactly: y[n] = sum over b of (float(sum_k (u - zero) * a) * s[b]) * d[n, b], one product fewer. The torch reference (`w4a8_matmul_ref`) does the same operations in the same order, so
-the C++ kernel equals it bit for bit for every shape, batch and thread count, and a row's result never
+exactly: y[n] = sum over b of (float(sum_k (u - zero) * a) * s[b]) * d[n, b], one product fewer. The
+torch reference (`w4a8_matmul_ref`) does the same operations in the same order, so the C++ kernel equals
+it bit for bit for every shape, batch and thread count, and a row's result never
 depends on the rows beside it.
 
 The product runs on AVX-512 VNNI: `vpdpbusd` multiplies 64 unsigned bytes (the codes) by 64 signed
@@ -156,7 +157,8 @@ static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + BN)));
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-          const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(xs[i * KB + b])), d);
+          const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(xs[i * KB + b]));
+          const __m512 t = _mm512_mul_ps(ds, d);
           const __m512 r = _mm512_mul_ps(m, _mm512_set1_ps(xc[i * KB + b]));
           y[i][j] = _mm512_add_ps(_mm512_add_ps(y[i][j], t), r);
         }
@@ -262,7 +264,8 @@ static void portable_block(const int8_t* xq, int64_t K, const float* xs, const f
 // Returns [..., N] float32.
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias,
                           int64_t N, int64_t zero, bool portable) {
-  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), "w4a8_linear: CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
+              "w4a8_linear: CPU tensors only");
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [..., K] float32 contiguous");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
               (codes.size(2) == 256 || codes.size(2) == 512), "codes: [NBLK, KB, 256 or 512] uint8");
@@ -315,8 +318,8 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   at::parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
     if (portable) {
       for (int64_t b = b0; b < b1; ++b)
-        portable_block(xq.data(), K, xs.data(), xc.data(), xsum.data(), KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, four,
-                       bp, op, N, b * BN, N, M);
+        portable_block(xq.data(), K, xs.data(), xc.data(), xsum.data(), KB, cp + b * KB * CB, sp + b * KB * S * BN,
+                       S, z, four, bp, op, N, b * BN, N, M);
       return;
     }
 #ifdef LADDER_VNNI
@@ -327,8 +330,8 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         const int mr = static_cast<int>(std::min<int64_t>(MAX_MR, M - m));
         // max_nb(mr) >= nb for every mr <= min(M, MAX_MR), so one call covers all nb blocks.
         const TileFn fn = four ? pick<true>(mr, nb) : pick<false>(mr, nb);
-        fn(xq.data() + m * K, K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB, KB, cp + b * KB * CB, sp + b * KB * S * BN, S,
-           z, bp, op + m * N, N, b * BN, N);
+        fn(xq.data() + m * K, K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB, KB, cp + b * KB * CB,
+           sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N);
       }
     }
 #endif

@@ -211,8 +211,8 @@ class GGUFCheckpoint:
             if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
                 order = unpermute_rotary(torch.arange(n), heads)  # the rows' new order
-                weight = BlockWeight(weight.codes[order], weight.d[order], None if weight.m is None else weight.m[order],
-                                     weight.bits, weight.zero)
+                m = None if weight.m is None else weight.m[order]
+                weight = BlockWeight(weight.codes[order], weight.d[order], m, weight.bits, weight.zero)
             blocks[name] = weight
         return blocks
 
