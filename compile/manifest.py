@@ -50,6 +50,12 @@ def describe_device(device: torch.device) -> dict[str, Any]:
     return {"type": device.type, "name": platform.processor() or platform.machine(), "capability": None}
 
 
+def file_entries(directory: Path) -> dict[str, dict[str, Any]]:
+    """Every file under `directory` (its path relative to it) with its sha256 and size."""
+    return {str(p.relative_to(directory)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
 def write_artifact(out: Path, manifest: Manifest, fill: Callable[[Path], None]) -> Path:
     """`fill(tmp)` writes the backend's files into a fresh directory beside `out`; the manifest is added
     with every file's digest, and the directory is renamed to `out` only once complete."""
@@ -60,10 +66,7 @@ def write_artifact(out: Path, manifest: Manifest, fill: Callable[[Path], None]) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         fill(tmp)
-        manifest.files = {
-            str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(tmp.rglob("*")) if p.is_file()
-        }
+        manifest.files = file_entries(tmp)
         manifest.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         (tmp / MANIFEST_NAME).write_text(manifest.to_json() + "\n", encoding="utf-8")
         os.rename(tmp, out)  # atomic on one filesystem: readers see no directory or a whole one

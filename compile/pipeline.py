@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from compile import bench, parity
-from compile.manifest import describe_device, library_versions, sha256_source, write_artifact
+from compile.manifest import describe_device, file_entries, library_versions, sha256_source, write_artifact
 from engine.backends.artifact import TOKENIZER_DIR, LoadedArtifact, load_backend, loaded_artifact
 from engine.backends.manifest import BACKENDS, ArtifactError, Manifest
 from model.loader import load
@@ -205,6 +205,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
             device=describe_device(device), libraries=library_versions(), backend_options=backend_options(options),
             quantization=quantization, package=package_record(options),
         )
+        manifest.files = file_entries(staging)  # as written (the writer lists them again, the same)
         with log.stage("build", "load the artifact back from its files, as serving will"):
             model = load_backend(staging, manifest, device)
         with log.stage("verify", "parity against fp32 eager"):

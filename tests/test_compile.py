@@ -216,6 +216,11 @@ def test_compiled_step_of_another_torch_or_cpu_is_refused(copy_of):
     _edit_package_record(art, torch=torch.__version__, cpu_flags=[*cpu_vector_flags(), lacking])
     with pytest.raises(ArtifactError, match=f"CPU lacks {lacking}: recompile"):
         load_artifact(art)
+    data = json.loads((art / MANIFEST_NAME).read_text())
+    del data["files"][PACKAGE]  # a package without a checksum is never loaded
+    (art / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="has no sha256"):
+        load_artifact(art)
 
 
 def test_artifact_without_compiled_step_compiles_at_start(artifacts, copy_of):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.manifest import Manifest, check_device, read_manifest
+from engine.backends.manifest import MANIFEST_NAME, ArtifactError, Manifest, check_device, read_manifest
 from model.config import ModelConfig
 from model.loader import LoadedModel
 from model.step import StepModel
@@ -29,6 +29,11 @@ def load_backend(directory: Path, manifest: Manifest, device: torch.device) -> S
     block_size = manifest.shapes["block_size"]
     if manifest.backend == "torch-compile":
         from engine.backends import torch_compiled
+
+        if manifest.package and manifest.package.get("file") not in manifest.files:
+            # Its shared library runs as code: only a file whose checksum the manifest holds is loaded.
+            raise ArtifactError(f"{directory / MANIFEST_NAME}: the compiled step {manifest.package.get('file')!r} "
+                                "has no sha256 in the manifest's files")
 
         return torch_compiled.load(directory, manifest.precision, block_size, device, manifest.backend_options,
                                    manifest.shapes["max_model_len"], manifest.package)
