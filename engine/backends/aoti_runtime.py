@@ -118,7 +118,8 @@ class PackagedModel:
             # parts of a .pt2 archive): it unpacks and opens the shared library only.
             self._loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         except RuntimeError as exc:
-            raise ArtifactError(f"{package}: cannot load the compiled step: {' '.join(str(exc).split())[:200]}") from exc
+            reason = " ".join(str(exc).split())[:200]
+            raise ArtifactError(f"{package}: cannot load the compiled step: {reason}") from exc
         # The library names each weight by its path in PackagedStep ("module.<name>").
         tensors = {**dict(module.named_parameters(remove_duplicate=False)),
                    **dict(module.named_buffers(remove_duplicate=False))}
