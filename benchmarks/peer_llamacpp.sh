@@ -85,14 +85,8 @@ MAX_USERS=${LEVELS[-1]}
 PORT_PEER=${PORT_PEER:-8091}
 PORT_LADDER=${PORT_LADDER:-8092}
 
-wait_ready() {  # url pid
-  for _ in $(seq 1 600); do
-    curl -sf "$1" > /dev/null 2>&1 && return 0
-    kill -0 "$2" 2> /dev/null || { echo "server exited while starting" >&2; return 1; }
-    sleep 0.5
-  done
-  echo "server not ready after 300 s" >&2; return 1
-}
+source benchmarks/server_wait.sh
+require_free_port "$PORT_PEER" "$PORT_LADDER"
 
 sweep() {  # name base_url
   for users in "${LEVELS[@]}"; do

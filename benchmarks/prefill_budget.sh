@@ -37,14 +37,8 @@ mkdir -p "$OUT"
 IFS=, read -r -a SIZES <<< "$BUDGETS"
 IFS=, read -r -a LEVELS <<< "$CONCURRENCY"
 
-wait_ready() {  # url pid
-  for _ in $(seq 1 600); do
-    curl -sf "$1" > /dev/null 2>&1 && return 0
-    kill -0 "$2" 2> /dev/null || { echo "server exited while starting" >&2; return 1; }
-    sleep 0.5
-  done
-  echo "server not ready after 300 s" >&2; return 1
-}
+source benchmarks/server_wait.sh
+require_free_port "$PORT"
 
 for budget in "${SIZES[@]}"; do
   "$LADDER" serve --port "$PORT" --max-prefill-tokens "$budget" "${LADDER_ARGS[@]}" > "$OUT/serve-$budget.log" 2>&1 &

@@ -51,14 +51,8 @@ while [[ $# -gt 0 ]]; do
 done
 mkdir -p "$OUT"
 
-wait_ready() {  # url pid
-  for _ in $(seq 1 600); do
-    curl -sf "$1" > /dev/null 2>&1 && return 0
-    kill -0 "$2" 2> /dev/null || { echo "server exited while starting" >&2; return 1; }
-    sleep 0.5
-  done
-  echo "server not ready after 300 s" >&2; return 1
-}
+source benchmarks/server_wait.sh
+require_free_port "$PORT_ONE" "$PORT_RAY"
 
 if [[ -n $ONE_THREADS ]]; then
   OMP_NUM_THREADS=$ONE_THREADS "$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" > "$OUT/serve-one.log" 2>&1 &
