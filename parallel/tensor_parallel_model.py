@@ -87,6 +87,7 @@ class TensorParallelModel:
         self._listeners: list[Callable[[str], None]] = []
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # see _dead_worker
         threading.Thread(target=self._watch_workers, name="ladder-tp-monitor", daemon=True).start()
 
     @property
@@ -170,11 +171,14 @@ class TensorParallelModel:
     def _dead_worker(self, wait_s: float) -> str | None:
         """Why a worker is gone, waiting up to `wait_s` for one to finish exiting, or None."""
         deadline = time.monotonic() + wait_s
-        for rank, worker in enumerate(self.workers, start=1):
-            worker.join(max(0.0, deadline - time.monotonic()))
-            if not worker.is_alive():
-                return (f"tensor-parallel worker rank {rank} (pid {worker.pid}) "
-                        f"{exit_description(worker.exitcode)}")
+        # One thread reaps at a time: the monitor and the step's thread both get here when a worker dies, and
+        # the one whose waitpid loses the race would take the dead worker for alive (and blame rank 0).
+        with self._reap_lock:
+            for rank, worker in enumerate(self.workers, start=1):
+                worker.join(max(0.0, deadline - time.monotonic()))
+                if not worker.is_alive():
+                    return (f"tensor-parallel worker rank {rank} (pid {worker.pid}) "
+                            f"{exit_description(worker.exitcode)}")
         return None
 
     def _fail(self, cause: str) -> TensorParallelError:
