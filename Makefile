@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m kernels.cpu_w8a8_linear & pid2=$$!; \
 	$(BIN)/python -m kernels.cpu_fused_ops & pid3=$$!; \
 	$(BIN)/python -m kernels.cpu_w4a8_linear & pid4=$$!; \
-	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && wait $$pid3 && wait $$pid4 && \
+	$(BIN)/python -m parallel.shared_memory_all_reduce & pid5=$$!; \
+	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && wait $$pid3 && wait $$pid4 && wait $$pid5 && \
 	exit $$status
 	touch $(STAMP)
 

@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from parallel.shared_memory_all_reduce import SharedMemoryAllReduce
+
 
 def create_group(backend: str, store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
     """A process group of `size` ranks met through `store` (returns once every rank has joined)."""
@@ -30,10 +32,12 @@ def create_group(backend: str, store: dist.Store, rank: int, size: int, timeout_
 
 
 class Collectives:
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int,
+                 shared: SharedMemoryAllReduce | None = None) -> None:
         self.group = group
         self.rank = rank
         self.size = size
+        self.shared = shared  # CPU ranks of one host: all-reduces through shared memory, not gloo's TCP
         self.seconds: Counter = Counter()  # op -> seconds spent in it on this rank, since start
         self.calls: Counter = Counter()
 
@@ -44,9 +48,12 @@ class Collectives:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Sum (or, op "max", the maximum of) `x` over the ranks in place; returns it."""
         started = time.perf_counter()
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        self.group.allreduce([x], options).wait()
+        if self.shared is not None and self.shared.supports(x):
+            self.shared(x, take_max=op == "max")
+        else:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            self.group.allreduce([x], options).wait()
         self._timed("all_reduce" if op == "sum" else f"all_reduce_{op}", started)
         return x
 
@@ -69,6 +76,12 @@ class Collectives:
     def receive(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         self.group.recv([x], rank, 0).wait()
         return x
+
+    def abort(self) -> None:
+        """The group lost a rank: make any all-reduce waiting in shared memory fail now, on every rank (a
+        gloo call fails by itself when its peer's connection closes)."""
+        if self.shared is not None:
+            self.shared.abort()
 
     def record(self, op: str, started: float) -> None:
         """Time spent in an op that runs outside torch.distributed (the step broadcast over pipes)."""

@@ -41,6 +41,7 @@ from parallel.collectives import Collectives, create_group
 from parallel.errors import TensorParallelError
 from parallel.layout import TensorParallelLayout
 from parallel.shard import build_rank_module, shard_state
+from parallel.shared_memory_all_reduce import SharedMemoryAllReduce, available, create_region
 from parallel.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class TensorParallelModel:
                 return
             self.failure = reason
             listeners = list(self._listeners)
+        self.collectives.abort()  # ranks waiting in a shared-memory all-reduce stop waiting
         log.error("%s; the group can run no more steps", reason)
         for listener in listeners:
             listener(reason)
@@ -231,12 +233,16 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     shards = [shard_state(state, config, layout, rank) for rank in range(size)]
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
+    # CPU ranks all-reduce through a shared file (gloo's loopback TCP costs ~1 ms a call); gloo still
+    # joins the group and carries the weights, the gather and any tensor the file does not take.
+    region = create_region(size) if backend == "gloo" and available() else None
     context = mp.get_context("spawn")
     workers, pipes = [], []
     for rank in range(1, size):
         tensors = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in shards[rank].items()]
         spec = WorkerSpec(rank, size, backend, "127.0.0.1", store.port, timeout_s, str(devices[rank]), num_threads,
-                          config, full.block_size, loaded.quantization, tensors)
+                          config, full.block_size, loaded.quantization, tensors,
+                          None if region is None else str(region))
         receive, send = context.Pipe(duplex=False)
         worker = context.Process(target=worker_main, args=(spec, receive), name=f"ladder-tp-rank{rank}", daemon=True)
         worker.start()
@@ -246,7 +252,8 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     joined: list[Collectives] = []
 
     def join_and_send() -> None:
-        joined.append(Collectives(create_group(backend, store, 0, size, timeout_s), 0, size))
+        shared = None if region is None else SharedMemoryAllReduce(region, 0, size, timeout_s)
+        joined.append(Collectives(create_group(backend, store, 0, size, timeout_s), 0, size, shared))
         for rank in range(1, size):
             for tensor in shards[rank].values():
                 joined[0].send(tensor, rank)  # from rank 0's device (NCCL) or the CPU (gloo)
@@ -262,6 +269,9 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
             worker.join(1.0)
             pipe.close()
         raise
+    finally:
+        if region is not None:  # every rank has mapped it (or failed): the mappings outlive the name
+            region.unlink(missing_ok=True)
     del shards, state
     if device.type == "cpu":
         torch.set_num_threads(num_threads)

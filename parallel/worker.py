@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from parallel import step_message
 from parallel.collectives import Collectives, create_group
 from parallel.layout import TensorParallelLayout
 from parallel.shard import build_rank_module
+from parallel.shared_memory_all_reduce import SharedMemoryAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class WorkerSpec:
     block_size: int
     quantization: str  # the int8 scheme the linears carry, or none
     tensors: list[tuple[str, tuple[int, ...], str]]  # the shard's state dict: (name, shape, dtype), in send order
+    shared_region: str | None = None  # the shared-memory all-reduce's file (CPU ranks), mapped before joining
 
 
 def worker_main(spec: WorkerSpec, commands: Connection) -> None:
@@ -56,8 +59,12 @@ def worker_main(spec: WorkerSpec, commands: Connection) -> None:
         torch.cuda.set_device(device)
     store = dist.TCPStore(spec.store_host, spec.store_port, spec.size, is_master=False,
                           timeout=timedelta(seconds=spec.timeout_s))
+    shared = None
+    if spec.shared_region is not None:  # mapped before joining: rank 0 removes the file once all have joined
+        shared = SharedMemoryAllReduce(Path(spec.shared_region), spec.rank, spec.size, spec.timeout_s,
+                                       parent_pid=os.getppid())
     group = create_group(spec.backend, store, spec.rank, spec.size, spec.timeout_s)
-    collectives = Collectives(group, spec.rank, spec.size)
+    collectives = Collectives(group, spec.rank, spec.size, shared)
     state = {name: collectives.receive(torch.empty(shape, dtype=getattr(torch, dtype), device=device), 0)
              for name, shape, dtype in spec.tensors}
     layout = TensorParallelLayout.for_model(spec.config, spec.size)
