@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.backends.artifact import LoadedArtifact
-from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from model.loader import parse_dtype
@@ -36,7 +36,7 @@ class BenchConfig:
     dtype: str = "float32"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    max_prefill_tokens: int | None = None
     kv_cache_memory_gib: float | None = None
     hf_batch_size: int = 64
     skip_hf: bool = False

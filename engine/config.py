@@ -16,7 +16,6 @@ from model.quantization import resolve_quantization
 GIB = 1 << 30
 # On a CPU the cache shares memory with everything else; a bounded default keeps start-up quick.
 CPU_DEFAULT_KV_GIB = 2
-DEFAULT_MAX_PREFILL_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -28,9 +27,10 @@ class EngineConfig:
     quantization: str = "none"  # none, int8, w8a8, or auto (model/quantization.py); resolved in __post_init__
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # Prompt tokens per step while requests decode (engine/scheduler.py); chosen from the concurrency
-    # sweep in benchmarks/RESULTS.md ("Fast by default"). At least max_num_batched_tokens: no bound.
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    # Prompt tokens per step while requests decode (engine/scheduler.py); None, or at least
+    # max_num_batched_tokens: no bound. No bound by default: in the measured sweep (benchmarks/RESULTS.md,
+    # "Closing runs on a quiet machine") a bound raised TTFT p99 and TPOT and cut throughput at 32 users.
+    max_prefill_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context, capped by the KV cache
     block_size: int = 16
     kv_cache_memory_gib: float | None = None  # default: kv_cache_memory_fraction of available memory
@@ -58,7 +58,7 @@ class EngineConfig:
             raise ValueError("give a model or an artifact, not both")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if self.max_prefill_tokens < 1:
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")

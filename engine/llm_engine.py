@@ -45,7 +45,8 @@ class LLMEngine:
         num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
                                                        module.device)
         self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        prefill_bound = config.max_prefill_tokens if config.max_prefill_tokens < config.max_num_batched_tokens else None
+        bound = config.max_prefill_tokens
+        prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                            prefill_bound)
         self.scheduler = Scheduler(scheduler_config, self.blocks)

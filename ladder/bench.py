@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 
 from engine.bench import BenchConfig, format_table, run_bench, write_report
-from engine.config import DEFAULT_MAX_PREFILL_TOKENS
 from ladder.device import add_device_argument
 from ladder.quantization import add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
@@ -28,9 +27,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens per step while other requests decode, so their streams keep flowing "
-                        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; >= --max-num-batched-tokens: no bound)")
+                        "(default: no bound, the whole --max-num-batched-tokens)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers generate")
     p.add_argument("--hf-dtype", default=None, choices=sorted(DTYPES),

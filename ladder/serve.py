@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
+from engine.config import EngineConfig
 from ladder import serve_ray
 from ladder.device import add_device_argument
 from ladder.quantization import add_quantization_argument
@@ -39,9 +39,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens per step while other requests decode, so their streams keep flowing "
-                        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; >= --max-num-batched-tokens: no bound)")
+                        "(default: no bound, the whole --max-num-batched-tokens)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output (default: model's)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="sequences in flight, counted as prompts x n of every request, before 429 (default 256)")
