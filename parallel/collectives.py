@@ -2,7 +2,8 @@
 
 Each op is a blocking call on the group's own process group (gloo on a CPU, NCCL on CUDA), not on
 torch.distributed's global default group, so one process may hold several groups one after another (or
-at once) and a program that uses torch.distributed itself is left alone. The group's timeout bounds
+at once) and a program that uses torch.distributed itself is left alone. CPU ranks all-reduce through
+the group's shared-memory region instead when it has one (parallel/shared_memory_all_reduce.py). The group's timeout bounds
 how long a rank waits for a peer that stopped. The time a rank spends in an op is the
 transfer plus the wait for the slowest peer to arrive: on rank 0 that is the communication part of a
 step as the engine sees it. (On CUDA an NCCL call returns once queued, so the host time counts only
