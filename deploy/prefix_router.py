@@ -45,10 +45,10 @@ class PrefixAffinityRouter(RequestRouter):
         self.dead: set[str] = set()
 
     def load(self, replica: RunningReplica) -> int:
-        # Serve's queue-length cache when fresh (it counts other handles' requests too), else our own count.
-        cached = self.replica_queue_len_cache.get(replica.replica_id)
-        own = self.in_flight.get(replica.replica_id.unique_id, 0)
-        return own if cached is None else max(cached, own)
+        # Our own count of requests sent and not completed. The app has one ingress, so this router sends
+        # every request and the count is exact; Serve's queue-length cache is not: a replica's report of its
+        # queue can arrive after the request it counted has completed, and then holds for seconds.
+        return self.in_flight.get(replica.replica_id.unique_id, 0)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -142,6 +142,7 @@ def build_app(config: RayAppConfig) -> Application:
             request_router_class=f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
             request_router_kwargs={"imbalance_threshold": config.imbalance_threshold}),
     )
+    # One ingress: its router sends every request, so the router's own in-flight counts are exact loads.
     ingress = serve.deployment(LadderIngress).options(
         name="LadderIngress", num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config=QUIET,
         max_ongoing_requests=config.max_queue * (config.max_replicas or config.replicas) + 64,
