@@ -17,9 +17,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.request import Request, TokenLogprobs
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64, the first index of each row's maximum (a NaN counts as the maximum), as
+    torch.argmax gives it. On a CPU through NumPy, whose argmax is vectorized: torch's scalar loop takes
+    2.8 ms for 32 rows of a 49,152-token vocabulary on one thread, NumPy 0.26 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ class Sampler:
         # Every row draws, greedy ones too, so each generator's stream does not depend on the batch.
         uniform = torch.stack([self._uniform(r) for r in requests]).to(device)  # [B]
         if all(p.is_greedy for p in params):  # no filter changes an argmax
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = argmax_rows(logits).tolist()
             return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
         temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
         logits.div_(temperature[:, None])
@@ -72,7 +82,7 @@ class Sampler:
         sampled = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
         if any(p.is_greedy for p in params):
             greedy = torch.tensor([p.is_greedy for p in params], device=device)
-            sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy, argmax_rows(logits), sampled)
         token_ids = sampled.tolist()
         return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
 

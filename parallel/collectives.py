@@ -2,11 +2,11 @@
 
 Each op is a blocking call on the group's own process group (gloo on a CPU, NCCL on CUDA), not on
 torch.distributed's global default group, so one process may hold several groups one after another (or
-at once) and a program that uses torch.distributed itself is left alone. CPU ranks all-reduce through
-the group's shared-memory region instead when it has one (parallel/shared_memory_all_reduce.py). The group's timeout bounds
-how long a rank waits for a peer that stopped. The time a rank spends in an op is the
-transfer plus the wait for the slowest peer to arrive: on rank 0 that is the communication part of a
-step as the engine sees it. (On CUDA an NCCL call returns once queued, so the host time counts only
+at once) and a program that uses torch.distributed itself is left alone. CPU ranks all-reduce and gather
+through the group's shared-memory region instead when it has one (parallel/shared_memory_all_reduce.py).
+The group's timeout bounds how long a rank waits for a peer that stopped. The time a rank spends in an
+op is the transfer plus the wait for the slowest peer to arrive: on rank 0 that is the communication part
+of a step as the engine sees it. (On CUDA an NCCL call returns once queued, so the host time counts only
 what the stream had to finish first.)
 """
 
@@ -62,6 +62,10 @@ class Collectives:
         """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on rank 0 the
         concatenation [N, sum(widths)]; on the other ranks x itself (they have no use for the result)."""
         started = time.perf_counter()
+        if self.shared is not None and self.shared.supports(x):
+            gathered = self.shared.gather_columns(x, widths)
+            self._timed("gather", started)
+            return x if gathered is None else gathered
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
         options = dist.GatherOptions()
         options.rootRank = 0

@@ -8,7 +8,8 @@ was two thirds of a 2-rank step. Ranks on one host can instead share one mapped 
   sets of `size` slots of `capacity` float32 each;
 - call g (counting from 1 on every rank) copies the rank's tensor into its slot of set g % 2, publishes
   `arrived[rank] = g` (release), waits until every rank has published g (acquire), and then every rank
-  sums (or takes the maximum of) the slots in rank order, so all ranks hold bit-identical results;
+  sums (or takes the maximum of) the slots in rank order, so all ranks hold bit-identical results (a
+  gather is the same call without the sum: rank 0 reads every slot);
 - two sets make one barrier per call enough: a rank that writes set (g+1) % 2 has passed barrier g, so
   every rank has finished reading that set's previous use, call g-1.
 
@@ -105,12 +106,28 @@ void all_reduce(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int6
   }
 }
 
+// Publish x (contiguous float32, at most `capacity` elements) in this rank's slot of the call's set and wait
+// for every rank's: the caller then reads the slots it needs (a gather). They stay readable until this rank's
+// next call but one, since no rank writes this set again before passing the next call's barrier.
+void exchange(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int64_t size, int64_t call,
+              int64_t capacity, double timeout_s, int64_t parent_pid) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 CPU");
+  TORCH_CHECK(x.numel() <= capacity, "x is larger than a slot");
+  TORCH_CHECK(region_tensor.nbytes() >= static_cast<size_t>(kHeader + 2 * size * capacity * 4), "region too small");
+  uint8_t* region = region_tensor.data_ptr<uint8_t>();
+  float* slots = reinterpret_cast<float*>(region + kHeader) + (call % 2) * size * capacity;
+  pybind11::gil_scoped_release no_gil;
+  std::memcpy(slots + rank * capacity, x.data_ptr<float>(), x.numel() * sizeof(float));
+  counter(region, rank)->store(static_cast<uint64_t>(call), std::memory_order_release);
+  wait_for_all(region, size, static_cast<uint64_t>(call), timeout_s, parent_pid);
+}
+
 void set_abort(torch::Tensor region_tensor) {
   counter(region_tensor.data_ptr<uint8_t>(), kAbortSlot)->store(1, std::memory_order_release);
 }
 """
 
-_extension = LazyExtension("ladder_shared_memory_all_reduce", SOURCE, ["all_reduce", "set_abort"],
+_extension = LazyExtension("ladder_shared_memory_all_reduce", SOURCE, ["all_reduce", "exchange", "set_abort"],
                            "shared-memory all-reduce for CPU tensor parallelism")
 
 
@@ -146,6 +163,8 @@ class SharedMemoryAllReduce:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.parent_pid = parent_pid  # a worker's rank 0: waiting stops when it is gone (0: do not watch)
         self.capacity = capacity
+        # The two sets of slots as floats: [set, rank, capacity]
+        self.slots = self.region[HEADER_BYTES:].view(torch.float32).view(2, size, capacity)
         self.calls = 0
 
     def supports(self, x: torch.Tensor) -> bool:
@@ -159,6 +178,29 @@ class SharedMemoryAllReduce:
             self.module.all_reduce(flat[start:start + self.capacity], self.region, self.rank, self.size, self.calls,
                                    self.capacity, take_max, self.timeout_s, self.parent_pid)
         return x
+
+    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Every rank's contiguous float32 x [N, W] (W = max(widths), the same shape on each; rank r's first
+        widths[r] columns are its part) -> on rank 0 the parts side by side, [N, sum(widths)]; None on the
+        others. Rows go in slot-sized pieces, each read once from the slots into the result; every rank
+        waits for all, so the ranks stay in step call by call as in an all-reduce."""
+        rows, width = x.shape
+        if width > self.capacity:
+            raise ValueError(f"a row of {width} floats does not fit a slot of {self.capacity}")
+        per_piece = self.capacity // max(width, 1)
+        out = x.new_empty(rows, sum(widths)) if self.rank == 0 else None
+        offsets = [sum(widths[:r]) for r in range(self.size)]
+        for start in range(0, max(rows, 1), per_piece):
+            piece = x[start:start + per_piece]
+            self.calls += 1
+            self.module.exchange(piece, self.region, self.rank, self.size, self.calls, self.capacity,
+                                 self.timeout_s, self.parent_pid)
+            if out is not None:
+                n = piece.shape[0]
+                for r, (offset, w) in enumerate(zip(offsets, widths)):
+                    part = self.slots[self.calls % 2, r, :n * width].view(n, width)
+                    out[start:start + n, offset:offset + w] = part[:, :w]
+        return out
 
     def abort(self) -> None:
         """Make every rank's waiting all-reduce fail now (the group has lost a rank)."""

@@ -233,8 +233,8 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     shards = [shard_state(state, config, layout, rank) for rank in range(size)]
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    # CPU ranks all-reduce through a shared file (gloo's loopback TCP costs ~1 ms a call); gloo still
-    # joins the group and carries the weights, the gather and any tensor the file does not take.
+    # CPU ranks all-reduce and gather through a shared file (gloo's loopback TCP costs ~1 ms a call); gloo
+    # still joins the group and carries the weights and any tensor the file does not take.
     region = create_region(size) if backend == "gloo" and available() else None
     context = mp.get_context("spawn")
     workers, pipes = [], []

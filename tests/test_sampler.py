@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, argmax_rows
 from engine.sampler_ref import FullSortSampler
 from engine.sampling_params import SamplingParams
 
@@ -27,6 +27,19 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
               SamplingParams(min_p=1.0), SamplingParams(temperature=0, top_k=3)]
     out = Sampler()(logits, requests(*params))
     assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities():
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3))
+    logits[1, [7, 9000]] = 50.0  # a tie: the first index wins
+    logits[2, 11] = float("nan")  # NaN counts as the maximum
+    logits[3] = float("-inf")
+    logits[3, 40000] = 0.0
+    logits[4] = float("-inf")  # every token forbidden: index 0
+    logits[5, 123] = float("inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # strided rows
+    assert torch.equal(argmax_rows(logits.double()), logits.double().argmax(dim=-1))  # other dtypes: torch's
 
 
 def test_sampling_follows_the_distribution():

@@ -1,6 +1,7 @@
 """The shared-memory all-reduce of CPU tensor parallelism, with two threads as the two ranks (the C++ wait
 releases the GIL, so they run side by side as two processes would): sums and maxima equal torch's, in
-pieces when a tensor outgrows a slot, on every rank alike; a waiting rank stops on abort and on timeout."""
+pieces when a tensor outgrows a slot, on every rank alike; a gather hands rank 0 every rank's rows; a
+waiting rank stops on abort and on timeout."""
 
 from __future__ import annotations
 
@@ -58,6 +59,22 @@ def test_sums_and_maxima_match_torch_in_pieces_on_every_rank():
     for i in range(4):
         want = torch.maximum(inputs[0][i], inputs[1][i]) if i % 2 else inputs[0][i] + inputs[1][i]
         assert torch.equal(results[0][i], want) and torch.equal(results[1][i], want)
+
+
+def test_a_gather_gives_rank_0_every_rank_rows_in_pieces_between_all_reduces():
+    gen = torch.Generator().manual_seed(1)
+    logits = [torch.randn(5, 24, generator=gen) for _ in range(2)]  # 120 floats > a 64 slot: 3 pieces of 2 rows
+
+    def work(rank, group):
+        first = group(torch.full((3,), float(rank + 1)))  # the gather shares the call count with all-reduces
+        gathered = group.gather_columns(logits[rank], [24, 17])  # rank 1's last 7 columns are padding
+        last = group(torch.full((2,), float(rank + 1)), take_max=True)
+        return first, gathered, last
+
+    (first0, gathered0, last0), (first1, gathered1, last1) = on_both(ranks(capacity=64), work)
+    assert torch.equal(gathered0, torch.cat([logits[0], logits[1][:, :17]], dim=1)) and gathered1 is None
+    assert torch.equal(first0, torch.full((3,), 3.0)) and torch.equal(first1, first0)
+    assert torch.equal(last0, torch.full((2,), 2.0)) and torch.equal(last1, last0)
 
 
 def test_a_waiting_rank_stops_on_abort_and_on_timeout():
