@@ -109,7 +109,7 @@ def main() -> int:
         best = statistics.median(r["output_tokens_per_s"] for r in results)
         step_s = sum(r["step_seconds"] for r in results)
         comm = {op: sum(r["communication_seconds"].get(op, 0.0) for r in results)
-                for op in ("broadcast", "all_reduce", "all_reduce_max", "gather")}
+                for op in ("broadcast", "all_reduce", "all_reduce_max", "all_gather", "gather")}
         steps = sum(r["steps"] for r in results)
         agree = sum(a == b for a, b in zip(results[-1]["tokens"], setups[1, cores][-1]["tokens"]))
         rows.append({"ranks": size, "threads_per_rank": results[-1]["threads"],
@@ -119,7 +119,7 @@ def main() -> int:
                      "communication_ms_per_step": {op: s / steps * 1e3 for op, s in comm.items()},
                      "step_ms": step_s / steps * 1e3, "prompts_with_one_process_tokens": agree})
     header = (f"{'ranks':>5}{'threads':>8}{'out tok/s':>11}{'vs 1 proc':>10}{'step ms':>9}{'all-reduce':>11}"
-              f"{'max':>7}{'gather':>8}{'bcast':>7}{'comm ms/step':>13}{'same tokens':>12}")
+              f"{'max':>7}{'allgath':>8}{'gather':>8}{'bcast':>7}{'comm ms/step':>13}{'same tokens':>12}")
     print(f"{loaded.name} ({quantization}), batch {args.batch}, {args.input_len} prompt + {args.output_len} output "
           f"tokens, {args.rounds} rounds, load averages {' '.join(loads)}")
     print(header)
@@ -128,7 +128,7 @@ def main() -> int:
         share = row["communication_share"]
         print(f"{row['ranks']:>5}{row['threads_per_rank']:>8}{row['median_output_tokens_per_s']:>11.1f}"
               f"{row['ratio_to_one_process']:>9.2f}x{row['step_ms']:>9.1f}{share['all_reduce']:>11.1%}"
-              f"{share['all_reduce_max']:>7.1%}{share['gather']:>8.1%}{share['broadcast']:>7.1%}"
+              f"{share['all_reduce_max']:>7.1%}{share['all_gather']:>8.1%}{share['gather']:>8.1%}{share['broadcast']:>7.1%}"
               f"{sum(row['communication_ms_per_step'].values()):>13.2f}"
               f"{row['prompts_with_one_process_tokens']:>9}/{args.batch}")
     ppl = perplexities(loaded, args.size, args.perplexity_tokens) if args.perplexity_tokens else None

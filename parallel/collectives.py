@@ -75,6 +75,19 @@ class Collectives:
             return x
         return torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
 
+    def all_gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on every rank the
+        concatenation [N, sum(widths)]."""
+        started = time.perf_counter()
+        if self.shared is not None and self.shared.supports(x):
+            gathered = self.shared.gather_columns(x, widths, everywhere=True)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.group.allgather([parts], [x.contiguous()]).wait()
+            gathered = torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
+        self._timed("all_gather", started)
+        return gathered
+
     def send(self, x: torch.Tensor, rank: int) -> None:
         self.group.send([x.contiguous()], rank, 0).wait()
 

@@ -14,12 +14,13 @@ Norms, rotary tables and the residual stream are replicated. The same slicing se
 linears (model/quantization.py): their weights are [out, in] with one scale per output row, so a
 column-parallel layer slices the scales with the rows and a row-parallel one keeps them all.
 
-W8A8 quantizes each token's activations with one scale, the row's absolute maximum / 127; a rank of a
-row-parallel layer holds only some of the row's columns. So before each row-parallel W8A8 layer the
-ranks all-reduce each token's maximum ([T, 1], MAX) and append it to the input as one more column,
-against a zero column of weights: the kernel then takes the whole row's scale, every rank quantizes as
-one process does, and the integer products split exactly (results agree with one process to float
-rounding, as float32 ones do). The price is one small collective more per row-parallel layer.
+W8A8 quantizes each token's activations with one scale, the row's absolute maximum / 127, and a rank of
+a row-parallel layer holds only some of the row's columns. For down_proj the ranks all-reduce each token's
+maximum ([T, 1], MAX) and append it to the input as one more column, against a zero column of weights:
+the kernel then takes the whole row's scale, every rank quantizes as one process does, and the integer
+products split exactly. o_proj's input, the attention output, is narrow (one row of heads), so under W8A8
+the ranks all-gather it instead and each runs the whole o_proj: one collective where the row-parallel
+layer needs two (the maximum and the sum), and o_proj's output is bit for bit one process's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ from parallel.vocab_parallel_embedding import VocabParallelEmbedding
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
+def replicates_o_proj(quantization: str) -> bool:
+    """Whether o_proj is whole on every rank, its input all-gathered (W8A8: see above)."""
+    return quantization == "w8a8"
+
+
 def _rows(t: torch.Tensor, ranges: list[range]) -> torch.Tensor:
     return torch.cat([t[r.start:r.stop] for r in ranges])  # a copy: the full tensor is not kept alive
 
@@ -50,7 +56,7 @@ def _columns(t: torch.Tensor, r: range) -> torch.Tensor:
 
 
 def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: TensorParallelLayout,
-                rank: int) -> dict[str, torch.Tensor]:
+                rank: int, quantization: str) -> dict[str, torch.Tensor]:
     """The full model's state dict -> rank `rank`'s part, under the same names."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     q_rows, kv_rows, cols = layout.q_rows(rank), layout.kv_rows(rank), layout.intermediate[rank]
@@ -63,6 +69,8 @@ def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: 
             shards[name] = _rows(t, [layout.vocab[rank]])
         elif module.endswith("self_attn.qkv_proj"):  # weight [q + 2 kv, H], bias and scale [q + 2 kv]
             shards[name] = _rows(t, qkv_rows)
+        elif module.endswith("self_attn.o_proj") and replicates_o_proj(quantization):
+            shards[name] = t  # whole, bias included, on every rank
         elif module.endswith("mlp.gate_up_proj"):  # weight [2 I, H], scale [2 I]
             shards[name] = _rows(t, [cols, range(inter + cols.start, inter + cols.stop)])
         elif module.endswith(ROW_PARALLEL) and kind == "weight":  # [H, in]: the rank's input columns
@@ -110,19 +118,27 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
         attn.num_kv_heads, attn.num_heads = num_kv, num_kv * layout.heads_per_kv
         attn.q_size, attn.kv_size = attn.num_heads * config.head_dim, num_kv * config.head_dim
     for layer in module.layers:
-        for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        for m in row_parallel_layers(layer, quantization):
             if isinstance(m, W8A8Linear):  # the column that carries the row's maximum (see above)
                 m.weight = torch.cat([m.weight, m.weight.new_zeros(m.weight.shape[0], 1)], dim=1)
     for m in module.modules():
         if isinstance(m, (nn.Linear, Int8Weights)):
             m.out_features, m.in_features = m.weight.shape
     pack_all(module)
-    hook_collectives(module, layout, collectives)
+    hook_collectives(module, layout, collectives, quantization)
     return module.eval().requires_grad_(False)
 
 
-def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, collectives: Collectives) -> None:
-    """An all-reduce after each row-parallel layer, a gather of the vocabulary shards after the LM head."""
+def row_parallel_layers(layer: nn.Module, quantization: str) -> list[nn.Module]:
+    if replicates_o_proj(quantization):
+        return [layer.mlp.down_proj]
+    return [layer.self_attn.o_proj, layer.mlp.down_proj]
+
+
+def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, collectives: Collectives,
+                     quantization: str) -> None:
+    """An all-reduce after each row-parallel layer (an all-gather before a replicated o_proj), a gather of
+    the vocabulary shards after the LM head."""
 
     def all_reduce(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce(output)
@@ -132,8 +148,19 @@ def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, col
         maximum = collectives.all_reduce(x.abs().amax(dim=-1, keepdim=True), op="max")
         return (torch.cat([x, maximum.to(x.dtype)], dim=-1),)
 
+    head_widths = [len(layout.q_rows(rank)) for rank in range(layout.size)]
+
+    def gather_heads(_module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:  # [T, local q] -> [T, q]
+        (x,) = inputs
+        width = max(head_widths)
+        if x.shape[1] < width:
+            x = nn.functional.pad(x, (0, width - x.shape[1]))
+        return (collectives.all_gather_columns(x.contiguous(), head_widths),)
+
     for layer in module.layers:
-        for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        if replicates_o_proj(quantization):
+            layer.self_attn.o_proj.register_forward_pre_hook(gather_heads)
+        for row_parallel in row_parallel_layers(layer, quantization):
             if isinstance(row_parallel, W8A8Linear):
                 row_parallel.register_forward_pre_hook(append_row_maximum)
             row_parallel.register_forward_hook(all_reduce)

@@ -179,16 +179,17 @@ class SharedMemoryAllReduce:
                                    self.capacity, take_max, self.timeout_s, self.parent_pid)
         return x
 
-    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+    def gather_columns(self, x: torch.Tensor, widths: list[int], everywhere: bool = False) -> torch.Tensor | None:
         """Every rank's contiguous float32 x [N, W] (W = max(widths), the same shape on each; rank r's first
-        widths[r] columns are its part) -> on rank 0 the parts side by side, [N, sum(widths)]; None on the
-        others. Rows go in slot-sized pieces, each read once from the slots into the result; every rank
-        waits for all, so the ranks stay in step call by call as in an all-reduce."""
+        widths[r] columns are its part) -> on rank 0 (on every rank if `everywhere`) the parts side by side,
+        [N, sum(widths)]; None on the others. Rows go in slot-sized pieces, each read once from the slots
+        into the result; every rank waits for all, so the ranks stay in step call by call as in an
+        all-reduce."""
         rows, width = x.shape
         if width > self.capacity:
             raise ValueError(f"a row of {width} floats does not fit a slot of {self.capacity}")
         per_piece = self.capacity // max(width, 1)
-        out = x.new_empty(rows, sum(widths)) if self.rank == 0 else None
+        out = x.new_empty(rows, sum(widths)) if self.rank == 0 or everywhere else None
         offsets = [sum(widths[:r]) for r in range(self.size)]
         for start in range(0, max(rows, 1), per_piece):
             piece = x[start:start + per_piece]

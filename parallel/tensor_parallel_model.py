@@ -124,8 +124,8 @@ class TensorParallelModel:
 
     def communication_seconds(self) -> dict[str, float]:
         """Seconds rank 0 has spent per collective since start: broadcast (the step's inputs to the
-        workers), all_reduce (the row-parallel sums), all_reduce_max (W8A8's activation scales), gather
-        (the logits)."""
+        workers), all_reduce (the row-parallel sums), all_reduce_max (W8A8's activation scales),
+        all_gather (the attention output before W8A8's whole o_proj), gather (the logits)."""
         return dict(self.collectives.seconds)
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
@@ -230,7 +230,7 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     threads_before = torch.get_num_threads()
     num_threads = cpu_threads_per_rank(size) if device.type == "cpu" else threads_before
     state = full.state_dict()
-    shards = [shard_state(state, config, layout, rank) for rank in range(size)]
+    shards = [shard_state(state, config, layout, rank, loaded.quantization) for rank in range(size)]
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     # CPU ranks all-reduce and gather through a shared file (gloo's loopback TCP costs ~1 ms a call); gloo

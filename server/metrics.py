@@ -56,7 +56,8 @@ class EngineCollector(Collector):
             yield from communication_metrics(s["communication"], sum(s["seconds"].values()))
 
 
-COLLECTIVES = ("broadcast", "all_reduce", "all_reduce_max", "gather")  # all_reduce_max: W8A8 scales
+# all_reduce_max: W8A8 scales; all_gather: the attention output before W8A8's whole o_proj
+COLLECTIVES = ("broadcast", "all_reduce", "all_reduce_max", "all_gather", "gather")
 
 
 def communication_metrics(seconds: dict[str, float], step_seconds: float) -> Iterator:

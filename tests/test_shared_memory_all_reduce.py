@@ -68,11 +68,14 @@ def test_a_gather_gives_rank_0_every_rank_rows_in_pieces_between_all_reduces():
     def work(rank, group):
         first = group(torch.full((3,), float(rank + 1)))  # the gather shares the call count with all-reduces
         gathered = group.gather_columns(logits[rank], [24, 17])  # rank 1's last 7 columns are padding
+        everywhere = group.gather_columns(logits[rank], [24, 17], everywhere=True)
         last = group(torch.full((2,), float(rank + 1)), take_max=True)
-        return first, gathered, last
+        return first, gathered, everywhere, last
 
-    (first0, gathered0, last0), (first1, gathered1, last1) = on_both(ranks(capacity=64), work)
-    assert torch.equal(gathered0, torch.cat([logits[0], logits[1][:, :17]], dim=1)) and gathered1 is None
+    (first0, gathered0, all0, last0), (first1, gathered1, all1, last1) = on_both(ranks(capacity=64), work)
+    want = torch.cat([logits[0], logits[1][:, :17]], dim=1)
+    assert torch.equal(gathered0, want) and gathered1 is None
+    assert torch.equal(all0, want) and torch.equal(all1, want)
     assert torch.equal(first0, torch.full((3,), 3.0)) and torch.equal(first1, first0)
     assert torch.equal(last0, torch.full((2,), 2.0)) and torch.equal(last1, last0)
 
