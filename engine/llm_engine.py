@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
+from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
 from parallel import tensor_parallel_model
 from parallel.tensor_parallel_model import TensorParallelModel
@@ -51,6 +52,10 @@ class LLMEngine:
                                            prefill_bound)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.runner = ModelRunner(module, num_blocks)
+        if isinstance(module, (LlamaForCausalLM, TensorParallelModel)):  # compiled steps warm up as they load
+            self.runner.warm_up()
+        if isinstance(module, TensorParallelModel):  # communication counts from the first real step, as time does
+            module.collectives.reset()
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples

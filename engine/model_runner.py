@@ -22,6 +22,16 @@ class ModelRunner:
         self.module = module
         self.kv_caches = module.allocate_kv_caches(num_blocks)
 
+    def warm_up(self) -> None:
+        """A 2-token prefill and a 1-token decode in block 0, so the kernels an eager model builds or loads
+        on first use (the C++ extensions, compiled once per CPU, tens of seconds on a fresh machine) are
+        ready before the engine takes requests and /ready answers. Block 0's contents are overwritten by
+        whichever sequence gets it before anything reads them; the caches are not cleared."""
+        if self.module.block_size < 3 or not self.kv_caches:
+            return
+        for chunk in (SeqChunk([0, 0], 0, [0]), SeqChunk([0], 2, [0])):
+            run_step(self.module, build_step([chunk], self.module.block_size, self.module.device), self.kv_caches)
+
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         chunks: list[SeqChunk] = []
         sample_requests: list[Request] = []

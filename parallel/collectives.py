@@ -42,6 +42,10 @@ class Collectives:
         self.seconds: Counter = Counter()  # op -> seconds spent in it on this rank, since start
         self.calls: Counter = Counter()
 
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
     def _timed(self, op: str, started: float) -> None:
         self.seconds[op] += time.perf_counter() - started
         self.calls[op] += 1
