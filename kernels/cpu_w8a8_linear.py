@@ -71,10 +71,11 @@ static void quantize_row(const float* x, int64_t K, int64_t KP, uint8_t* xq, flo
 
 #ifdef LADDER_VNNI
 // MR rows times NB consecutive blocks of 16 output channels, over all KG groups of 4 input channels.
-template <int MR, int NB>
+// RAW: `out` is int32 and takes the exact integer sums, sum_k q w, without the float epilogue.
+template <int MR, int NB, bool RAW>
 static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __restrict w, int64_t KG,
                  const int32_t* __restrict wsum, const float* __restrict xs, const float* __restrict scale,
-                 const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
+                 const float* __restrict bias, void* __restrict out_, int64_t ldo, int64_t n0, int64_t N) {
   __m512i acc[MR][NB];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -100,6 +101,13 @@ static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __rest
     if (col >= N) break;
     const __mmask16 mask = N - col >= BN ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - col)) - 1u);
     const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + col), 7);  // 128 * sum_k w
+    if constexpr (RAW) {
+      int32_t* out = static_cast<int32_t*>(out_);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) _mm512_mask_storeu_epi32(out + i * ldo + col, mask, _mm512_sub_epi32(acc[i][j], offset));
+      continue;
+    }
+    float* out = static_cast<float*>(out_);
     const __m512 s = _mm512_maskz_loadu_ps(mask, scale + col);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -112,10 +120,10 @@ static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __rest
   }
 }
 #else
-template <int MR, int NB>
+template <int MR, int NB, bool RAW>
 static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __restrict w, int64_t KG,
                  const int32_t* __restrict wsum, const float* __restrict xs, const float* __restrict scale,
-                 const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
+                 const float* __restrict bias, void* __restrict out_, int64_t ldo, int64_t n0, int64_t N) {
   const int64_t bstride = KG * BN * GK;
   for (int j = 0; j < NB; ++j)
     for (int c = 0; c < BN; ++c) {
@@ -126,8 +134,12 @@ static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __rest
         for (int64_t g = 0; g < KG; ++g)
           for (int t = 0; t < GK; ++t)
             sum += static_cast<int32_t>(xq[i * ldq + g * GK + t]) * w[j * bstride + (g * BN + c) * GK + t];
+        if constexpr (RAW) {
+          static_cast<int32_t*>(out_)[i * ldo + col] = sum - 128 * wsum[col];
+          continue;
+        }
         float y = (static_cast<float>(sum - 128 * wsum[col]) * xs[i]) * scale[col];
-        out[i * ldo + col] = bias ? y + bias[col] : y;
+        static_cast<float*>(out_)[i * ldo + col] = bias ? y + bias[col] : y;
       }
     }
 }
@@ -140,41 +152,43 @@ static inline int max_nb(int mr) {
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*,
-                        const float*, const float*, float*, int64_t, int64_t, int64_t);
+                        const float*, const float*, void*, int64_t, int64_t, int64_t);
 
-template <int MR>
+template <int MR, bool RAW>
 static TileFn pick_nb(int nb) {
   switch (nb) {
-    case 1: return tile<MR, 1>;
-    case 2: return tile<MR, 2>;
-    case 3: return tile<MR, 3>;
-    case 4: if constexpr (MR <= 5) return tile<MR, 4>; break;
-    case 5: if constexpr (MR <= 2) return tile<MR, 5>; break;
-    case 6: if constexpr (MR <= 2) return tile<MR, 6>; break;
-    case 7: if constexpr (MR <= 1) return tile<MR, 7>; break;
-    case 8: if constexpr (MR <= 1) return tile<MR, 8>; break;
+    case 1: return tile<MR, 1, RAW>;
+    case 2: return tile<MR, 2, RAW>;
+    case 3: return tile<MR, 3, RAW>;
+    case 4: if constexpr (MR <= 5) return tile<MR, 4, RAW>; break;
+    case 5: if constexpr (MR <= 2) return tile<MR, 5, RAW>; break;
+    case 6: if constexpr (MR <= 2) return tile<MR, 6, RAW>; break;
+    case 7: if constexpr (MR <= 1) return tile<MR, 7, RAW>; break;
+    case 8: if constexpr (MR <= 1) return tile<MR, 8, RAW>; break;
   }
   TORCH_CHECK(false, "no ", MR, "x", nb, " tile");
 }
 
+template <bool RAW>
 static TileFn pick(int mr, int nb) {
   switch (mr) {
-    case 1: return pick_nb<1>(nb);
-    case 2: return pick_nb<2>(nb);
-    case 3: return pick_nb<3>(nb);
-    case 4: return pick_nb<4>(nb);
-    case 5: return pick_nb<5>(nb);
-    case 6: return pick_nb<6>(nb);
-    case 7: return pick_nb<7>(nb);
-    case 8: return pick_nb<8>(nb);
+    case 1: return pick_nb<1, RAW>(nb);
+    case 2: return pick_nb<2, RAW>(nb);
+    case 3: return pick_nb<3, RAW>(nb);
+    case 4: return pick_nb<4, RAW>(nb);
+    case 5: return pick_nb<5, RAW>(nb);
+    case 6: return pick_nb<6, RAW>(nb);
+    case 7: return pick_nb<7, RAW>(nb);
+    case 8: return pick_nb<8, RAW>(nb);
   }
   TORCH_CHECK(false, "no ", mr, "-row tile");
 }
 
 // x [M, K] float32 contiguous CPU; packed [NBLK, KG, 16, 4] int8; wsum [NBLK * 16] int32; scale [N]
-// float32; bias [N] float32 or none. Returns [M, N] float32.
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias, int64_t N) {
+// float32; bias [N] float32 or none. Returns [M, N] float32, or with `raw` the int32 sums sum_k q w (the
+// scales and bias not applied; a row-parallel layer sums them over its ranks exactly first).
+static torch::Tensor run(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, torch::Tensor scale,
+                         c10::optional<torch::Tensor> bias, int64_t N, bool raw) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && wsum.device().is_cpu() &&
               scale.device().is_cpu(), "w8a8_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [M, K] float32");
@@ -192,7 +206,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
                 bias->numel() == N, "bias: [N] float32");
     bp = bias->data_ptr<float>();
   }
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, N}, x.options().dtype(raw ? torch::kInt : torch::kFloat));
   if (M == 0 || N == 0) return out;
   const int64_t KP = KG * GK;
   std::vector<uint8_t> xq(M * KP);
@@ -204,7 +218,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* sump = wsum.data_ptr<int32_t>();
   const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  uint8_t* op = static_cast<uint8_t*>(out.data_ptr());  // 4-byte elements, float32 or int32
   const int group = max_nb(static_cast<int>(std::min<int64_t>(M, MAX_MR)));
   // Each thread gets at least ~256K multiply-adds (about a microsecond): tiny problems stay on one thread.
   const int64_t per_block = std::max<int64_t>(1, M * KP * BN);
@@ -216,11 +230,23 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
       for (int64_t m = 0; m < M; m += MAX_MR) {
         const int mr = static_cast<int>(std::min<int64_t>(MAX_MR, M - m));
         // max_nb(mr) >= nb for every mr <= min(M, MAX_MR), so one call covers all nb blocks.
-        pick(mr, nb)(xq.data() + m * KP, KP, wb, KG, sump, xs.data() + m, sp, bp, op + m * N, N, b * BN, N);
+        const TileFn fn = raw ? pick<true>(mr, nb) : pick<false>(mr, nb);
+        fn(xq.data() + m * KP, KP, wb, KG, sump, xs.data() + m, sp, bp, op + 4 * m * N, N, b * BN, N);
       }
     }
   });
   return out;
+}
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias, int64_t N) {
+  return run(x, packed, wsum, scale, bias, N, false);
+}
+
+// x [M, K] -> int32 [M, N], sum_k q[m, k] w[n, k] with q x's rows quantized as `w8a8_linear` does.
+torch::Tensor w8a8_linear_int32(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, int64_t N) {
+  auto ones = torch::ones({N}, x.options());  // unused by the raw tiles; keeps one argument check
+  return run(x, packed, wsum, ones, c10::nullopt, N, true);
 }
 
 // ladder::w8a8_linear for CPU tensors, straight from the dispatcher: x [..., K] float32 or bfloat16 ->
@@ -241,7 +267,8 @@ static torch::Tensor w8a8_linear_op(const torch::Tensor& x, const torch::Tensor&
 TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("w8a8_linear", &w8a8_linear_op); }
 """
 
-_extension = LazyExtension("ladder_cpu_w8a8_linear", SOURCE, ["w8a8_linear"], "CPU W8A8 linear kernel")
+_extension = LazyExtension("ladder_cpu_w8a8_linear", SOURCE, ["w8a8_linear", "w8a8_linear_int32"],
+                           "CPU W8A8 linear kernel")
 
 
 def load():
@@ -252,11 +279,34 @@ def load():
 def w8a8_matmul_ref(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The reference: rows [M, K] float32 quantized per row to int8, times weight int8 [N, K] with scale [N],
     int32 accumulation -> [M, N] float32."""
-    x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # [M, 1]
-    q = torch.round(rows / x_scale).to(torch.int8)  # |rows / x_scale| <= 127 by construction
+    q, x_scale = quantize_rows_ref(rows)  # |rows / x_scale| <= 127 by construction
     # torch._int_mm returns garbage for a transposed [1, N] operand (K = 1, torch 2.13 on a CPU).
     acc = torch._int_mm(q, weight.t()) if weight.shape[1] > 1 else q.int() @ weight.int().t()
     return acc.float() * x_scale * scale
+
+
+def quantize_rows_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] float32 -> (q int8 [M, K], x_scale [M, 1] float32), as every W8A8 path quantizes."""
+    x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(rows / x_scale).to(torch.int8), x_scale
+
+
+def w8a8_int32(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 -> int32 [M, N]: the exact integer sums sum_k q[m, k] w[n, k] before any scale, so
+    that `(sums.float() * x_scale) * scale (+ bias)` is `w8a8_linear` bit for bit. A row-parallel layer
+    adds its ranks' sums exactly before that epilogue."""
+    module = load() if cpu_kernels_enabled() and x.device.type == "cpu" else None
+    if module is not None:
+        return module.w8a8_linear_int32(x.float().contiguous(), packed.contiguous(), wsum.contiguous(), n)
+    return w8a8_int32_ref(x.float(), unpack(packed, n, x.shape[-1]))
+
+
+def w8a8_int32_ref(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] float32, weight int8 [N, K] -> int32 [M, N], the reference of `w8a8_int32`."""
+    q, _ = quantize_rows_ref(rows)
+    if rows.device.type != "cpu":  # no int32 matmul there; float64 holds these sums (|s| < 2^31) exactly
+        return (q.double() @ weight.double().t()).to(torch.int32)
+    return torch._int_mm(q, weight.t()) if weight.shape[1] > 1 else q.int() @ weight.int().t()
 
 
 def pack(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,7 @@ class Collectives:
         """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on rank 0 the
         concatenation [N, sum(widths)]; on the other ranks x itself (they have no use for the result)."""
         started = time.perf_counter()
-        if self.shared is not None and self.shared.supports(x):
+        if self.shared is not None and self.shared.supports_gather(x):
             gathered = self.shared.gather_columns(x, widths)
             self._timed("gather", started)
             return x if gathered is None else gathered
@@ -83,7 +83,7 @@ class Collectives:
         """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on every rank the
         concatenation [N, sum(widths)]."""
         started = time.perf_counter()
-        if self.shared is not None and self.shared.supports(x):
+        if self.shared is not None and self.shared.supports_gather(x):
             gathered = self.shared.gather_columns(x, widths, everywhere=True)
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)]

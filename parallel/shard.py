@@ -14,13 +14,11 @@ Norms, rotary tables and the residual stream are replicated. The same slicing se
 linears (model/quantization.py): their weights are [out, in] with one scale per output row, so a
 column-parallel layer slices the scales with the rows and a row-parallel one keeps them all.
 
-W8A8 quantizes each token's activations with one scale, the row's absolute maximum / 127, and a rank of
-a row-parallel layer holds only some of the row's columns. For down_proj the ranks all-reduce each token's
-maximum ([T, 1], MAX) and append it to the input as one more column, against a zero column of weights:
-the kernel then takes the whole row's scale, every rank quantizes as one process does, and the integer
-products split exactly. o_proj's input, the attention output, is narrow (one row of heads), so under W8A8
-the ranks all-gather it instead and each runs the whole o_proj: one collective where the row-parallel
-layer needs two (the maximum and the sum), and o_proj's output is bit for bit one process's.
+W8A8 keeps every rank's result one process's, bit for bit: down_proj's ranks add their int32 sums
+before the float epilogue (parallel/row_parallel_w8a8.py: a MAX all-reduce of each token's maximum for
+the whole row's scale, then an int32 all-reduce), and o_proj's input, the attention output, is narrow
+(one row of heads), so the ranks all-gather it and each runs the whole o_proj: one collective where a
+row-parallel layer would need two.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from model.quantization import INT8_LINEARS, Int8Weights, W8A8Linear, int8_skele
 from model.rope import inverse_frequencies
 from parallel.collectives import Collectives
 from parallel.layout import TensorParallelLayout
+from parallel.row_parallel_w8a8 import RowParallelW8A8
 from parallel.vocab_parallel_embedding import VocabParallelEmbedding
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -75,7 +74,9 @@ def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: 
             shards[name] = _rows(t, [cols, range(inter + cols.start, inter + cols.stop)])
         elif module.endswith(ROW_PARALLEL) and kind == "weight":  # [H, in]: the rank's input columns
             shards[name] = _columns(t, q_rows if module.endswith("o_proj") else cols)
-        elif module.endswith(ROW_PARALLEL) and kind == "bias":  # added once, after the sum
+        elif module.endswith(ROW_PARALLEL) and kind == "bias" and quantization == "w8a8":
+            shards[name] = t  # added by every rank after the exact integer sum (parallel/row_parallel_w8a8.py)
+        elif module.endswith(ROW_PARALLEL) and kind == "bias":  # added once, by the sum
             shards[name] = t.clone() if rank == 0 else torch.zeros_like(t)
         else:  # norms and per-output-row scales of row-parallel layers: replicated
             shards[name] = t
@@ -125,6 +126,9 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
         if isinstance(m, (nn.Linear, Int8Weights)):
             m.out_features, m.in_features = m.weight.shape
     pack_all(module)
+    for layer in module.layers:
+        if isinstance(layer.mlp.down_proj, W8A8Linear):
+            layer.mlp.down_proj = RowParallelW8A8(layer.mlp.down_proj, collectives)
     hook_collectives(module, layout, collectives, quantization)
     return module.eval().requires_grad_(False)
 
@@ -137,16 +141,11 @@ def row_parallel_layers(layer: nn.Module, quantization: str) -> list[nn.Module]:
 
 def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, collectives: Collectives,
                      quantization: str) -> None:
-    """An all-reduce after each row-parallel layer (an all-gather before a replicated o_proj), a gather of
-    the vocabulary shards after the LM head."""
+    """An all-reduce after each float or int8 row-parallel layer (W8A8's reduce inside RowParallelW8A8),
+    an all-gather before W8A8's whole o_proj, a gather of the vocabulary shards after the LM head."""
 
     def all_reduce(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce(output)
-
-    def append_row_maximum(_module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:  # [T, K] -> [T, K + 1]
-        (x,) = inputs
-        maximum = collectives.all_reduce(x.abs().amax(dim=-1, keepdim=True), op="max")
-        return (torch.cat([x, maximum.to(x.dtype)], dim=-1),)
 
     head_widths = [len(layout.q_rows(rank)) for rank in range(layout.size)]
 
@@ -161,9 +160,8 @@ def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, col
         if replicates_o_proj(quantization):
             layer.self_attn.o_proj.register_forward_pre_hook(gather_heads)
         for row_parallel in row_parallel_layers(layer, quantization):
-            if isinstance(row_parallel, W8A8Linear):
-                row_parallel.register_forward_pre_hook(append_row_maximum)
-            row_parallel.register_forward_hook(all_reduce)
+            if not isinstance(row_parallel, RowParallelW8A8):
+                row_parallel.register_forward_hook(all_reduce)
 
     widths = [len(r) for r in layout.vocab]
     width = layout.vocab_shard_width

@@ -5,7 +5,7 @@ of the default model makes 61 to 121 of them (two per layer, and W8A8's scale ma
 was two thirds of a 2-rank step. Ranks on one host can instead share one mapped file:
 
 - the region is a header of per-rank arrival counters (one cache line each) and an abort flag, then two
-  sets of `size` slots of `capacity` float32 each;
+  sets of `size` slots of `capacity` 4-byte elements each (float32, or int32 for exact integer sums);
 - call g (counting from 1 on every rank) copies the rank's tensor into its slot of set g % 2, publishes
   `arrived[rank] = g` (release), waits until every rank has published g (acquire), and then every rank
   sums (or takes the maximum of) the slots in rank order, so all ranks hold bit-identical results (a
@@ -81,28 +81,40 @@ void wait_for_all(uint8_t* region, int64_t size, uint64_t call, double timeout_s
 }
 }  // namespace
 
-// x: contiguous float32 of at most `capacity` elements, reduced over the ranks in place (sum, or max).
-void all_reduce(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int64_t size, int64_t call,
-                int64_t capacity, bool take_max, double timeout_s, int64_t parent_pid) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 CPU");
-  TORCH_CHECK(x.numel() <= capacity, "x is larger than a slot");
-  TORCH_CHECK(region_tensor.nbytes() >= static_cast<size_t>(kHeader + 2 * size * capacity * 4), "region too small");
-  uint8_t* region = region_tensor.data_ptr<uint8_t>();
-  float* data = x.data_ptr<float>();
-  const int64_t n = x.numel();
-  float* slots = reinterpret_cast<float*>(region + kHeader) + (call % 2) * size * capacity;
-  pybind11::gil_scoped_release no_gil;  // other Python threads (the failure monitor) run while this waits
-  std::memcpy(slots + rank * capacity, data, n * sizeof(float));
-  counter(region, rank)->store(static_cast<uint64_t>(call), std::memory_order_release);
-  wait_for_all(region, size, static_cast<uint64_t>(call), timeout_s, parent_pid);
-  std::memcpy(data, slots, n * sizeof(float));
+template <typename T>
+void reduce_slots(T* data, const T* slots, int64_t n, int64_t size, int64_t capacity, bool take_max) {
+  std::memcpy(data, slots, n * sizeof(T));
   for (int64_t r = 1; r < size; ++r) {  // rank order on every rank: bit-identical results everywhere
-    const float* other = slots + r * capacity;
+    const T* other = slots + r * capacity;
     if (take_max) {
       for (int64_t i = 0; i < n; ++i) data[i] = data[i] < other[i] ? other[i] : data[i];
     } else {
       for (int64_t i = 0; i < n; ++i) data[i] += other[i];
     }
+  }
+}
+
+// x: contiguous float32 or int32 of at most `capacity` elements, reduced over the ranks in place (sum, or
+// max). Slots hold 4-byte elements of either type: every rank of one call passes the same dtype.
+void all_reduce(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int64_t size, int64_t call,
+                int64_t capacity, bool take_max, double timeout_s, int64_t parent_pid) {
+  const bool is_int = x.scalar_type() == torch::kInt;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat || is_int) && x.is_contiguous(),
+              "x: contiguous float32 or int32 CPU");
+  TORCH_CHECK(x.numel() <= capacity, "x is larger than a slot");
+  TORCH_CHECK(region_tensor.nbytes() >= static_cast<size_t>(kHeader + 2 * size * capacity * 4), "region too small");
+  uint8_t* region = region_tensor.data_ptr<uint8_t>();
+  const int64_t n = x.numel();
+  uint8_t* slots = region + kHeader + (call % 2) * size * capacity * 4;
+  void* data = x.data_ptr();
+  pybind11::gil_scoped_release no_gil;  // other Python threads (the failure monitor) run while this waits
+  std::memcpy(slots + rank * capacity * 4, data, n * 4);
+  counter(region, rank)->store(static_cast<uint64_t>(call), std::memory_order_release);
+  wait_for_all(region, size, static_cast<uint64_t>(call), timeout_s, parent_pid);
+  if (is_int) {
+    reduce_slots(static_cast<int32_t*>(data), reinterpret_cast<const int32_t*>(slots), n, size, capacity, take_max);
+  } else {
+    reduce_slots(static_cast<float*>(data), reinterpret_cast<const float*>(slots), n, size, capacity, take_max);
   }
 }
 
@@ -168,16 +180,19 @@ class SharedMemoryAllReduce:
         self.calls = 0
 
     def supports(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+        return x.device.type == "cpu" and x.dtype in (torch.float32, torch.int32) and x.is_contiguous()
 
     def __call__(self, x: torch.Tensor, take_max: bool = False) -> torch.Tensor:
-        """Reduce contiguous float32 `x` over the ranks in place (sum, or the maximum); returns it."""
+        """Reduce contiguous float32 or int32 `x` over the ranks in place (sum, or the maximum); returns it."""
         flat = x.view(-1)
         for start in range(0, max(flat.numel(), 1), self.capacity):
             self.calls += 1
             self.module.all_reduce(flat[start:start + self.capacity], self.region, self.rank, self.size, self.calls,
                                    self.capacity, take_max, self.timeout_s, self.parent_pid)
         return x
+
+    def supports_gather(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
 
     def gather_columns(self, x: torch.Tensor, widths: list[int], everywhere: bool = False) -> torch.Tensor | None:
         """Every rank's contiguous float32 x [N, W] (W = max(widths), the same shape on each; rank r's first

@@ -43,6 +43,20 @@ def test_equals_the_reference_bit_for_bit(m, n, k, with_bias):
     assert out.dtype == torch.float32 and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("m", [1, 9, 33])
+@pytest.mark.parametrize("n,k", [(37, 101), (960, 577), (16, 1)])
+def test_integer_sums_are_exact_and_their_epilogue_is_the_linear(m, n, k):
+    """`w8a8_int32`, what a tensor-parallel rank adds across ranks, is the exact integer product, and
+    (sums * x_scale) * scale + bias gives `w8a8_linear`'s bits."""
+    x, q, scale, bias = _case(m, n, k)
+    packed, wsum = kernel.pack(q)
+    sums = kernel.w8a8_int32(x, packed, wsum, n)
+    qx, x_scale = kernel.quantize_rows_ref(x)
+    assert sums.dtype == torch.int32 and torch.equal(sums, qx.long().matmul(q.long().t()).int())
+    assert torch.equal(sums, kernel.w8a8_int32_ref(x, q))
+    assert torch.equal((sums.float() * x_scale) * scale + bias, kernel.w8a8_linear(x, packed, wsum, scale, bias, n))
+
+
 def test_rows_do_not_depend_on_the_batch_or_threads():
     """Batch invariance: a row's output is the same alone, in any batch, on one thread or two."""
     x, q, scale, bias = _case(40, 300, 576)

@@ -53,12 +53,15 @@ def test_sums_and_maxima_match_torch_in_pieces_on_every_rank():
             y = x.clone()
             out.append(reduce(y, take_max=i % 2 == 1))
         out.append(reduce(torch.empty(0, 576)))  # an empty step still keeps the ranks in step
+        out.append(reduce(torch.full((70,), 2**30 - 1 + rank, dtype=torch.int32)))  # int32: exact, in pieces
         return out
 
     results = on_both(ranks(capacity=64), work)
     for i in range(4):
         want = torch.maximum(inputs[0][i], inputs[1][i]) if i % 2 else inputs[0][i] + inputs[1][i]
         assert torch.equal(results[0][i], want) and torch.equal(results[1][i], want)
+    integers = torch.full((70,), 2**31 - 1, dtype=torch.int32)  # beyond float32's exact integers
+    assert torch.equal(results[0][5], integers) and torch.equal(results[1][5], integers)
 
 
 def test_a_gather_gives_rank_0_every_rank_rows_in_pieces_between_all_reduces():
