@@ -32,7 +32,7 @@ from loadtest.config import LoadShape, LoadTestConfig, LoadTestError, WorkloadCo
 from loadtest.server_metrics import Samples, by_label, delta, parse_prometheus, total
 from model.config import ModelConfig
 
-KV_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 4, "w8a8": 4}  # both INT8 forms keep an fp32 cache
+KV_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 4, "w8a8": 4, "w4a8": 4}  # the int8 forms keep an fp32 cache
 
 
 def fetch(url: str, api_key: str | None = None) -> bytes:

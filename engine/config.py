@@ -24,7 +24,7 @@ class EngineConfig:
     artifact: str | None = None  # a `ladder compile` artifact directory, served instead of `model`
     dtype: str = "float32"
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present); resolved in __post_init__
-    quantization: str = "none"  # none, int8, w8a8, or auto (model/quantization.py); resolved in __post_init__
+    quantization: str = "none"  # none, int8, w8a8, w4a8, or auto (model/quantization.py); resolved in __post_init__
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Prompt tokens per step while requests decode (engine/scheduler.py); None, or at least
@@ -47,7 +47,8 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization} applies to a model, not to an artifact "
                              "(an artifact has the precision it was compiled in)")
         quantization = "none" if self.artifact is not None else self.quantization
-        object.__setattr__(self, "quantization", resolve_quantization(quantization, self.dtype, self.device))
+        object.__setattr__(self, "quantization", resolve_quantization(quantization, self.dtype, self.device,
+                                                                     self.model, self.tensor_parallel_size))
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

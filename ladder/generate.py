@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
     device = resolve_device(args.device)
     loaded = load(args.model, dtype=args.dtype, device=device,
-                  quantization=resolve_quantization(args.quantization, args.dtype, device))
+                  quantization=resolve_quantization(args.quantization, args.dtype, device, args.model,
+                                                    args.tensor_parallel_size))
     if args.tensor_parallel_size != 1:
         loaded = tensor_parallel_model.start(loaded, args.tensor_parallel_size)
     try:

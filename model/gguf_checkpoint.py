@@ -94,6 +94,17 @@ def linear_gguf_names(types: dict[str, str]) -> list[str]:
     return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
 
 
+def linears_are_blocks(path: Path) -> bool:
+    """Whether every linear weight of the GGUF file at `path` is Q4_0, Q4_1 or Q8_0, the blocks the w4a8
+    layers compute on; False for a file that cannot be read (loading it says why)."""
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception:  # bad magic, truncated: the loader's error is the one to show
+        return False
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return all(types.get(name) in BLOCK_TYPES for name in linear_gguf_names(types))
+
+
 class GGUFCheckpoint:
     """An opened GGUF file: `metadata` (plain Python values), `config`, and `read_tensors()`."""
 

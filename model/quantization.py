@@ -23,6 +23,8 @@ model/block_quantization.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -37,18 +39,44 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
 QUANTIZATIONS = ("none", "int8", "w8a8", "w4a8")  # w4a8: GGUF files only (model/block_quantization.py)
 
 
-def resolve_quantization(quantization: str, dtype: str, device: str | torch.device) -> str:
+def resolve_quantization(quantization: str, dtype: str, device: str | torch.device,
+                         model: str | Path | None = None, tensor_parallel_size: int = 1) -> str:
     """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
-    "Fast by default"): W8A8 on a CPU with float32 weights; nothing elsewhere (a 16-bit dtype was asked
-    for, or a GPU, where 16-bit weights are the fast path). W4A8 (a GGUF's own blocks) is faster for one
-    stream but slower for batches of 32 ("W4A8 on the GGUF's own blocks"), and one server cannot mix the
-    two without breaking batch invariance, so `auto` keeps W8A8. Other values pass through, checked."""
+    "Fast by default"), for `model` (None: the embedded default) on `device`:
+
+    - a GGUF file whose linears are all Q4_0, Q4_1 or Q8_0 blocks, on a CPU, in one process: W4A8 over
+      the file's own blocks. It reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
+      and it adds no error to the file's weights (perplexity +0.38% against W8A8's +0.55%); at batches of
+      16-32 it runs at 0.8-0.95x of W8A8, still far ahead of llama.cpp's server there. One scheme serves
+      every batch: mixing the two per step would make a request's tokens depend on its batch.
+    - other float32 weights on a CPU (a Hugging Face directory, a K-quant GGUF, tensor-parallel ranks,
+      which do not split W4A8): W8A8;
+    - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing.
+
+    Other values pass through, checked."""
     if quantization == "auto":
         is_fp32 = dtype in ("float32", "fp32", torch.float32)
-        return "w8a8" if is_fp32 and torch.device(device).type == "cpu" else "none"
+        if not is_fp32 or torch.device(device).type != "cpu":
+            return "none"
+        return "w4a8" if tensor_parallel_size == 1 and _runs_w4a8(model) else "w8a8"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")
     return quantization
+
+
+def _runs_w4a8(model: str | Path | None) -> bool:
+    from model.default import DEFAULT_MODEL_NAME, default_model_path
+    from model.errors import ModelLoadError
+
+    try:
+        path = default_model_path() if model is None or str(model) == DEFAULT_MODEL_NAME else Path(model).expanduser()
+    except ModelLoadError:  # the default model is not installed: loading it says so
+        return False
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return False
+    from model.gguf_checkpoint import linears_are_blocks  # the gguf package, only for GGUF files
+
+    return linears_are_blocks(path)
 
 
 class Int8Weights(nn.Module):

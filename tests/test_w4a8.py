@@ -50,3 +50,9 @@ def test_w4a8_needs_block_weights(tmp_path):
         model.load(tmp_path / "f32.gguf", quantization="w4a8")
     with pytest.raises(ValueError, match="GGUF file's own 4-bit blocks"):
         model.load(tmp_path / "hf", quantization="w4a8")
+    # `auto` takes W4A8 only where it applies, W8A8 elsewhere.
+    from model.quantization import resolve_quantization
+
+    write_gguf(hf, tmp_path / "q4.gguf", "Q4_1")
+    assert resolve_quantization("auto", "float32", "cpu", tmp_path / "q4.gguf") == "w4a8"
+    assert resolve_quantization("auto", "float32", "cpu", tmp_path / "f32.gguf") == "w8a8"

@@ -145,7 +145,12 @@ def test_quantization_at_load_caches_the_calibration(tiny_dirs, tmp_path, monkey
 def test_quantization_choices_and_errors(tiny_dirs):
     from model.quantization import resolve_quantization
 
-    assert resolve_quantization("auto", "float32", "cpu") == "w8a8"
+    # auto: the default GGUF's own blocks (W4A8) in one process, W8A8 where W4A8 does not apply (a Hugging
+    # Face directory, tensor-parallel ranks), nothing for 16-bit weights or a GPU.
+    assert resolve_quantization("auto", "float32", "cpu") == "w4a8"
+    assert resolve_quantization("auto", "float32", "cpu", tensor_parallel_size=2) == "w8a8"
+    assert resolve_quantization("auto", "float32", "cpu", tiny_dirs["llama3"]) == "w8a8"
+    assert resolve_quantization("auto", "float32", "cpu", tiny_dirs["llama3"] / "missing.gguf") == "w8a8"
     assert resolve_quantization("auto", "bfloat16", "cpu") == "none"
     assert resolve_quantization("auto", "float32", "cuda") == "none"
     assert resolve_quantization("int8", "float32", "cpu") == "int8"
