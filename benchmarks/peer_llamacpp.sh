@@ -39,7 +39,9 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-SERVER_BIN=$CACHE/$VERSION-native-$NATIVE/llama-server
+# Keyed by this CPU's feature flags too: a native build from another machine may run here, tuned for that one.
+CPU_KEY=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | sort -u | sha256sum | cut -c1-12)
+SERVER_BIN=$CACHE/$VERSION-native-$NATIVE-$CPU_KEY/llama-server
 build_llama_server() {
   local work=$CACHE/build-$VERSION
   mkdir -p "$work"
@@ -47,7 +49,7 @@ build_llama_server() {
     "$PY" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$work/dl"
     mv "$work"/dl/llama_cpp_python-*.tar.gz "$work/src.tar.gz"
   fi
-  rm -rf "$work/src" && mkdir -p "$work/src"
+  rm -rf "$work/src" "$work/build" && mkdir -p "$work/src"  # no objects built for another CPU
   tar -xzf "$work/src.tar.gz" -C "$work/src" --strip-components=1
   local flags=(-DGGML_NATIVE="$NATIVE" -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF
                -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release)
