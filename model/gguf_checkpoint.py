@@ -10,7 +10,9 @@ layers that compute on the file's own blocks (model/block_quantization.py).
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,14 +96,60 @@ def linear_gguf_names(types: dict[str, str]) -> list[str]:
     return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
 
 
+# GGUF metadata value types -> their size in bytes; 8 (string) and 9 (array) are walked.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """Every tensor's name -> its GGML type name ("Q4_1", "F32", ...), from the header alone. Skips the
+    metadata without decoding it: `gguf.GGUFReader` decodes all of it (the default model's 100,000
+    tokenizer strings take it about 3 s), too slow for choosing a scheme before loading. ValueError for a
+    file that is not GGUF version 2 or 3."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", data, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path}: not a GGUF v2/v3 file")
+        offset = 24
+
+        def skip_value(kind: int, offset: int) -> int:
+            if kind in _SCALAR_BYTES:
+                return offset + _SCALAR_BYTES[kind]
+            if kind == 8:  # string: u64 length, bytes
+                return offset + 8 + struct.unpack_from("<Q", data, offset)[0]
+            if kind == 9:  # array: u32 element type, u64 count, elements
+                element, count = struct.unpack_from("<IQ", data, offset)
+                offset += 12
+                if element in _SCALAR_BYTES:
+                    return offset + count * _SCALAR_BYTES[element]
+                for _ in range(count):
+                    offset = skip_value(element, offset)
+                return offset
+            raise ValueError(f"{path}: unknown metadata value type {kind}")
+
+        for _ in range(num_fields):
+            offset = skip_value(8, offset)  # the key
+            (kind,) = struct.unpack_from("<I", data, offset)
+            offset = skip_value(kind, offset + 4)
+        types = {}
+        for _ in range(num_tensors):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            name = bytes(data[offset + 8:offset + 8 + length]).decode()
+            offset += 8 + length
+            (num_dims,) = struct.unpack_from("<I", data, offset)
+            offset += 4 + 8 * num_dims
+            (kind,) = struct.unpack_from("<I", data, offset)
+            offset += 4 + 8  # the type, then the data offset
+            types[name] = gguf.GGMLQuantizationType(kind).name
+        return types
+
+
 def linears_are_blocks(path: Path) -> bool:
     """Whether every linear weight of the GGUF file at `path` is Q4_0, Q4_1 or Q8_0, the blocks the w4a8
     layers compute on; False for a file that cannot be read (loading it says why)."""
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception:  # bad magic, truncated: the loader's error is the one to show
+        types = tensor_types(path)
+    except (OSError, ValueError, struct.error):  # not GGUF, truncated: the loader's error is the one to show
         return False
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
     return all(types.get(name) in BLOCK_TYPES for name in linear_gguf_names(types))
 
 

@@ -53,6 +53,15 @@ def test_w4a8_needs_block_weights(tmp_path):
     # `auto` takes W4A8 only where it applies, W8A8 elsewhere.
     from model.quantization import resolve_quantization
 
+    import gguf
+
+    from model.gguf_checkpoint import tensor_types
+
     write_gguf(hf, tmp_path / "q4.gguf", "Q4_1")
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "q4.gguf") == "w4a8"
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "f32.gguf") == "w8a8"
+    for name in ("q4.gguf", "f32.gguf"):  # the header scan `auto` uses reads what gguf's reader reads
+        path = tmp_path / name
+        assert tensor_types(path) == {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "q4.gguf").read_bytes()[:300])  # a truncated header
+    assert resolve_quantization("auto", "float32", "cpu", tmp_path / "cut.gguf") == "w8a8"
