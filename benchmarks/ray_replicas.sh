@@ -54,11 +54,8 @@ mkdir -p "$OUT"
 source benchmarks/server_wait.sh
 require_free_port "$PORT_ONE" "$PORT_RAY"
 
-if [[ -n $ONE_THREADS ]]; then
-  OMP_NUM_THREADS=$ONE_THREADS "$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" > "$OUT/serve-one.log" 2>&1 &
-else
-  "$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" > "$OUT/serve-one.log" 2>&1 &
-fi
+env ${ONE_THREADS:+OMP_NUM_THREADS=$ONE_THREADS} "$LADDER" serve --port "$PORT_ONE" "${LADDER_ARGS[@]}" \
+  > "$OUT/serve-one.log" 2>&1 &
 ONE=$!
 "$LADDER" serve --ray --replicas "$REPLICAS" --port "$PORT_RAY" "${LADDER_ARGS[@]}" > "$OUT/serve-ray.log" 2>&1 &
 RAY=$!

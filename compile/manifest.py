@@ -58,7 +58,9 @@ def file_entries(directory: Path) -> dict[str, dict[str, Any]]:
 
 def write_artifact(out: Path, manifest: Manifest, fill: Callable[[Path], None]) -> Path:
     """`fill(tmp)` writes the backend's files into a fresh directory beside `out`; the manifest is added
-    with every file's digest, and the directory is renamed to `out` only once complete."""
+    with every file's digest, and the directory is renamed to `out` only once complete. A manifest whose
+    `files` are already listed (the pipeline lists them to load the artifact back before writing it, and
+    `fill` then moves those very files) keeps them, once the names are checked to match."""
     out = Path(out).resolve()
     if out.exists():
         raise ArtifactError(f"{out}: already exists; choose another --out or remove it")
@@ -66,7 +68,12 @@ def write_artifact(out: Path, manifest: Manifest, fill: Callable[[Path], None]) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         fill(tmp)
-        manifest.files = file_entries(tmp)
+        if manifest.files:
+            names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            if names != sorted(manifest.files):
+                raise ArtifactError(f"{out}: the files written differ from the manifest's list")
+        else:
+            manifest.files = file_entries(tmp)
         manifest.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         (tmp / MANIFEST_NAME).write_text(manifest.to_json() + "\n", encoding="utf-8")
         os.rename(tmp, out)  # atomic on one filesystem: readers see no directory or a whole one

@@ -205,7 +205,7 @@ def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
             device=describe_device(device), libraries=library_versions(), backend_options=backend_options(options),
             quantization=quantization, package=package_record(options),
         )
-        manifest.files = file_entries(staging)  # as written (the writer lists them again, the same)
+        manifest.files = file_entries(staging)  # as written; moved unchanged into the artifact below
         with log.stage("build", "load the artifact back from its files, as serving will"):
             model = load_backend(staging, manifest, device)
         with log.stage("verify", "parity against fp32 eager"):

@@ -54,8 +54,8 @@ class LLMEngine:
         self.runner = ModelRunner(module, num_blocks)
         if isinstance(module, (LlamaForCausalLM, TensorParallelModel)):  # compiled steps warm up as they load
             self.runner.warm_up()
-        if isinstance(module, TensorParallelModel):  # communication counts from the first real step, as time does
-            module.collectives.reset()
+        if isinstance(module, TensorParallelModel):
+            module.reset_communication()
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples

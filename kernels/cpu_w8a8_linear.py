@@ -285,9 +285,14 @@ def w8a8_matmul_ref(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return acc.float() * x_scale * scale
 
 
+def row_scale(row_maximum: torch.Tensor) -> torch.Tensor:
+    """A row's activation scale from its max |x|, op for op as the C++ kernel computes it."""
+    return row_maximum.clamp(min=1e-12) / 127
+
+
 def quantize_rows_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [M, K] float32 -> (q int8 [M, K], x_scale [M, 1] float32), as every W8A8 path quantizes."""
-    x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+    x_scale = row_scale(rows.abs().amax(dim=-1, keepdim=True))
     return torch.round(rows / x_scale).to(torch.int8), x_scale
 
 

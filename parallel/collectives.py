@@ -32,6 +32,11 @@ def create_group(backend: str, store: dist.Store, rank: int, size: int, timeout_
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def side_by_side(parts: list[torch.Tensor], widths: list[int]) -> torch.Tensor:
+    """Rank r's part [N, max(widths)], padded, -> its first widths[r] columns, all ranks side by side."""
+    return torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
+
+
 class Collectives:
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int,
                  shared: SharedMemoryAllReduce | None = None) -> None:
@@ -77,7 +82,7 @@ class Collectives:
         self._timed("gather", started)
         if not parts:
             return x
-        return torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
+        return side_by_side(parts, widths)
 
     def all_gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on every rank the
@@ -88,7 +93,7 @@ class Collectives:
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self.group.allgather([parts], [x.contiguous()]).wait()
-            gathered = torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
+            gathered = side_by_side(parts, widths)
         self._timed("all_gather", started)
         return gathered
 

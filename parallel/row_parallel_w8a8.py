@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_w8a8_linear import w8a8_int32, w8a8_int32_ref
+from kernels.cpu_w8a8_linear import row_scale, w8a8_int32, w8a8_int32_ref
 from model.quantization import W8A8Linear
 from parallel.collectives import Collectives
 
@@ -42,6 +42,5 @@ class RowParallelW8A8(nn.Module):
         else:
             sums = w8a8_int32_ref(widened, linear.weight)
         sums = self.collectives.all_reduce(sums.contiguous())  # int32: exact in any order
-        x_scale = maximum.clamp(min=1e-12) / 127  # the kernel's scale of the widened row, op for op
-        y = (sums.float() * x_scale) * linear.scale.float()
+        y = (sums.float() * row_scale(maximum)) * linear.scale.float()  # the kernel's epilogue, op for op
         return y if linear.bias is None else y + linear.bias.float()

@@ -128,6 +128,10 @@ class TensorParallelModel:
         all_gather (the attention output before W8A8's whole o_proj), gather (the logits)."""
         return dict(self.collectives.seconds)
 
+    def reset_communication(self) -> None:
+        """Count collectives from now on (the engine's warm-up steps stay out, as they do of step time)."""
+        self.collectives.reset()
+
     def on_failure(self, listener: Callable[[str], None]) -> None:
         """Call `listener(reason)` once when the group fails (from the monitor thread, or the step's)."""
         with self._lock:

@@ -1,6 +1,6 @@
-"""The default model (SmolLM2-135M) in its fast forms: the quantization `ladder serve` runs by default
-(W8A8 applied at load, no compile step), W4A8 on the file's own Q4_1/Q8_0 blocks at load, and a `ladder
-compile` artifact, each against fp32 eager on the parity inputs, and served batched as alone. (Weight-only
+"""The default model (SmolLM2-135M) in its fast forms: W4A8 on the file's own Q4_1/Q8_0 blocks at load
+(what `ladder serve` runs by default, no compile step), W8A8 applied at load, and a `ladder compile`
+artifact, each against fp32 eager on the parity inputs, and served batched as alone. (Weight-only
 INT8 at load is checked on tiny models in tests/test_w8a8.py.)
 
 A compile of the default model takes minutes on two cores (mostly Inductor's), so the suite compiles
