@@ -48,12 +48,21 @@ constexpr int BN = 16;  // output channels per block
 constexpr int GK = 4;   // input channels per vpdpbusd lane
 constexpr int MAX_MR = 8;
 
+// A row's scale from its max |x|: the reference's clamp, then / 127.
+static inline float row_scale(float amax) { return std::max(amax, 1e-12f) / 127.f; }
+
 // Row m of x [M, K] -> q + 128 as uint8 into xq [M, KP] (KP = K rounded up to GK, padded with 128, i.e.
 // q = 0) and its scale. The arithmetic is the reference's: amax, clamp, / 127, x / scale, round to even.
-static void quantize_row(const float* x, int64_t K, int64_t KP, uint8_t* xq, float* x_scale) {
+// `given_amax`: the row's max |x| taken over more columns than these K (a row-parallel rank's part).
+static void quantize_row(const float* x, int64_t K, int64_t KP, uint8_t* xq, float* x_scale,
+                         const float* given_amax) {
   float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float s = std::max(amax, 1e-12f) / 127.f;
+  if (given_amax) {
+    amax = *given_amax;
+  } else {
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  }
+  const float s = row_scale(amax);
   *x_scale = s;
   int64_t k = 0;
 #ifdef LADDER_VNNI
@@ -186,9 +195,11 @@ static TileFn pick(int mr, int nb) {
 
 // x [M, K] float32 contiguous CPU; packed [NBLK, KG, 16, 4] int8; wsum [NBLK * 16] int32; scale [N]
 // float32; bias [N] float32 or none. Returns [M, N] float32, or with `raw` the int32 sums sum_k q w (the
-// scales and bias not applied; a row-parallel layer sums them over its ranks exactly first).
+// scales and bias not applied; a row-parallel layer sums them over its ranks exactly first). `row_max`
+// [M] float32, if given, is each row's max |x| to quantize with instead of the row's own.
 static torch::Tensor run(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, torch::Tensor scale,
-                         c10::optional<torch::Tensor> bias, int64_t N, bool raw) {
+                         c10::optional<torch::Tensor> bias, int64_t N, bool raw,
+                         c10::optional<torch::Tensor> row_max = c10::nullopt) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && wsum.device().is_cpu() &&
               scale.device().is_cpu(), "w8a8_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [M, K] float32");
@@ -206,6 +217,12 @@ static torch::Tensor run(torch::Tensor x, torch::Tensor packed, torch::Tensor ws
                 bias->numel() == N, "bias: [N] float32");
     bp = bias->data_ptr<float>();
   }
+  const float* given = nullptr;
+  if (row_max.has_value() && row_max->defined()) {
+    TORCH_CHECK(row_max->device().is_cpu() && row_max->scalar_type() == torch::kFloat && row_max->is_contiguous() &&
+                row_max->numel() == M, "row_max: [M] float32");
+    given = row_max->data_ptr<float>();
+  }
   auto out = torch::empty({M, N}, x.options().dtype(raw ? torch::kInt : torch::kFloat));
   if (M == 0 || N == 0) return out;
   const int64_t KP = KG * GK;
@@ -213,7 +230,7 @@ static torch::Tensor run(torch::Tensor x, torch::Tensor packed, torch::Tensor ws
   std::vector<float> xs(M);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, KP, xq.data() + m * KP, xs.data() + m);
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, KP, xq.data() + m * KP, xs.data() + m, given ? given + m : nullptr);
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* sump = wsum.data_ptr<int32_t>();
@@ -243,10 +260,42 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   return run(x, packed, wsum, scale, bias, N, false);
 }
 
-// x [M, K] -> int32 [M, N], sum_k q[m, k] w[n, k] with q x's rows quantized as `w8a8_linear` does.
-torch::Tensor w8a8_linear_int32(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, int64_t N) {
+// x [M, K] -> int32 [M, N], sum_k q[m, k] w[n, k] with q x's rows quantized as `w8a8_linear` does (with
+// the scale of `row_max`'s maxima when given).
+torch::Tensor w8a8_linear_int32(torch::Tensor x, torch::Tensor packed, torch::Tensor wsum, int64_t N,
+                                c10::optional<torch::Tensor> row_max) {
   auto ones = torch::ones({N}, x.options());  // unused by the raw tiles; keeps one argument check
-  return run(x, packed, wsum, ones, c10::nullopt, N, true);
+  return run(x, packed, wsum, ones, c10::nullopt, N, true, row_max);
+}
+
+// The raw tiles' float epilogue on summed int32 sums [M, N]: ((float)sum * row_scale(row_max[m])) * scale[n]
+// (+ bias[n]), the fused kernel's arithmetic in its order, so a row-parallel layer's result is its bits.
+torch::Tensor w8a8_epilogue(torch::Tensor sums, torch::Tensor row_max, torch::Tensor scale,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(sums.device().is_cpu() && sums.dim() == 2 && sums.scalar_type() == torch::kInt && sums.is_contiguous(),
+              "sums: [M, N] int32");
+  const int64_t M = sums.size(0), N = sums.size(1);
+  TORCH_CHECK(row_max.scalar_type() == torch::kFloat && row_max.is_contiguous() && row_max.numel() == M,
+              "row_max: [M] float32");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N, "scale: [N] float32");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: [N] float32");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, sums.options().dtype(torch::kFloat));
+  const int32_t* sp = sums.data_ptr<int32_t>();
+  const float* mp = row_max.data_ptr<float>();
+  const float* wp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float xs = row_scale(mp[m]);
+    for (int64_t n = 0; n < N; ++n) {
+      const float y = (static_cast<float>(sp[m * N + n]) * xs) * wp[n];
+      op[m * N + n] = bp ? y + bp[n] : y;
+    }
+  }
+  return out;
 }
 
 // ladder::w8a8_linear for CPU tensors, straight from the dispatcher: x [..., K] float32 or bfloat16 ->
@@ -267,7 +316,7 @@ static torch::Tensor w8a8_linear_op(const torch::Tensor& x, const torch::Tensor&
 TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("w8a8_linear", &w8a8_linear_op); }
 """
 
-_extension = LazyExtension("ladder_cpu_w8a8_linear", SOURCE, ["w8a8_linear", "w8a8_linear_int32"],
+_extension = LazyExtension("ladder_cpu_w8a8_linear", SOURCE, ["w8a8_linear", "w8a8_linear_int32", "w8a8_epilogue"],
                            "CPU W8A8 linear kernel")
 
 
@@ -292,26 +341,47 @@ def row_scale(row_maximum: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [M, K] float32 -> (q int8 [M, K], x_scale [M, 1] float32), as every W8A8 path quantizes."""
-    x_scale = row_scale(rows.abs().amax(dim=-1, keepdim=True))
+    x_scale = row_scale(row_maximum(rows))
     return torch.round(rows / x_scale).to(torch.int8), x_scale
 
 
-def w8a8_int32(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int) -> torch.Tensor:
+def row_maximum(rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] -> max |x| of each row, [M, 1] (exact: a maximum does not round)."""
+    return torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True)
+
+
+def w8a8_int32(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int,
+               row_max: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 -> int32 [M, N]: the exact integer sums sum_k q[m, k] w[n, k] before any scale, so
-    that `(sums.float() * x_scale) * scale (+ bias)` is `w8a8_linear` bit for bit. A row-parallel layer
-    adds its ranks' sums exactly before that epilogue."""
+    that `w8a8_epilogue(sums, max |x| per row, scale, bias)` is `w8a8_linear` bit for bit. A row-parallel
+    layer adds its ranks' sums exactly before that epilogue, each rank quantizing its columns with the
+    whole row's maximum, `row_max` [M, 1] (by default each row's own)."""
     module = load() if cpu_kernels_enabled() and x.device.type == "cpu" else None
     if module is not None:
-        return module.w8a8_linear_int32(x.float().contiguous(), packed.contiguous(), wsum.contiguous(), n)
-    return w8a8_int32_ref(x.float(), unpack(packed, n, x.shape[-1]))
+        return module.w8a8_linear_int32(x.float().contiguous(), packed.contiguous(), wsum.contiguous(), n,
+                                        None if row_max is None else row_max.float().contiguous())
+    return w8a8_int32_ref(x.float(), unpack(packed, n, x.shape[-1]), row_max)
 
 
-def w8a8_int32_ref(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def w8a8_int32_ref(rows: torch.Tensor, weight: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, K] float32, weight int8 [N, K] -> int32 [M, N], the reference of `w8a8_int32`."""
-    q, _ = quantize_rows_ref(rows)
+    x_scale = row_scale(row_maximum(rows) if row_max is None else row_max)
+    q = torch.round(rows / x_scale).to(torch.int8)
     if rows.device.type != "cpu":  # no int32 matmul there; float64 holds these sums (|s| < 2^31) exactly
         return (q.double() @ weight.double().t()).to(torch.int32)
     return torch._int_mm(q, weight.t()) if weight.shape[1] > 1 else q.int() @ weight.int().t()
+
+
+def w8a8_epilogue(sums: torch.Tensor, row_max: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 sums [M, N], each row's max |x| [M, 1] -> float32 [M, N]: `w8a8_linear`'s epilogue in its order,
+    ((float(sum) * x_scale) * scale) (+ bias)."""
+    module = load() if cpu_kernels_enabled() and sums.device.type == "cpu" else None
+    if module is not None:
+        return module.w8a8_epilogue(sums.contiguous(), row_max.float().contiguous(), scale.float().contiguous(),
+                                    None if bias is None else bias.float().contiguous())
+    y = (sums.float() * row_scale(row_max)) * scale.float()
+    return y if bias is None else y + bias.float()
 
 
 def pack(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parallel.shared_memory_all_reduce import SharedMemoryAllReduce
 
@@ -30,6 +31,11 @@ def create_group(backend: str, store: dist.Store, rank: int, size: int, timeout_
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [N, w <= width] -> contiguous [N, width], zeros on the right."""
+    return nn.functional.pad(x, (0, width - x.shape[1])).contiguous() if x.shape[1] < width else x.contiguous()
 
 
 def side_by_side(parts: list[torch.Tensor], widths: list[int]) -> torch.Tensor:
@@ -68,31 +74,32 @@ class Collectives:
         return x
 
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
-        """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on rank 0 the
-        concatenation [N, sum(widths)]; on the other ranks x itself (they have no use for the result)."""
+        """Rank r's x [N, widths[r]] -> on rank 0 the concatenation [N, sum(widths)]; on the other ranks
+        x itself (they have no use for the result)."""
         started = time.perf_counter()
         if self.shared is not None and self.shared.supports_gather(x):
             gathered = self.shared.gather_columns(x, widths)
             self._timed("gather", started)
             return x if gathered is None else gathered
+        x = padded(x, max(widths))  # gloo moves equal shapes
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
         options = dist.GatherOptions()
         options.rootRank = 0
-        self.group.gather([parts] if parts else [], [x.contiguous()], options).wait()
+        self.group.gather([parts] if parts else [], [x], options).wait()
         self._timed("gather", started)
         if not parts:
             return x
         return side_by_side(parts, widths)
 
     def all_gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
-        """Rank r's x [N, widths[r]] (padded to max(widths) columns by the caller) -> on every rank the
-        concatenation [N, sum(widths)]."""
+        """Rank r's x [N, widths[r]] -> on every rank the concatenation [N, sum(widths)]."""
         started = time.perf_counter()
         if self.shared is not None and self.shared.supports_gather(x):
             gathered = self.shared.gather_columns(x, widths, everywhere=True)
         else:
+            x = padded(x, max(widths))
             parts = [torch.empty_like(x) for _ in range(self.size)]
-            self.group.allgather([parts], [x.contiguous()]).wait()
+            self.group.allgather([parts], [x]).wait()
             gathered = side_by_side(parts, widths)
         self._timed("all_gather", started)
         return gathered

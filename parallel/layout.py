@@ -63,10 +63,5 @@ class TensorParallelLayout:
         return dataclasses.replace(config, num_kv_heads=num_kv, num_heads=num_kv * self.heads_per_kv)
 
     @property
-    def vocab_shard_width(self) -> int:
-        """The widest rank's vocabulary: every rank's logits are padded to it for the gather."""
-        return max(len(r) for r in self.vocab)
-
-    @property
     def is_even(self) -> bool:
         return len({len(r) for r in self.kv_heads}) == 1

@@ -9,9 +9,8 @@ differently from one process, and under W8A8 a last-bit difference in one layer 
 the next layer's activation quantization and, some tokens later, a greedy choice.
 
 x_scale is the whole row's max |x| / 127, and a rank sees only its columns: the ranks all-reduce each
-token's maximum first ([T, 1], MAX) and append it to the input as one more column, against a zero column
-of weights, so the kernel quantizes with the whole row's scale (the appended value meets zero weights and
-adds nothing).
+token's maximum first ([T, 1], MAX), and each quantizes its columns with that whole-row maximum.
+Three calls per layer (maximum, int32 sums, epilogue: kernels/cpu_w8a8_linear.py) and two collectives.
 """
 
 from __future__ import annotations
@@ -19,28 +18,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_w8a8_linear import row_scale, w8a8_int32, w8a8_int32_ref
+from kernels.cpu_w8a8_linear import row_maximum, w8a8_epilogue, w8a8_int32, w8a8_int32_ref
 from model.quantization import W8A8Linear
 from parallel.collectives import Collectives
 
 
 class RowParallelW8A8(nn.Module):
     def __init__(self, linear: W8A8Linear, collectives: Collectives) -> None:
-        """`linear`: the rank's shard, weight [N, K_rank + 1] int8 whose last column is zero (see above),
-        bias (whole, on every rank) or None."""
+        """`linear`: the rank's shard, weight [N, K_rank] int8, bias (whole, on every rank) or None."""
         super().__init__()
         self.linear = linear
         self.collectives = collectives
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K_rank] -> [T, N] float32
-        x = x.float()
-        maximum = self.collectives.all_reduce(x.abs().amax(dim=-1, keepdim=True), op="max")  # [T, 1]
-        widened = torch.cat([x, maximum], dim=-1)
+        x = x.float().contiguous()
+        maximum = self.collectives.all_reduce(row_maximum(x), op="max")  # [T, 1]
         linear = self.linear
         if linear.packed is not None:
-            sums = w8a8_int32(widened, linear.packed, linear.wsum, linear.out_features)
+            sums = w8a8_int32(x, linear.packed, linear.wsum, linear.out_features, maximum)
         else:
-            sums = w8a8_int32_ref(widened, linear.weight)
-        sums = self.collectives.all_reduce(sums.contiguous())  # int32: exact in any order
-        y = (sums.float() * row_scale(maximum)) * linear.scale.float()  # the kernel's epilogue, op for op
-        return y if linear.bias is None else y + linear.bias.float()
+            sums = w8a8_int32_ref(x, linear.weight, maximum)
+        sums = self.collectives.all_reduce(sums)  # int32: exact in any order
+        return w8a8_epilogue(sums, maximum, linear.scale, linear.bias)

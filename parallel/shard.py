@@ -118,10 +118,6 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
         attn = layer.self_attn
         attn.num_kv_heads, attn.num_heads = num_kv, num_kv * layout.heads_per_kv
         attn.q_size, attn.kv_size = attn.num_heads * config.head_dim, num_kv * config.head_dim
-    for layer in module.layers:
-        for m in row_parallel_layers(layer, quantization):
-            if isinstance(m, W8A8Linear):  # the column that carries the row's maximum (see above)
-                m.weight = torch.cat([m.weight, m.weight.new_zeros(m.weight.shape[0], 1)], dim=1)
     for m in module.modules():
         if isinstance(m, (nn.Linear, Int8Weights)):
             m.out_features, m.in_features = m.weight.shape
@@ -151,9 +147,6 @@ def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, col
 
     def gather_heads(_module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:  # [T, local q] -> [T, q]
         (x,) = inputs
-        width = max(head_widths)
-        if x.shape[1] < width:
-            x = nn.functional.pad(x, (0, width - x.shape[1]))
         return (collectives.all_gather_columns(x.contiguous(), head_widths),)
 
     for layer in module.layers:
@@ -164,13 +157,10 @@ def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, col
                 row_parallel.register_forward_hook(all_reduce)
 
     widths = [len(r) for r in layout.vocab]
-    width = layout.vocab_shard_width
 
     def gather_logits(_module, _inputs, output: torch.Tensor) -> torch.Tensor:  # [B, V / size] -> [B, V]
         if output.shape[0] == 0:  # no row is sampled this step, on any rank: nothing to gather
             return output.new_empty(0, sum(widths))
-        if output.shape[1] < width:
-            output = nn.functional.pad(output, (0, width - output.shape[1]))
-        return collectives.gather_columns(output, widths)
+        return collectives.gather_columns(output.contiguous(), widths)
 
     module.lm_head.register_forward_hook(gather_logits)

@@ -118,20 +118,44 @@ void all_reduce(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int6
   }
 }
 
-// Publish x (contiguous float32, at most `capacity` elements) in this rank's slot of the call's set and wait
-// for every rank's: the caller then reads the slots it needs (a gather). They stay readable until this rank's
-// next call but one, since no rank writes this set again before passing the next call's barrier.
-void exchange(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int64_t size, int64_t call,
-              int64_t capacity, double timeout_s, int64_t parent_pid) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 CPU");
-  TORCH_CHECK(x.numel() <= capacity, "x is larger than a slot");
+// Rank `rank`'s x [N, widths[rank]] (contiguous float32, at most `capacity` elements) is published in its
+// slot of the call's set; once every rank's is there, `out` [N, sum(widths)] (if given: rank 0's, or every
+// rank's for an all-gather) receives the ranks' columns side by side, this rank's straight from x. Slots
+// stay readable until this rank's next call but one: no rank writes this set before the next barrier.
+void gather_columns(torch::Tensor x, c10::optional<torch::Tensor> out, torch::Tensor region_tensor, int64_t rank,
+                    int64_t size, int64_t call, int64_t capacity, std::vector<int64_t> widths, double timeout_s,
+                    int64_t parent_pid) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2,
+              "x: contiguous [N, W] float32 CPU");
+  TORCH_CHECK(static_cast<int64_t>(widths.size()) == size && x.size(1) == widths[rank], "x: [N, widths[rank]]");
+  const int64_t rows = x.size(0);
+  int64_t total = 0;
+  for (int64_t w : widths) {
+    TORCH_CHECK(rows * w <= capacity, "a part is larger than a slot");
+    total += w;
+  }
+  float* op = nullptr;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->scalar_type() == torch::kFloat && out->is_contiguous() && out->dim() == 2 &&
+                out->size(0) == rows && out->size(1) == total, "out: contiguous [N, sum(widths)] float32");
+    op = out->data_ptr<float>();
+  }
   TORCH_CHECK(region_tensor.nbytes() >= static_cast<size_t>(kHeader + 2 * size * capacity * 4), "region too small");
   uint8_t* region = region_tensor.data_ptr<uint8_t>();
   float* slots = reinterpret_cast<float*>(region + kHeader) + (call % 2) * size * capacity;
+  const float* xp = x.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  std::memcpy(slots + rank * capacity, x.data_ptr<float>(), x.numel() * sizeof(float));
+  std::memcpy(slots + rank * capacity, xp, rows * widths[rank] * sizeof(float));
   counter(region, rank)->store(static_cast<uint64_t>(call), std::memory_order_release);
   wait_for_all(region, size, static_cast<uint64_t>(call), timeout_s, parent_pid);
+  if (op == nullptr) return;
+  int64_t offset = 0;
+  for (int64_t r = 0; r < size; ++r) {
+    const int64_t w = widths[r];
+    const float* part = r == rank ? xp : slots + r * capacity;
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(op + i * total + offset, part + i * w, w * sizeof(float));
+    offset += w;
+  }
 }
 
 void set_abort(torch::Tensor region_tensor) {
@@ -139,7 +163,7 @@ void set_abort(torch::Tensor region_tensor) {
 }
 """
 
-_extension = LazyExtension("ladder_shared_memory_all_reduce", SOURCE, ["all_reduce", "exchange", "set_abort"],
+_extension = LazyExtension("ladder_shared_memory_all_reduce", SOURCE, ["all_reduce", "gather_columns", "set_abort"],
                            "shared-memory all-reduce for CPU tensor parallelism")
 
 
@@ -184,8 +208,13 @@ class SharedMemoryAllReduce:
 
     def __call__(self, x: torch.Tensor, take_max: bool = False) -> torch.Tensor:
         """Reduce contiguous float32 or int32 `x` over the ranks in place (sum, or the maximum); returns it."""
+        if x.numel() <= self.capacity:  # one piece: the common case, kept free of Python work
+            self.calls += 1
+            self.module.all_reduce(x, self.region, self.rank, self.size, self.calls, self.capacity, take_max,
+                                   self.timeout_s, self.parent_pid)
+            return x
         flat = x.view(-1)
-        for start in range(0, max(flat.numel(), 1), self.capacity):
+        for start in range(0, flat.numel(), self.capacity):
             self.calls += 1
             self.module.all_reduce(flat[start:start + self.capacity], self.region, self.rank, self.size, self.calls,
                                    self.capacity, take_max, self.timeout_s, self.parent_pid)
@@ -195,27 +224,20 @@ class SharedMemoryAllReduce:
         return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
 
     def gather_columns(self, x: torch.Tensor, widths: list[int], everywhere: bool = False) -> torch.Tensor | None:
-        """Every rank's contiguous float32 x [N, W] (W = max(widths), the same shape on each; rank r's first
-        widths[r] columns are its part) -> on rank 0 (on every rank if `everywhere`) the parts side by side,
-        [N, sum(widths)]; None on the others. Rows go in slot-sized pieces, each read once from the slots
-        into the result; every rank waits for all, so the ranks stay in step call by call as in an
-        all-reduce."""
-        rows, width = x.shape
-        if width > self.capacity:
-            raise ValueError(f"a row of {width} floats does not fit a slot of {self.capacity}")
-        per_piece = self.capacity // max(width, 1)
+        """Rank r's contiguous float32 x [N, widths[r]] -> on rank 0 (on every rank if `everywhere`) the
+        parts side by side, [N, sum(widths)]; None on the others. Rows go in slot-sized pieces; every rank
+        waits for all, so the ranks stay in step call by call as in an all-reduce."""
+        rows = x.shape[0]
+        widest = max(widths)
+        if widest > self.capacity:
+            raise ValueError(f"a row of {widest} floats does not fit a slot of {self.capacity}")
+        per_piece = self.capacity // max(widest, 1)
         out = x.new_empty(rows, sum(widths)) if self.rank == 0 or everywhere else None
-        offsets = [sum(widths[:r]) for r in range(self.size)]
         for start in range(0, max(rows, 1), per_piece):
-            piece = x[start:start + per_piece]
             self.calls += 1
-            self.module.exchange(piece, self.region, self.rank, self.size, self.calls, self.capacity,
-                                 self.timeout_s, self.parent_pid)
-            if out is not None:
-                n = piece.shape[0]
-                for r, (offset, w) in enumerate(zip(offsets, widths)):
-                    part = self.slots[self.calls % 2, r, :n * width].view(n, width)
-                    out[start:start + n, offset:offset + w] = part[:, :w]
+            self.module.gather_columns(x[start:start + per_piece], None if out is None else out[start:start + per_piece],
+                                       self.region, self.rank, self.size, self.calls, self.capacity, widths,
+                                       self.timeout_s, self.parent_pid)
         return out
 
     def abort(self) -> None:

@@ -54,7 +54,28 @@ def test_integer_sums_are_exact_and_their_epilogue_is_the_linear(m, n, k):
     qx, x_scale = kernel.quantize_rows_ref(x)
     assert sums.dtype == torch.int32 and torch.equal(sums, qx.long().matmul(q.long().t()).int())
     assert torch.equal(sums, kernel.w8a8_int32_ref(x, q))
-    assert torch.equal((sums.float() * x_scale) * scale + bias, kernel.w8a8_linear(x, packed, wsum, scale, bias, n))
+    linear = kernel.w8a8_linear(x, packed, wsum, scale, bias, n)
+    assert torch.equal((sums.float() * x_scale) * scale + bias, linear)
+    assert torch.equal(kernel.w8a8_epilogue(sums, kernel.row_maximum(x), scale, bias), linear)
+
+
+@pytest.mark.parametrize("m", [1, 33])
+def test_column_parts_quantized_with_the_whole_rows_maximum_add_up_to_the_linear(m):
+    """A row-parallel rank's part: its columns quantized with the whole row's maximum. The parts' int32
+    sums add up to the whole product, and the epilogue of the total is `w8a8_linear`, bit for bit."""
+    n, k, split = 96, 200, 72
+    x, q, scale, bias = _case(m, n, k)
+    maximum = kernel.row_maximum(x)
+    parts = []
+    for cols in (slice(0, split), slice(split, k)):
+        packed, wsum = kernel.pack(q[:, cols].contiguous())
+        part = kernel.w8a8_int32(x[:, cols].contiguous(), packed, wsum, n, maximum)
+        assert torch.equal(part, kernel.w8a8_int32_ref(x[:, cols].contiguous(), q[:, cols], maximum))
+        parts.append(part)
+    packed, wsum = kernel.pack(q)
+    assert torch.equal(parts[0] + parts[1], kernel.w8a8_int32(x, packed, wsum, n))
+    assert torch.equal(kernel.w8a8_epilogue(parts[0] + parts[1], maximum, scale, bias),
+                       kernel.w8a8_linear(x, packed, wsum, scale, bias, n))
 
 
 def test_rows_do_not_depend_on_the_batch_or_threads():

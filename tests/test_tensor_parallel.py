@@ -117,7 +117,7 @@ def test_two_ranks_give_one_process_tokens_on_a_tiny_w8a8_model(tiny_tp, tiny_re
     # the same tokens and the very same logprobs, no near-tie rule needed.
     assert run_alone(tiny_tp, tiny_prompts()) == tiny_reference
     assert isinstance(module.shard.layers[0].mlp.down_proj, RowParallelW8A8)
-    assert module.shard.layers[0].mlp.down_proj.linear.in_features == 64 + 1  # its columns and the row-maximum one
+    assert module.shard.layers[0].mlp.down_proj.linear.in_features == 64  # its half of the MLP's columns
     assert module.shard.layers[0].self_attn.o_proj.in_features == 2 * 2 * 16  # whole: every head's columns
 
 
