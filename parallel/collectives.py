@@ -111,6 +111,14 @@ class Collectives:
         self.group.recv([x], rank, 0).wait()
         return x
 
+    def shutdown(self) -> None:
+        """Leave the group now, in this thread: left to interpreter exit, the group's threads can be torn
+        down out of order (and the process ends with "terminate called without an active exception")."""
+        try:
+            self.group.shutdown()
+        except Exception:  # a group whose peers are gone: nothing left to close cleanly
+            pass
+
     def abort(self) -> None:
         """The group lost a rank: make any all-reduce waiting in shared memory fail now, on every rank (a
         gloo call fails by itself when its peer's connection closes)."""

@@ -159,6 +159,7 @@ class TensorParallelModel:
                 worker.join(1.0)
         for pipe in self.pipes:
             pipe.close()
+        self.collectives.shutdown()
         if self.device.type == "cpu":
             torch.set_num_threads(self._num_threads_before)
 

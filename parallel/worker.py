@@ -91,3 +91,4 @@ def worker_main(spec: WorkerSpec, commands: Connection) -> None:
                 module.sample_logits(step.input_ids, step.positions, kv_caches, plan, step.sample_rows)
             else:
                 raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown command {command}")
+    collectives.shutdown()
