@@ -50,6 +50,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="characters of one prompt (or of all chat messages) tokenized at most "
                         "(default: 32 x max_model_len)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed event: a sample's first tokens and its end go at once, the rest in "
+                        "events of this many (default 1; larger costs the server and any relay, such as the Ray "
+                        "ingress, less per token)")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may run before the server reports the engine hung (503) "
                         "(default 300; 0 turns the watchdog off)")
@@ -84,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_prompts_per_request < 1:
         raise ValueError(f"--max-prompts-per-request must be at least 1, got {args.max_prompts_per_request}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
         raise ValueError(f"--max-prompt-chars must be at least 1, got {args.max_prompt_chars}")
     if args.step_timeout < 0:
@@ -101,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                               max_prompts_per_request=args.max_prompts_per_request,
-                              max_prompt_chars=args.max_prompt_chars)
+                              max_prompt_chars=args.max_prompt_chars, stream_interval=args.stream_interval)
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
         return serve_ray.run(args, serve_ray.engine_kwargs_of(config, args.device, args.quantization), server_kwargs)

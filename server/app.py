@@ -46,10 +46,11 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     max_prompts_per_request: int = 64
     max_prompt_chars: int | None = None  # default: CHARS_PER_TOKEN_BOUND x max_model_len
+    stream_interval: int = 1  # tokens per streamed event (a sample's first and last go at once)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_body_bytes", "max_prompts_per_request"):
+        for name in ("max_queue", "max_body_bytes", "max_prompts_per_request", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
@@ -124,7 +125,7 @@ def create_app(state: ServerState) -> FastAPI:
         if body.stream:
             events = held(stream_events(engine, job, engine.info.tokenizer, chat=chat,
                                         echo=getattr(body, "echo", False), include_usage=body.include_usage,
-                                        on_delta=on_delta), reservation)
+                                        on_delta=on_delta, interval=state.settings.stream_interval), reservation)
             reservation.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream")
         try:

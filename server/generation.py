@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -74,16 +75,35 @@ def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, wh
         )
 
 
-async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDelta], None] | None = None
-                  ) -> AsyncIterator[tuple[int, SampleDelta]]:
-    """Every prompt's deltas, merged, as (choice index, delta). Closing the iterator aborts them all."""
+def joined(first: SampleDelta | None, then: SampleDelta) -> SampleDelta:
+    """Two consecutive deltas of one sample as one."""
+    if first is None:
+        return then
+    return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
+                               logprobs=first.logprobs + then.logprobs)
+
+
+async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDelta], None] | None = None,
+                  interval: int = 1) -> AsyncIterator[tuple[int, SampleDelta]]:
+    """Every prompt's deltas, merged, as (choice index, delta). Closing the iterator aborts them all.
+
+    `interval` > 1 holds a sample's deltas back until they carry that many tokens (its first delta and its
+    last go at once: time to first token and the end are not delayed); `on_delta` still sees each delta
+    as the engine makes it."""
     merged: asyncio.Queue[tuple[int, SampleDelta] | None] = asyncio.Queue()
 
     async def pump(prompt_index: int, prompt: Prompt) -> None:
+        held: dict[int, SampleDelta] = {}  # sample index -> tokens not yet passed on
+        started: set[int] = set()
         try:
             async for delta in engine.generate(prompt.token_ids, job.params, f"{job.request_id}-{prompt_index}"):
                 if on_delta is not None:
                     on_delta(delta)
+                delta = joined(held.pop(delta.index, None), delta)
+                if len(delta.token_ids) < interval and delta.index in started and not delta.finished:
+                    held[delta.index] = delta
+                    continue
+                started.add(delta.index)
                 await merged.put((prompt_index * job.params.n + delta.index, delta))
         except EngineDeadError:
             for i in range(job.params.n):
@@ -212,15 +232,16 @@ def sse(payload: dict) -> str:
 
 
 async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, chat: bool, echo: bool,
-                        include_usage: bool, on_delta=None) -> AsyncIterator[str]:
-    """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`."""
+                        include_usage: bool, on_delta=None, interval: int = 1) -> AsyncIterator[str]:
+    """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`; an event
+    carries up to `interval` tokens of a sample (see `run_job`)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": job.request_id, "object": kind, "created": created, "model": job.model_name}
     started: set[int] = set()
     offsets: dict[int, int] = {}
     num_output_tokens = 0
-    async for index, delta in run_job(engine, job, on_delta):
+    async for index, delta in run_job(engine, job, on_delta, interval):
         if delta.finish_reason is FinishReason.ERROR:
             error = request_error(delta)
             yield sse_error(error.status, error.message)

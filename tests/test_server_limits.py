@@ -98,6 +98,28 @@ def test_forward_fault_returns_errors_and_health_turns_503(tiny_dir):
         server.stop()
 
 
+def test_a_stream_interval_groups_tokens_and_keeps_the_text(tiny_dir):
+    """--stream-interval 3: the first token goes alone, then events of 3 tokens, the end at once; the
+    text is the non-streamed text and the usage counts every token."""
+    server = InProcessServer(make_state(tiny_dir, stream_interval=3))
+    try:
+        body = {"prompt": "hello there", "max_tokens": 11, "ignore_eos": True, "temperature": 0, "logprobs": 0}
+        whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        events = []
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line.removeprefix("data: ")))
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 3, 3, 3, 1]
+        assert chunks[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in chunks[:-1])
+        assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+        assert events[-1]["usage"]["completion_tokens"] == 11
+    finally:
+        server.stop()
+
+
 def test_stream_gets_a_final_error_event_when_the_engine_dies(tiny_dir):
     server = InProcessServer(make_state(tiny_dir))
     try:
@@ -168,3 +190,10 @@ def test_fuzzed_requests_get_no_5xx_and_fit_the_schema(fuzz_app):
                                            checks.content_type_conformance, checks.negative_data_rejection])
 
         check()
+
+
+def test_a_stream_interval_below_one_is_refused_in_one_line(capsys):
+    from ladder.cli import main
+
+    assert main(["serve", "--stream-interval", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "ladder serve: error: --stream-interval must be at least 1, got 0"
