@@ -3,7 +3,8 @@
 The model is loaded once (the embedded model, W8A8 as `auto` picks it for a group of ranks); each round
 runs the same greedy workload (B short random prompts, then decode) through one process with a thread per
 core, one process with a thread per rank, and a group of N ranks, in turn, so all see the same machine load.
-Reported per setup: output tokens/s (median over rounds), the ratio to the first, rank 0's time in each
+Reported per setup: output tokens/s (median over rounds), the ratio to the first (of the medians, and the
+median of each round's ratio to the same round's first setup), rank 0's time in each
 collective as a share of step time and per step, and how many prompts' tokens agree with one process.
 
     .venv/bin/python benchmarks/tensor_parallel.py --batch 32 --output-len 64 --rounds 3
@@ -113,13 +114,17 @@ def main() -> int:
                 for op in ("broadcast", "all_reduce", "all_reduce_max", "all_gather", "gather")}
         steps = sum(r["steps"] for r in results)
         agree = sum(a == b for a, b in zip(results[-1]["tokens"], setups[1, cores][-1]["tokens"]))
+        # Each round's ratio to the same round's baseline: the machine's speed drifts between rounds more
+        # than between the setups of one round.
+        per_round = [r["output_tokens_per_s"] / b["output_tokens_per_s"] for r, b in zip(results, setups[1, cores])]
         rows.append({"ranks": size, "threads_per_rank": results[-1]["threads"],
                      "output_tokens_per_s": [r["output_tokens_per_s"] for r in results],
                      "median_output_tokens_per_s": best, "ratio_to_one_process": best / baseline,
+                     "ratio_per_round": per_round, "median_ratio_per_round": statistics.median(per_round),
                      "communication_share": {op: s / step_s for op, s in comm.items()},
                      "communication_ms_per_step": {op: s / steps * 1e3 for op, s in comm.items()},
                      "step_ms": step_s / steps * 1e3, "prompts_with_one_process_tokens": agree})
-    header = (f"{'ranks':>5}{'threads':>8}{'out tok/s':>11}{'vs 1 proc':>10}{'step ms':>9}{'all-reduce':>11}"
+    header = (f"{'ranks':>5}{'threads':>8}{'out tok/s':>11}{'vs 1 proc':>10}{'per round':>10}{'step ms':>9}{'all-reduce':>11}"
               f"{'max':>7}{'allgath':>8}{'gather':>8}{'bcast':>7}{'comm ms/step':>13}{'same tokens':>12}")
     print(f"{loaded.name} ({quantization}), batch {args.batch}, {args.input_len} prompt + {args.output_len} output "
           f"tokens, {args.rounds} rounds, load averages {' '.join(loads)}")
@@ -128,7 +133,8 @@ def main() -> int:
     for row in rows:
         share = row["communication_share"]
         print(f"{row['ranks']:>5}{row['threads_per_rank']:>8}{row['median_output_tokens_per_s']:>11.1f}"
-              f"{row['ratio_to_one_process']:>9.2f}x{row['step_ms']:>9.1f}{share['all_reduce']:>11.1%}"
+              f"{row['ratio_to_one_process']:>9.2f}x{row['median_ratio_per_round']:>9.2f}x"
+              f"{row['step_ms']:>9.1f}{share['all_reduce']:>11.1%}"
               f"{share['all_reduce_max']:>7.1%}{share['all_gather']:>8.1%}{share['gather']:>8.1%}{share['broadcast']:>7.1%}"
               f"{sum(row['communication_ms_per_step'].values()):>13.2f}"
               f"{row['prompts_with_one_process_tokens']:>9}/{args.batch}")

@@ -246,7 +246,7 @@ def test_short_soak_loses_nothing(tiny_dir, tmp_path):  # noqa: F811
     assert (tmp_path / "soak.png").stat().st_size > 0
 
 
-def test_cpu_kernel_cache_is_keyed_by_the_cpu_features():
+def test_cpu_kernel_cache_is_keyed_by_the_cpu_features_and_the_source():
     """A -march=native build cached on one CPU is never loaded on a CPU with other features."""
     from kernels.cpu_extension import LazyExtension, cpu_build_key, cpu_features
 
@@ -256,4 +256,5 @@ def test_cpu_kernel_cache_is_keyed_by_the_cpu_features():
     assert cpu_features(avx2, "x86_64") == cpu_features("flags : avx2 avx fpu sse2\n", "x86_64")  # order-free
     assert cpu_features("Features\t: fp asimd sve\n", "aarch64") == "aarch64: asimd fp sve"
     name = LazyExtension("ladder_probe", "", [], "probe").build_name()
-    assert name == f"ladder_probe_{cpu_build_key()}" and name.isidentifier()
+    assert name.startswith(f"ladder_probe_{cpu_build_key()}_") and name.isidentifier()
+    assert LazyExtension("ladder_probe", "int f();", [], "probe").build_name() != name  # another source
