@@ -199,8 +199,6 @@ class SharedMemoryAllReduce:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.parent_pid = parent_pid  # a worker's rank 0: waiting stops when it is gone (0: do not watch)
         self.capacity = capacity
-        # The two sets of slots as floats: [set, rank, capacity]
-        self.slots = self.region[HEADER_BYTES:].view(torch.float32).view(2, size, capacity)
         self.calls = 0
 
     def supports(self, x: torch.Tensor) -> bool:
