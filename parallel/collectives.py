@@ -44,7 +44,7 @@ def side_by_side(parts: list[torch.Tensor], widths: list[int]) -> torch.Tensor:
 
 
 class Collectives:
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int,
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int,
                  shared: SharedMemoryAllReduce | None = None) -> None:
         self.group = group
         self.rank = rank
@@ -112,12 +112,17 @@ class Collectives:
         return x
 
     def shutdown(self) -> None:
-        """Leave the group now, in this thread: left to interpreter exit, the group's threads can be torn
-        down out of order (and the process ends with "terminate called without an active exception")."""
+        """Leave the group and let it go now, in this thread (its store with it): left to interpreter exit,
+        their threads can be torn down out of order, and the process ends with "terminate called without
+        an active exception". No collective runs after this."""
+        group, self.group = self.group, None
+        if group is None:
+            return
         try:
-            self.group.shutdown()
+            group.shutdown()
         except Exception:  # a group whose peers are gone: nothing left to close cleanly
             pass
+        del group  # the last reference: destroyed here
 
     def abort(self) -> None:
         """The group lost a rank: make any all-reduce waiting in shared memory fail now, on every rank (a
