@@ -339,9 +339,10 @@ def row_scale(row_maximum: torch.Tensor) -> torch.Tensor:
     return row_maximum.clamp(min=1e-12) / 127
 
 
-def quantize_rows_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [M, K] float32 -> (q int8 [M, K], x_scale [M, 1] float32), as every W8A8 path quantizes."""
-    x_scale = row_scale(row_maximum(rows))
+def quantize_rows_ref(rows: torch.Tensor, row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] float32 -> (q int8 [M, K], x_scale [M, 1] float32), as every W8A8 path quantizes: with
+    each row's own max |x|, or with `row_max` [M, 1] (a row-parallel rank's columns, the whole row's)."""
+    x_scale = row_scale(row_maximum(rows) if row_max is None else row_max)
     return torch.round(rows / x_scale).to(torch.int8), x_scale
 
 
@@ -365,8 +366,7 @@ def w8a8_int32(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int
 
 def w8a8_int32_ref(rows: torch.Tensor, weight: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, K] float32, weight int8 [N, K] -> int32 [M, N], the reference of `w8a8_int32`."""
-    x_scale = row_scale(row_maximum(rows) if row_max is None else row_max)
-    q = torch.round(rows / x_scale).to(torch.int8)
+    q, _ = quantize_rows_ref(rows, row_max)
     if rows.device.type != "cpu":  # no int32 matmul there; float64 holds these sums (|s| < 2^31) exactly
         return (q.double() @ weight.double().t()).to(torch.int32)
     return torch._int_mm(q, weight.t()) if weight.shape[1] > 1 else q.int() @ weight.int().t()
