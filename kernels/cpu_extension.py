@@ -8,8 +8,9 @@ kernel off.
 The build uses `-march=native`, so a cached build may hold instructions another CPU lacks (SIGILL on
 first use). torch keys its cache by source and flags only, so the extension's name carries a digest of
 this CPU's instruction-set features: a shared or copied cache directory (a container image, a network
-home) never hands one CPU's build to another. It carries a digest of the source and torch's version too:
-torch keeps one build per name, so two checkouts (or virtual environments) with different sources would
+home) never hands one CPU's build to another. It carries a digest of the source and of the torch
+installation (version and path) too: torch keeps one build per name and rebuilds when the source or its
+own include paths differ, so two checkouts with different sources, or two virtual environments, would
 otherwise rebuild over each other every time the other one ran.
 """
 
@@ -82,10 +83,10 @@ class LazyExtension:
 
     def build_name(self) -> str:
         """The module (and cache directory) name: the kernel's name, this CPU's feature digest and the
-        digest of the source and torch's version."""
+        digest of the source and the torch installation it builds against."""
         import torch
 
-        source = hashlib.sha256(f"{torch.__version__}\n{self.source}".encode()).hexdigest()[:8]
+        source = hashlib.sha256(f"{torch.__version__}\n{torch.__file__}\n{self.source}".encode()).hexdigest()[:8]
         return f"{self.name}_{cpu_build_key()}_{source}"
 
     def build_and_report(self) -> int:
