@@ -6,6 +6,7 @@ core, one process with a thread per rank, and a group of N ranks, in turn, so al
 Reported per setup: output tokens/s (median over rounds), the ratio to the first (of the medians, and the
 median of each round's ratio to the same round's first setup), rank 0's time in each
 collective as a share of step time and per step, and how many prompts' tokens agree with one process.
+A group runs once per attention split asked for (`--attention heads,sequences`).
 
     .venv/bin/python benchmarks/tensor_parallel.py --batch 32 --output-len 64 --rounds 3
 """
@@ -30,12 +31,14 @@ from model.perplexity import corpus_text, perplexity
 from parallel import tensor_parallel_model
 
 
-def run_once(loaded, size: int, threads: int, prompts: list[list[int]], output_len: int) -> dict:
-    """One greedy run; `threads`: torch threads of one process (a group sets its own: cores / ranks)."""
+def run_once(loaded, size: int, threads: int, attention: str, prompts: list[list[int]], output_len: int) -> dict:
+    """One greedy run; `threads`: torch threads of one process (a group sets its own: cores / ranks);
+    `attention`: how a group splits attention (heads or sequences)."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     engine = LLMEngine(EngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + output_len + 1,
-                                    kv_cache_memory_gib=0.25, tensor_parallel_size=size), loaded=loaded)
+                                    kv_cache_memory_gib=0.25, tensor_parallel_size=size,
+                                    tensor_parallel_attention=attention), loaded=loaded)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         for i, prompt in enumerate(prompts[:2]):  # first calls (the workers' too) stay out of the figures
@@ -88,6 +91,8 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attention", default="heads,sequences",
+                        help="comma-separated attention splits to run a group with (heads, sequences)")
     parser.add_argument("--perplexity-tokens", type=int, default=1024, help="0: skip the perplexity check")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tensor_parallel.json"))
     args = parser.parse_args()
@@ -98,33 +103,37 @@ def main() -> int:
     prompts = make_workload(config, loaded.config.vocab_size, special).prompts
     cores = torch.get_num_threads()
     # One process with every core's thread (the baseline), one process with a thread per rank (what each
-    # rank of the group gets), and the group.
-    setups = {(1, cores): [], (1, max(1, cores // args.size)): [], (args.size, cores): []}
+    # rank of the group gets), and the group with each attention split.
+    splits = args.attention.split(",")
+    setups = {(1, cores, "-"): [], (1, max(1, cores // args.size), "-"): [],
+              **{(args.size, cores, split): [] for split in splits}}
     loads = []
     for _ in range(args.rounds):
-        for size, threads in setups:
+        for size, threads, split in setups:
             loads.append(Path("/proc/loadavg").read_text().split()[0])
-            setups[size, threads].append(run_once(loaded, size, threads, prompts, args.output_len))
+            setups[size, threads, split].append(run_once(loaded, size, threads, "heads" if split == "-" else split,
+                                                         prompts, args.output_len))
     rows = []
-    baseline = statistics.median(r["output_tokens_per_s"] for r in setups[1, cores])
-    for (size, _), results in setups.items():
+    one_process = setups[1, cores, "-"]
+    baseline = statistics.median(r["output_tokens_per_s"] for r in one_process)
+    for (size, _, split), results in setups.items():
         best = statistics.median(r["output_tokens_per_s"] for r in results)
         step_s = sum(r["step_seconds"] for r in results)
         comm = {op: sum(r["communication_seconds"].get(op, 0.0) for r in results)
                 for op in ("broadcast", "all_reduce", "all_reduce_max", "all_gather", "gather")}
         steps = sum(r["steps"] for r in results)
-        agree = sum(a == b for a, b in zip(results[-1]["tokens"], setups[1, cores][-1]["tokens"]))
+        agree = sum(a == b for a, b in zip(results[-1]["tokens"], one_process[-1]["tokens"]))
         # Each round's ratio to the same round's baseline: the machine's speed drifts between rounds more
         # than between the setups of one round.
-        per_round = [r["output_tokens_per_s"] / b["output_tokens_per_s"] for r, b in zip(results, setups[1, cores])]
-        rows.append({"ranks": size, "threads_per_rank": results[-1]["threads"],
+        per_round = [r["output_tokens_per_s"] / b["output_tokens_per_s"] for r, b in zip(results, one_process)]
+        rows.append({"ranks": size, "attention": split, "threads_per_rank": results[-1]["threads"],
                      "output_tokens_per_s": [r["output_tokens_per_s"] for r in results],
                      "median_output_tokens_per_s": best, "ratio_to_one_process": best / baseline,
                      "ratio_per_round": per_round, "median_ratio_per_round": statistics.median(per_round),
                      "communication_share": {op: s / step_s for op, s in comm.items()},
                      "communication_ms_per_step": {op: s / steps * 1e3 for op, s in comm.items()},
                      "step_ms": step_s / steps * 1e3, "prompts_with_one_process_tokens": agree})
-    header = (f"{'ranks':>5}{'threads':>8}{'out tok/s':>11}{'vs 1 proc':>10}{'per round':>10}{'step ms':>9}{'all-reduce':>11}"
+    header = (f"{'ranks':>5}{'split':>10}{'threads':>8}{'out tok/s':>11}{'vs 1 proc':>10}{'per round':>10}{'step ms':>9}{'all-reduce':>11}"
               f"{'max':>7}{'allgath':>8}{'gather':>8}{'bcast':>7}{'comm ms/step':>13}{'same tokens':>12}")
     print(f"{loaded.name} ({quantization}), batch {args.batch}, {args.input_len} prompt + {args.output_len} output "
           f"tokens, {args.rounds} rounds, load averages {' '.join(loads)}")
@@ -132,7 +141,7 @@ def main() -> int:
     print("-" * len(header))
     for row in rows:
         share = row["communication_share"]
-        print(f"{row['ranks']:>5}{row['threads_per_rank']:>8}{row['median_output_tokens_per_s']:>11.1f}"
+        print(f"{row['ranks']:>5}{row['attention']:>10}{row['threads_per_rank']:>8}{row['median_output_tokens_per_s']:>11.1f}"
               f"{row['ratio_to_one_process']:>9.2f}x{row['median_ratio_per_round']:>9.2f}x"
               f"{row['step_ms']:>9.1f}{share['all_reduce']:>11.1%}"
               f"{share['all_reduce_max']:>7.1%}{share['all_gather']:>8.1%}{share['gather']:>8.1%}{share['broadcast']:>7.1%}"

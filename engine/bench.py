@@ -44,6 +44,7 @@ class BenchConfig:
     device: str = "cpu"  # the engine's (EngineConfig.device); transformers runs on the same device
     quantization: str = "none"  # the engine's (EngineConfig.quantization); transformers runs unquantized
     tensor_parallel_size: int = 1  # the engine's (EngineConfig.tensor_parallel_size)
+    tensor_parallel_attention: str = "heads"  # the engine's (EngineConfig.tensor_parallel_attention)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -125,6 +126,7 @@ def run_bench(config: BenchConfig) -> dict:
                                  max_prefill_tokens=config.max_prefill_tokens,
                                  kv_cache_memory_gib=config.kv_cache_memory_gib,
                                  tensor_parallel_size=config.tensor_parallel_size,
+                                 tensor_parallel_attention=config.tensor_parallel_attention,
                                  max_model_len=int((config.input_len + config.output_len)
                                                    * (1 + config.range_ratio)) + 1)
     start = time.perf_counter()

@@ -5,6 +5,11 @@ requests with a common prefix share them. A full block whose tokens are computed
 chained sha256 of its tokens (the hash of the block before it, then its token ids), so equal hashes mean
 equal whole prefixes. When its last reference goes, a registered block stays in the cache, free but
 reusable, until the allocator needs it: free blocks are handed out least recently freed first.
+
+The blocks may be split into equal pools (`num_pools`): pool p holds ids [p * n, (p + 1) * n). A request
+takes every block from its own pool (`Request.kv_pool`, chosen when it is admitted), and the prefix cache
+finds blocks in that pool only. Tensor parallelism by sequences keeps pool p's blocks on rank p alone
+(parallel/layout.py), so a sequence's cache never spans ranks. One pool is the ordinary cache.
 """
 
 from __future__ import annotations
@@ -24,71 +29,95 @@ class CachedPrefix(NamedTuple):
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_pools: int = 1) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        if num_pools < 1 or num_blocks % num_pools:
+            raise ValueError(f"{num_blocks} blocks do not split into {num_pools} equal pools")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_pools = num_pools
+        self.pool_size = num_blocks // num_pools  # blocks per pool
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # hash of a computed full block -> its block id
-        # Blocks with no reference, oldest first; the allocator takes from the front.
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Per pool: hash of a computed full block -> its block id.
+        self.cached: list[dict[bytes, int]] = [{} for _ in range(num_pools)]
+        # Per pool, blocks with no reference, oldest first; the allocator takes from the front.
+        self.free: list[OrderedDict[int, None]] = [
+            OrderedDict.fromkeys(range(p * self.pool_size, (p + 1) * self.pool_size)) for p in range(num_pools)]
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return sum(map(len, self.free))
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by a request (cached-but-free blocks count as free)."""
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> CachedPrefix:
-        """The longest run of the request's leading full blocks already in the cache.
+    def pool_of(self, block: int) -> int:
+        return block // self.pool_size
+
+    def cached_prefix(self, request: Request, pool: int = 0) -> CachedPrefix:
+        """The longest run of the request's leading full blocks already in the pool's cache (counted in
+        no statistic: a pool chooser may ask every pool).
 
         At least one token is always left to compute, since sampling needs its logits.
         """
         if not self.enable_prefix_caching:
             return CachedPrefix([], 0)
         self._update_hashes(request)
+        cached = self.cached[pool]
         hits: list[int] = []
         for block_hash in request.block_hashes:
-            block = self.cached.get(block_hash)
+            block = cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return CachedPrefix(hits, len(hits) * self.block_size)
 
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """`cached_prefix` in the request's pool, counted in the hit rate."""
+        prefix = self.cached_prefix(request, request.kv_pool)
+        self.count_lookup(request, prefix)
+        return prefix
+
+    def count_lookup(self, request: Request, prefix: CachedPrefix) -> None:
+        """Count one admission's lookup in the hit rate (prompt tokens asked, tokens found)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += prefix.num_tokens
+
     def allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after `prefix`, if admitting).
+        """Give the request blocks of its pool for `num_new_tokens` more tokens (after `prefix`, if
+        admitting).
 
         Returns False, changing nothing, when there are not enough free blocks.
         """
         shared = prefix.block_ids if prefix else []
         num_tokens = request.num_computed_tokens + (prefix.num_tokens if prefix else 0) + num_new_tokens
         num_needed = self.blocks_needed(num_tokens) - len(request.block_ids) - len(shared)
+        free = self.free[request.kv_pool]
         # Cached blocks with no reference sit in the free list; taking them shrinks it.
         num_shared_free = sum(1 for b in shared if self.ref_counts[b] == 0)
-        if num_needed > len(self.free) - num_shared_free:
+        if num_needed > len(free) - num_shared_free:
             return False
         for block in shared:
             if self.ref_counts[block] == 0:
-                del self.free[block]
+                del free[block]
             self.ref_counts[block] += 1
         request.block_ids.extend(shared)
         for _ in range(max(num_needed, 0)):
-            block, _ = self.free.popitem(last=False)
+            block, _ = free.popitem(last=False)
             self._forget(block)
             self.ref_counts[block] = 1
             request.block_ids.append(block)
@@ -103,9 +132,10 @@ class KVBlockManager:
         for index in range(num_full):
             block = request.block_ids[index]
             block_hash = request.block_hashes[index]
-            if self.block_hash[block] is None and block_hash not in self.cached:
+            cached = self.cached[self.pool_of(block)]
+            if self.block_hash[block] is None and block_hash not in cached:
                 self.block_hash[block] = block_hash
-                self.cached[block_hash] = block
+                cached[block_hash] = block
 
     def release(self, request: Request) -> None:
         """Drop the request's references. Its last blocks are freed first so they are evicted first:
@@ -113,15 +143,16 @@ class KVBlockManager:
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free[block] = None
+                self.free[self.pool_of(block)][block] = None
         request.block_ids = []
 
     def _forget(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:
             self.block_hash[block] = None
-            if self.cached.get(block_hash) == block:
-                del self.cached[block_hash]
+            cached = self.cached[self.pool_of(block)]
+            if cached.get(block_hash) == block:
+                del cached[block_hash]
 
     def _update_hashes(self, request: Request) -> None:
         tokens = request.all_token_ids

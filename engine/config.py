@@ -40,6 +40,9 @@ class EngineConfig:
     # Ranks the model is split over (parallel/): this process and N-1 workers it starts. The KV cache
     # budget is the whole group's: each rank holds its KV heads of every block.
     tensor_parallel_size: int = 1
+    # How the ranks split attention: by KV heads, or by sequences (each rank its own sequences' attention
+    # with every head, and a pool of the KV blocks; parallel/sequence_split.py).
+    tensor_parallel_attention: str = "heads"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device, self.artifact))
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_attention not in ("heads", "sequences"):
+            raise ValueError(f"tensor_parallel_attention is heads or sequences, not {self.tensor_parallel_attention!r}")
         if self.tensor_parallel_size > 1 and self.artifact is not None:
             raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
 
@@ -126,8 +131,12 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return model.num_layers * elements * dtype.itemsize
 
 
-def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    """(num_blocks, max_model_len) for this model and memory, or a ValueError saying what would fit."""
+def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  num_pools: int = 1) -> tuple[int, int]:
+    """(num_blocks, max_model_len) for this model and memory, or a ValueError saying what would fit.
+
+    `num_pools`: the blocks split into that many equal pools (one per rank, tensor parallelism by
+    sequences), of which one sequence uses one: the longest sequence must fit a pool."""
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
@@ -142,14 +151,17 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
             budget, source = CPU_DEFAULT_KV_GIB * GIB, f"the CPU default of {CPU_DEFAULT_KV_GIB} GiB"
     blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.
-    num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
-    if config.max_model_len is None and num_blocks < blocks_per_seq:
-        # No length was asked for: serve the longest sequence the cache holds.
-        max_model_len, blocks_per_seq = num_blocks * config.block_size, num_blocks
-    if num_blocks < 1 or num_blocks < blocks_per_seq:
-        need = blocks_per_seq * per_block / GIB
+    num_blocks = min(budget // per_block, blocks_per_seq * max(config.max_num_seqs, num_pools))
+    num_blocks -= num_blocks % num_pools
+    pool = num_blocks // num_pools
+    if config.max_model_len is None and pool < blocks_per_seq:
+        # No length was asked for: serve the longest sequence the cache (a pool of it) holds.
+        max_model_len, blocks_per_seq = pool * config.block_size, pool
+    if pool < 1 or pool < blocks_per_seq:
+        need = blocks_per_seq * num_pools * per_block / GIB
+        holds = f"{pool * config.block_size} tokens" + (" a rank" if num_pools > 1 else "")
         raise ValueError(
-            f"the KV cache ({source}: {budget / GIB:.3f} GiB) holds {num_blocks * config.block_size} tokens, "
+            f"the KV cache ({source}: {budget / GIB:.3f} GiB) holds {holds}, "
             f"fewer than max_model_len={max_model_len}; give --kv-cache-memory {need:.3f} or more, "
             f"or lower --max-model-len"
         )

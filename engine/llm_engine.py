@@ -36,16 +36,18 @@ class LLMEngine:
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
         if config.tensor_parallel_size > 1:  # a model passed in is left whole: the ranks get copies
-            self.model = tensor_parallel_model.start(self.model, config.tensor_parallel_size)
+            self.model = tensor_parallel_model.start(self.model, config.tensor_parallel_size,
+                                                     attention=config.tensor_parallel_attention)
         self.config = config
         if self.model.module.block_size != config.block_size:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
                              f"the engine asks for {config.block_size}")
         self.tokenizer = self.model.tokenizer
         module = self.model.module
+        num_pools = getattr(module, "kv_pools", 1)  # one per rank under tensor parallelism by sequences
         num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
-                                                       module.device)
-        self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+                                                       module.device, num_pools)
+        self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_pools)
         bound = config.max_prefill_tokens
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

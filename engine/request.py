@@ -63,6 +63,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    kv_pool: int = 0  # the block manager's pool its blocks come from (chosen at each admission)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -12,6 +12,10 @@ alike) share a smaller budget, `max_prefill_tokens`, so a burst of prompts costs
 bounded delay per step instead of one long stall, and a burst is admitted a few prompts per step: their
 first tokens come out in turn instead of all at the end, and the requests do not all finish (and come
 back) together. With nothing decoding, prompts get the whole step budget.
+
+With the KV blocks split into pools (engine/block_manager.py), an admitted request goes to the pool
+with the fewest running requests, one holding its prefix winning a near tie, and a preemption frees
+blocks in the pool that ran out: the most recently admitted request of that pool is the victim.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import KVBlockManager
+from engine.block_manager import CachedPrefix, KVBlockManager
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -80,9 +84,10 @@ class Scheduler:
         if longest > self.config.max_model_len:
             return (f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.params.max_tokens}) "
                     f"exceeds max_model_len ({self.config.max_model_len})")
-        if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
-            capacity = self.blocks.num_blocks * self.blocks.block_size
-            return f"request needs up to {longest} tokens of KV cache but the whole cache holds {capacity}"
+        if self.blocks.blocks_needed(longest) > self.blocks.pool_size:
+            capacity = self.blocks.pool_size * self.blocks.block_size
+            whole = "the whole cache" if self.blocks.num_pools == 1 else "a pool of the cache (one rank's)"
+            return f"request needs up to {longest} tokens of KV cache but {whole} holds {capacity}"
         return None
 
     def schedule(self) -> SchedulerOutput:
@@ -105,7 +110,7 @@ class Scheduler:
                 remaining = min(remaining, prefill_budget)
             num_new = min(remaining, budget)
             while not self.blocks.allocate(request, num_new):
-                victim = self.running.pop()  # the most recently admitted
+                victim = self._pop_victim(request.kv_pool)  # the pool's most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -131,10 +136,10 @@ class Scheduler:
                 continue
             if request.leader is not None and not (request.leader.is_prefill_done or request.leader.is_finished):
                 break  # first come, first served: nothing overtakes a waiting sample
-            prefix = self.blocks.find_cached_prefix(request)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget, prefill_budget)
-            if not self.blocks.allocate(request, num_new, prefix):
+            admitted = self._allocate_admission(request, min(budget, prefill_budget))
+            if admitted is None:
                 break
+            prefix, num_new = admitted
             self.waiting.popleft()
             request.num_computed_tokens = prefix.num_tokens
             request.num_cached_tokens = prefix.num_tokens
@@ -163,6 +168,37 @@ class Scheduler:
             for request in finished:
                 self.blocks.release(request)
         return finished
+
+    def _allocate_admission(self, request: Request, limit: int) -> tuple[CachedPrefix, int] | None:
+        """Blocks for a waiting request's cached prefix and first chunk (up to `limit` tokens), from the
+        first pool in `_pool_order` that has them: (prefix, chunk length), or None, nothing changed."""
+        for pool in self._pool_order(request):
+            request.kv_pool = pool
+            prefix = self.blocks.cached_prefix(request, pool)
+            num_new = min(request.num_tokens - prefix.num_tokens, limit)
+            if self.blocks.allocate(request, num_new, prefix):
+                self.blocks.count_lookup(request, prefix)
+                return prefix, num_new
+        return None
+
+    def _pool_order(self, request: Request) -> list[int]:
+        """Pools by load (running requests); a pool holding the request's prefix counts one request
+        lighter, since computing the prefix again costs more than a sequence of imbalance."""
+        num_pools = self.blocks.num_pools
+        if num_pools == 1:
+            return [0]
+        load = [0] * num_pools
+        for running in self.running:
+            load[running.kv_pool] += 1
+        hit = [self.blocks.cached_prefix(request, pool).num_tokens for pool in range(num_pools)]
+        return sorted(range(num_pools), key=lambda pool: (load[pool] - (hit[pool] > 0), -hit[pool], pool))
+
+    def _pop_victim(self, pool: int) -> Request:
+        """The most recently admitted running request of the pool (the caller's own request at worst)."""
+        for index in range(len(self.running) - 1, -1, -1):
+            if self.running[index].kv_pool == pool:
+                return self.running.pop(index)
+        raise RuntimeError(f"no running request holds blocks of pool {pool}")
 
     def _preempt(self, request: Request) -> None:
         self.blocks.release(request)

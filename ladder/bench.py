@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory_gib=args.kv_cache_memory,
         hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype, device=args.device,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_attention=args.tensor_parallel_attention,
     )
     report = run_bench(config)
     print(format_table(report))

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,

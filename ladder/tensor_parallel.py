@@ -1,4 +1,4 @@
-"""`--tensor-parallel-size N`, shared by serve, generate and bench."""
+"""`--tensor-parallel-size N` and `--tensor-parallel-attention`, shared by serve, generate and bench."""
 
 from __future__ import annotations
 
@@ -10,3 +10,7 @@ def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
                         help="split the model over N ranks: this process and N-1 worker processes it starts "
                              "(gloo on a CPU, one GPU per rank with NCCL on CUDA); N may not exceed the model's "
                              "KV heads (default 1)")
+    parser.add_argument("--tensor-parallel-attention", choices=("heads", "sequences"), default="heads",
+                        help="how the ranks split attention: by KV heads (each rank its heads of every sequence), "
+                             "or by sequences (each rank every head of its own sequences, and its own part of "
+                             "the KV cache; no limit from the KV heads) (default heads)")

@@ -19,8 +19,13 @@ class Sequences:
         self.model = model
         self.max_len = max_len
         blocks_per_seq = blocks_for_tokens(max_len, model.block_size)
-        self.kv_caches = model.allocate_kv_caches(num_seqs * blocks_per_seq)
-        self.tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        # A model whose cache is split into pools (tensor parallelism by sequences) needs each sequence's
+        # blocks in one pool: sequence i goes to pool i % pools.
+        pools = getattr(model, "kv_pools", 1)
+        per_pool = -(-num_seqs // pools) * blocks_per_seq
+        self.kv_caches = model.allocate_kv_caches(pools * per_pool)
+        self.tables = [list(range(start, start + blocks_per_seq))
+                       for i in range(num_seqs) for start in [i % pools * per_pool + i // pools * blocks_per_seq]]
         self.lengths = [0] * num_seqs
 
     def step(self, new_tokens: list[list[int]], all_rows: bool = False) -> torch.Tensor:

@@ -104,6 +104,17 @@ class Collectives:
         self._timed("all_gather", started)
         return gathered
 
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rank r's x [counts[r], W] -> on every rank the ranks' rows one after another, [sum(counts), W]."""
+        width = x.shape[1]
+        total = sum(counts)
+        if self.shared is not None and self.shared.supports_gather(x) and max(counts) * width <= self.shared.capacity:
+            # Rows are contiguous: rank-major rows are one flat run of each rank's elements.
+            flat = self.all_gather_columns(x.reshape(1, -1), [count * width for count in counts])
+            return flat.view(total, width)
+        # Larger parts (a long prefill on one rank) go as columns of the transpose, in row pieces.
+        return self.all_gather_columns(x.t().contiguous(), counts).t().contiguous()
+
     def send(self, x: torch.Tensor, rank: int) -> None:
         self.group.send([x.contiguous()], rank, 0).wait()
 

@@ -6,6 +6,9 @@ with an uneven split (SmolLM2-135M, the default model, has 3 KV heads and 9 quer
 rank holds 1 KV head, the other 2); the remainder goes to the last ranks, since rank 0 also schedules
 and samples. A size above the number of KV heads would leave a rank without attention work and is
 refused.
+
+Split by sequences instead (parallel/sequence_split.py), every rank holds every head, and the KV cache
+is split by blocks: rank r holds pool r of the engine's blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+
+ATTENTION_SPLITS = ("heads", "sequences")
 
 
 def split(total: int, size: int) -> list[range]:
@@ -32,12 +37,20 @@ class TensorParallelLayout:
     vocab: list[range]  # per rank, rows of the embedding and of the LM head
     heads_per_kv: int  # query heads per KV head (GQA group)
     head_dim: int
+    by_sequences: bool = False  # attention split by sequences: every rank holds every head
 
     @classmethod
-    def for_model(cls, config: ModelConfig, size: int) -> TensorParallelLayout:
-        """ValueError (one line) for a size the model cannot be split into."""
+    def for_model(cls, config: ModelConfig, size: int, attention: str = "heads") -> TensorParallelLayout:
+        """ValueError (one line) for a size the model cannot be split into. `attention`: split by
+        "heads" or by "sequences"."""
         if size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
+        if attention not in ATTENTION_SPLITS:
+            raise ValueError(f"attention is split by one of {', '.join(ATTENTION_SPLITS)}, not {attention!r}")
+        if attention == "sequences":
+            return cls(size, [range(config.num_kv_heads)] * size, split(config.intermediate_size, size),
+                       split(config.vocab_size, size), config.num_heads // config.num_kv_heads, config.head_dim,
+                       by_sequences=True)
         if size > config.num_kv_heads:
             raise ValueError(f"--tensor-parallel-size {size} exceeds the model's {config.num_kv_heads} KV heads "
                              f"({config.num_heads} query heads): each rank must hold at least one KV head")
@@ -61,6 +74,15 @@ class TensorParallelLayout:
         """The model as rank `rank` sees its attention: its own heads (the size of its KV cache)."""
         num_kv = len(self.kv_heads[rank])
         return dataclasses.replace(config, num_kv_heads=num_kv, num_heads=num_kv * self.heads_per_kv)
+
+    def blocks_per_rank(self, num_blocks: int) -> int:
+        """KV blocks a rank allocates when the engine has `num_blocks` (its pool, split by sequences)."""
+        return num_blocks // self.size if self.by_sequences else num_blocks
+
+    @property
+    def kv_pools(self) -> int:
+        """Pools the engine's block manager keeps: one per rank when split by sequences."""
+        return self.size if self.by_sequences else 1
 
     @property
     def is_even(self) -> bool:

@@ -36,6 +36,7 @@ from model.rope import inverse_frequencies
 from parallel.collectives import Collectives
 from parallel.layout import TensorParallelLayout
 from parallel.row_parallel_w8a8 import RowParallelW8A8
+from parallel.sequence_split import SequenceSplitAttention
 from parallel.vocab_parallel_embedding import VocabParallelEmbedding
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -68,7 +69,7 @@ def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: 
             shards[name] = _rows(t, [layout.vocab[rank]])
         elif module.endswith("self_attn.qkv_proj"):  # weight [q + 2 kv, H], bias and scale [q + 2 kv]
             shards[name] = _rows(t, qkv_rows)
-        elif module.endswith("self_attn.o_proj") and replicates_o_proj(quantization):
+        elif module.endswith("self_attn.o_proj") and (replicates_o_proj(quantization) or layout.by_sequences):
             shards[name] = t  # whole, bias included, on every rank
         elif module.endswith("mlp.gate_up_proj"):  # weight [2 I, H], scale [2 I]
             shards[name] = _rows(t, [cols, range(inter + cols.start, inter + cols.stop)])
@@ -125,12 +126,14 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
     for layer in module.layers:
         if isinstance(layer.mlp.down_proj, W8A8Linear):
             layer.mlp.down_proj = RowParallelW8A8(layer.mlp.down_proj, collectives)
+        if layout.by_sequences:
+            layer.self_attn = SequenceSplitAttention(layer.self_attn, collectives)
     hook_collectives(module, layout, collectives, quantization)
     return module.eval().requires_grad_(False)
 
 
-def row_parallel_layers(layer: nn.Module, quantization: str) -> list[nn.Module]:
-    if replicates_o_proj(quantization):
+def row_parallel_layers(layer: nn.Module, layout: TensorParallelLayout, quantization: str) -> list[nn.Module]:
+    if layout.by_sequences or replicates_o_proj(quantization):
         return [layer.mlp.down_proj]
     return [layer.self_attn.o_proj, layer.mlp.down_proj]
 
@@ -138,7 +141,8 @@ def row_parallel_layers(layer: nn.Module, quantization: str) -> list[nn.Module]:
 def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, collectives: Collectives,
                      quantization: str) -> None:
     """An all-reduce after each float or int8 row-parallel layer (W8A8's reduce inside RowParallelW8A8),
-    an all-gather before W8A8's whole o_proj, a gather of the vocabulary shards after the LM head."""
+    an all-gather before W8A8's whole o_proj (heads split; split by sequences, the attention module
+    gathers its output rows itself), a gather of the vocabulary shards after the LM head."""
 
     def all_reduce(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce(output)
@@ -150,9 +154,9 @@ def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, col
         return (collectives.all_gather_columns(x.contiguous(), head_widths),)
 
     for layer in module.layers:
-        if replicates_o_proj(quantization):
+        if replicates_o_proj(quantization) and not layout.by_sequences:
             layer.self_attn.o_proj.register_forward_pre_hook(gather_heads)
-        for row_parallel in row_parallel_layers(layer, quantization):
+        for row_parallel in row_parallel_layers(layer, layout, quantization):
             if not isinstance(row_parallel, RowParallelW8A8):
                 row_parallel.register_forward_hook(all_reduce)
 

@@ -3,8 +3,10 @@
 `start` shards a loaded model over N ranks: rank 0 (this process) keeps its shard, and ranks 1..N-1 run in
 worker processes it spawns (torch.multiprocessing; gloo on a CPU, NCCL on CUDA). Each step, rank 0 sends
 the step's flat inputs to every worker, runs its own shard, and returns the full logits gathered from the
-ranks' vocabulary shards; scheduler, block manager, sampler and server are unchanged. Each rank holds the
-KV cache of its own KV heads for the same block ids, so the block manager's count is every rank's.
+ranks' vocabulary shards; scheduler, block manager, sampler and server are unchanged. Split by heads,
+each rank holds the KV cache of its own KV heads for the same block ids, so the block manager's count is
+every rank's; split by sequences (parallel/sequence_split.py), the block manager keeps a pool per rank
+(`kv_pools`) and rank r holds pool r's blocks with every head.
 
 Failure: a worker that exits (its process sentinel fires), a collective that errors or outlives the
 timeout, or a step that breaks off half way leaves the ranks out of step for good. The model then raises
@@ -40,6 +42,7 @@ from parallel import step_message
 from parallel.collectives import Collectives, create_group
 from parallel.errors import TensorParallelError
 from parallel.layout import TensorParallelLayout
+from parallel.sequence_split import rank_plan
 from parallel.shard import build_rank_module, shard_state
 from parallel.shared_memory_all_reduce import SharedMemoryAllReduce, available, create_region
 from parallel.worker import WorkerSpec, worker_main
@@ -80,6 +83,8 @@ class TensorParallelModel:
         self.workers = workers  # ranks 1..N-1
         self.pipes = pipes
         self.block_size = shard.block_size
+        self.kv_pools = layout.kv_pools  # the block manager's pools (engine/block_manager.py)
+        self.blocks_per_rank = 0  # set when the KV cache is allocated
         self.kv_cache_dtype = shard.kv_cache_dtype
         self.device = shard.device
         self.num_steps = 0
@@ -98,13 +103,15 @@ class TensorParallelModel:
     # -- the step interface ------------------------------------------------------------------------
 
     def plan(self, meta: AttentionMetadata) -> TensorParallelPlan:
-        return TensorParallelPlan(meta, self.shard.plan(meta))
+        return TensorParallelPlan(meta, rank_plan(self.shard, self.layout, meta, 0, self.blocks_per_rank))
 
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """`num_blocks` blocks on every rank, each of its own KV heads."""
+        """Split by heads: `num_blocks` blocks on every rank, each of its own KV heads; by sequences: a
+        pool of num_blocks / size blocks on each rank, every head."""
         self._send(step_message.encode_command(step_message.ALLOCATE, num_blocks))
         local = self.layout.local_config(self.config, 0)
-        return allocate_kv_caches(local, self.block_size, num_blocks, self.kv_cache_dtype, self.device)
+        self.blocks_per_rank = self.layout.blocks_per_rank(num_blocks)
+        return allocate_kv_caches(local, self.block_size, self.blocks_per_rank, self.kv_cache_dtype, self.device)
 
     def sample_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       plan: TensorParallelPlan, sample_rows: torch.Tensor) -> torch.Tensor:
@@ -211,10 +218,11 @@ class TensorParallelModel:
             self._mark_failed(self._dead_worker(wait_s=1.0) or "a tensor-parallel worker exited")
 
 
-def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> LoadedModel:
-    """`loaded` (an eager LlamaForCausalLM, float or quantized at load) served by `size` ranks: the same
-    LoadedModel with a TensorParallelModel as its module. `loaded` itself is left as it was. ValueError
-    (one line) for a size the model cannot be split into, or more CUDA devices than there are."""
+def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, attention: str = "heads") -> LoadedModel:
+    """`loaded` (an eager LlamaForCausalLM, float or quantized at load) served by `size` ranks, attention
+    split by "heads" or "sequences": the same LoadedModel with a TensorParallelModel as its module.
+    `loaded` itself is left as it was. ValueError (one line) for a size the model cannot be split into,
+    or more CUDA devices than there are."""
     full = loaded.module
     if not isinstance(full, LlamaForCausalLM):
         raise ValueError("tensor parallelism applies to an eager model, not to a compiled artifact")
@@ -222,7 +230,7 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
         raise ValueError(f"quantization {loaded.quantization} is not split across tensor-parallel ranks "
                          f"(choose {', '.join(INT8_LINEARS)} or none)")
     config = loaded.config
-    layout = TensorParallelLayout.for_model(config, size)
+    layout = TensorParallelLayout.for_model(config, size, attention)
     device = full.device
     if device.type == "cuda":
         base = device.index or 0
@@ -246,7 +254,7 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     for rank in range(1, size):
         tensors = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in shards[rank].items()]
         spec = WorkerSpec(rank, size, backend, "127.0.0.1", store.port, timeout_s, str(devices[rank]), num_threads,
-                          config, full.block_size, loaded.quantization, tensors,
+                          config, full.block_size, loaded.quantization, tensors, attention,
                           None if region is None else str(region))
         receive, send = context.Pipe(duplex=False)
         worker = context.Process(target=worker_main, args=(spec, receive), name=f"ladder-tp-rank{rank}", daemon=True)
@@ -280,8 +288,8 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) 
     del shards, state
     if device.type == "cpu":
         torch.set_num_threads(num_threads)
-    log.info("tensor parallel: %d ranks (%s), KV heads per rank %s, %d CPU threads per rank", size, backend,
-             [len(r) for r in layout.kv_heads], num_threads)
+    log.info("tensor parallel: %d ranks (%s), attention split by %s, KV heads per rank %s, %d CPU threads per rank",
+             size, backend, attention, [len(r) for r in layout.kv_heads], num_threads)
     model = TensorParallelModel(module, config, layout, collectives, workers, pipes, threads_before)
     return dataclasses.replace(loaded, module=model)
 

@@ -25,6 +25,7 @@ from model.step import allocate_kv_caches
 from parallel import step_message
 from parallel.collectives import Collectives, create_group
 from parallel.layout import TensorParallelLayout
+from parallel.sequence_split import rank_plan
 from parallel.shard import build_rank_module
 from parallel.shared_memory_all_reduce import SharedMemoryAllReduce
 
@@ -47,6 +48,7 @@ class WorkerSpec:
     block_size: int
     quantization: str  # the int8 scheme the linears carry, or none
     tensors: list[tuple[str, tuple[int, ...], str]]  # the shard's state dict: (name, shape, dtype), in send order
+    attention: str  # split by "heads" or "sequences" (parallel/layout.py)
     shared_region: str | None = None  # the shared-memory all-reduce's file (CPU ranks), mapped before joining
 
 
@@ -67,12 +69,13 @@ def worker_main(spec: WorkerSpec, commands: Connection) -> None:
     collectives = Collectives(group, spec.rank, spec.size, shared)
     state = {name: collectives.receive(torch.empty(shape, dtype=getattr(torch, dtype), device=device), 0)
              for name, shape, dtype in spec.tensors}
-    layout = TensorParallelLayout.for_model(spec.config, spec.size)
+    layout = TensorParallelLayout.for_model(spec.config, spec.size, spec.attention)
     module = build_rank_module(spec.config, spec.block_size, select_ops(device), spec.quantization, state, layout,
                                collectives)
     del state
     local_config = layout.local_config(spec.config, spec.rank)
     kv_caches: list[torch.Tensor] = []
+    blocks_per_rank = 0
     with torch.inference_mode():
         while True:
             try:
@@ -83,11 +86,12 @@ def worker_main(spec: WorkerSpec, commands: Connection) -> None:
             if command == step_message.STOP:
                 break
             if command == step_message.ALLOCATE:
-                kv_caches = allocate_kv_caches(local_config, spec.block_size, int(values[0]), module.kv_cache_dtype,
+                blocks_per_rank = layout.blocks_per_rank(int(values[0]))
+                kv_caches = allocate_kv_caches(local_config, spec.block_size, blocks_per_rank, module.kv_cache_dtype,
                                                device)
             elif command == step_message.STEP:
                 step = step_message.decode_step(values, device)
-                plan = module.plan(step.meta)
+                plan = rank_plan(module, layout, step.meta, spec.rank, blocks_per_rank)
                 module.sample_logits(step.input_ids, step.positions, kv_caches, plan, step.sample_rows)
             else:
                 raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown command {command}")

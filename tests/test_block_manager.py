@@ -68,7 +68,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     a = request([1, 2, 3, 4, 5], "a")  # blocks: [1,2] [3,4] [5]
     admit(blocks, a)
     blocks.release(a)  # all free, two of them still cached
-    assert len(blocks.cached) == 2
+    assert len(blocks.cached[0]) == 2
     again = request([1, 2, 3, 4, 9], "again")
     assert admit(blocks, again) == 4  # found while free
     blocks.release(again)
@@ -76,7 +76,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     c = request([7, 7, 7, 7, 7, 7, 7], "c")
     assert admit(blocks, c) == 0
     assert len(c.block_ids) == 4
-    assert all(blocks.cached.get(h) in c.block_ids for h in blocks.cached)  # only c's own blocks remain
+    assert all(blocks.cached[0].get(h) in c.block_ids for h in blocks.cached[0])  # only c's own blocks remain
     assert blocks.find_cached_prefix(request([1, 2, 3, 4, 5], "d")).num_tokens == 0
 
 
@@ -95,3 +95,21 @@ def test_disabled_prefix_cache_never_hits():
     blocks = KVBlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
     admit(blocks, request(list(range(9)), "a"))
     assert admit(blocks, request(list(range(9)), "b")) == 0
+
+
+def test_pools_keep_their_blocks_and_their_prefixes_apart():
+    blocks = KVBlockManager(num_blocks=8, block_size=4, num_pools=2)
+    first = request(list(range(9)), "first")
+    first.kv_pool = 1
+    assert admit(blocks, first) == 0
+    assert all(4 <= b < 8 for b in first.block_ids)  # pool 1 is blocks 4..7
+    again = request(list(range(9)), "again")  # pool 0 has never computed the prefix
+    assert blocks.cached_prefix(again, 0).num_tokens == 0
+    assert blocks.cached_prefix(again, 1).num_tokens == 8
+    assert admit(blocks, again) == 0 and all(b < 4 for b in again.block_ids)
+    late = request(list(range(20)), "late")  # 5 blocks: more than a pool holds, though 5 are free in all
+    late.kv_pool = 1
+    assert not blocks.allocate(late, 20) and late.block_ids == []
+    blocks.release(first)
+    blocks.release(again)
+    assert blocks.num_free_blocks == 8 and blocks.usage == 0.0

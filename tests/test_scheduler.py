@@ -176,3 +176,50 @@ def test_prompts_share_a_smaller_budget_while_requests_decode():
     started = [rid for step in admitted_steps for rid in step]
     assert len([s for s in admitted_steps if s]) >= 5
     assert [rid for i, rid in enumerate(started) if rid not in started[:i]] == [f"b{i}" for i in range(6)]
+
+
+def make_pooled(num_blocks=16, block_size=4, max_num_seqs=8, max_model_len=32):
+    blocks = KVBlockManager(num_blocks, block_size, True, num_pools=2)
+    return Scheduler(SchedulerConfig(max_num_seqs, 64, max_model_len), blocks)
+
+
+def test_pools_take_turns_and_a_prefix_holder_wins_a_near_tie():
+    scheduler = make_pooled()
+    shared = list(range(100, 108))  # two full blocks
+    requests = [Request(str(i), shared + [i], SamplingParams(max_tokens=2)) for i in range(4)]
+    plans = run(scheduler, requests[:1])  # pool 0 computes the prefix
+    assert requests[0].kv_pool == 0 and plans
+    for r in requests[1:]:
+        scheduler.add(r)
+    scheduler.schedule()
+    # Pool 0 is empty again and holds the prefix: the first goes there, the next to pool 1 (pool 0 now
+    # one request heavier, which the prefix evens out: a tie broken by the hit), then pool 1 leads.
+    assert [r.kv_pool for r in requests[1:]] == [0, 0, 1]
+    assert [r.num_cached_tokens for r in requests[1:]] == [8, 8, 0]
+
+
+def test_a_full_pool_preempts_its_own_newest_request():
+    scheduler = make_pooled(num_blocks=8, block_size=4)  # 4 blocks a pool
+    a = Request("a", list(range(6)), SamplingParams(max_tokens=10, ignore_eos=True))  # up to 4 blocks
+    b = Request("b", list(range(50, 56)), SamplingParams(max_tokens=2))
+    c = Request("c", list(range(80, 85)), SamplingParams(max_tokens=10, ignore_eos=True))
+    for r in (a, b, c):
+        scheduler.add(r)
+    plan = scheduler.schedule()
+    assert [r.kv_pool for r in (a, b, c)] == [0, 1, 0]
+    preempted = []
+    while scheduler.has_unfinished() and not preempted:
+        scheduler.finish_step(plan)
+        for item in plan.scheduled:
+            if item.request.num_computed_tokens == item.request.num_tokens:
+                item.request.output_token_ids.append(1)
+        plan = scheduler.schedule()
+        preempted = plan.preempted
+    assert preempted == [c]  # pool 0 ran out; b, in pool 1, was never a victim
+    assert b.num_preemptions == 0 and a.num_preemptions == 0
+
+
+def test_a_request_longer_than_a_pool_is_refused_with_the_pool_named():
+    scheduler = make_pooled(num_blocks=8, block_size=4, max_model_len=64)
+    reason = scheduler.why_never_fits(Request("long", list(range(10)), SamplingParams(max_tokens=10)))
+    assert reason is not None and "a pool of the cache (one rank's) holds 16" in reason

@@ -87,11 +87,13 @@ def tiny_w8a8(tiny_dir):
         return load(directory, quantization="w8a8")
 
 
-def tiny_engine(loaded, tensor_parallel_size: int) -> LLMEngine:
-    """A cache of 8 blocks of 16 tokens: the longest prompt fits alone, the 8 prompts together do not."""
+def tiny_engine(loaded, tensor_parallel_size: int, attention: str = "heads") -> LLMEngine:
+    """A cache of 8 blocks of 16 tokens (split by sequences: 4 a rank): the longest prompt fits alone,
+    the 8 prompts together do not."""
     per_block = bytes_per_block(loaded.config, 16, torch.float32)
     return LLMEngine(EngineConfig(kv_cache_memory_gib=8 * per_block / 2**30, max_model_len=64, max_num_seqs=8,
-                                  tensor_parallel_size=tensor_parallel_size), loaded=loaded)
+                                  tensor_parallel_size=tensor_parallel_size, tensor_parallel_attention=attention),
+                     loaded=loaded)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,54 @@ def test_batch_with_preemption_gives_each_prompt_its_tokens_alone(tiny_tp, tiny_
     assert seconds["all_reduce"] > 0 and seconds["gather"] > 0 and seconds["broadcast"] > 0
     # W8A8: the down_proj scales' maxima, and the attention output gathered for the whole o_proj
     assert seconds["all_reduce_max"] > 0 and seconds["all_gather"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_by_sequences(tiny_w8a8):
+    engine = tiny_engine(tiny_w8a8, 2, "sequences")
+    yield engine
+    engine.close()
+    assert all(worker.exitcode is not None for worker in engine.runner.module.workers)
+
+
+def test_attention_split_by_sequences_gives_one_process_bits(tiny_by_sequences, tiny_reference):
+    engine = tiny_by_sequences
+    module = engine.runner.module
+    assert module.kv_pools == 2 and engine.blocks.num_pools == 2 and engine.blocks.pool_size == 4
+    attention = module.shard.layers[0].self_attn.attention
+    assert attention.qkv_proj.out_features == (4 + 2 * 2) * 16  # every head on every rank
+    assert engine.runner.kv_caches[0].shape[1:4] == (4, 16, 2)  # rank 0's pool: 4 blocks, both KV heads
+    # Alone, each prompt runs on one rank's attention while both split the MLP: one process, bit for bit.
+    assert run_alone(engine, tiny_prompts()) == tiny_reference
+    # Together, the prompts spread over both pools, a full pool preempts its own requests, and each
+    # prompt's tokens are its tokens alone (after a preemption, recomputed: tokens, not bits).
+    preemptions = engine.stats.num_preemptions
+    batched = run(engine, tiny_prompts())
+    assert engine.stats.num_preemptions > preemptions
+    assert assert_same_tokens(tiny_reference, batched) == 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    seconds = engine.stats.snapshot()["communication"]
+    assert seconds["all_gather"] > 0 and seconds["all_reduce"] > 0 and seconds["gather"] > 0
+
+
+def test_split_by_sequences_finds_a_prefix_in_its_own_pool(tiny_by_sequences, tiny_reference):
+    engine = tiny_by_sequences
+    prompt = tiny_prompts()[6]  # 45 tokens: two full blocks to find again
+    assert run(engine, [prompt]) == [tiny_reference[6]]
+    for _ in range(2):  # with both pools idle, the one holding the prompt's two full blocks takes it
+        hits = engine.blocks.prefix_hits
+        assert run(engine, [prompt]) == [tiny_reference[6]]
+        assert engine.blocks.prefix_hits - hits == 32
+
+
+def test_sequences_driven_without_an_engine_keep_each_sequence_in_one_pool(tiny_by_sequences, tiny_w8a8):
+    """model/sequences.py (generate, perplexity) gives a pooled model's sequences one pool each."""
+    from model.sequences import Sequences
+
+    prompts = tiny_prompts()[:3]
+    split = Sequences(tiny_by_sequences.runner.module, 3, 48).step(prompts)
+    whole = Sequences(tiny_w8a8.module, 3, 48).step(prompts)
+    assert torch.equal(split, whole)
 
 
 def test_a_size_the_heads_cannot_take_is_refused_in_one_line(tiny_dir, capsys):
