@@ -21,6 +21,9 @@ class ModelRunner:
     def __init__(self, module: StepModel, num_blocks: int) -> None:
         self.module = module
         self.kv_caches = module.allocate_kv_caches(num_blocks)
+        # A cache split into pools (one per rank, tensor parallelism by sequences): the step's sequences go
+        # pool by pool, so each rank's rows are one contiguous run of the batch (a view, not a gather).
+        self.num_pools = getattr(module, "kv_pools", 1)
 
     def warm_up(self) -> None:
         """A 2-token prefill and a 1-token decode in block 0, so the kernels an eager model builds or loads
@@ -35,7 +38,10 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         chunks: list[SeqChunk] = []
         sample_requests: list[Request] = []
-        for item in batch.scheduled:
+        scheduled = batch.scheduled
+        if self.num_pools > 1:
+            scheduled = sorted(scheduled, key=lambda item: item.request.kv_pool)  # stable: order within a pool kept
+        for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
             # Only a chunk that reaches the request's last known token gives the next token.

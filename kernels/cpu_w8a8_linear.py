@@ -347,8 +347,9 @@ def quantize_rows_ref(rows: torch.Tensor, row_max: torch.Tensor | None = None) -
 
 
 def row_maximum(rows: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] -> max |x| of each row, [M, 1] (exact: a maximum does not round)."""
-    return torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True)
+    """rows [M, K] -> max |x| of each row, [M, 1] (exact: a maximum does not round). abs + amax: the
+    infinity norm computes the same value ten times slower on a CPU (104 vs 9 us for [32, 768])."""
+    return rows.abs().amax(dim=-1, keepdim=True)
 
 
 def w8a8_int32(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int,

@@ -33,7 +33,8 @@ from parallel.layout import TensorParallelLayout
 class SequencePlan:
     """What every layer's attention needs to run this rank's sequences and put the batch back together."""
 
-    rows: torch.Tensor | None  # [T_rank] this rank's token rows of the flat batch; None: all of them
+    rows: slice | torch.Tensor  # this rank's token rows of the flat batch: a run of them (the engine's
+    # batches go pool by pool), or [T_rank] indices
     counts: list[int]  # tokens each rank holds this step, in rank order
     order: torch.Tensor | None  # [T] row i of the batch is row order[i] of the ranks' concatenation; None: same
     local: Any | None  # the attention backend's plan of this rank's sequences; None: it holds none
@@ -73,14 +74,15 @@ def plan_sequences(attention, meta: AttentionMetadata, rank: int, size: int, poo
     """The rank's SequencePlan for a step (`attention`: the model's backend, which plans its own part)."""
     local, token_owner, counts = local_metadata(meta, rank, size, pool_size, block_size)
     device = meta.seq_lens.device
-    rows = None if counts[rank] == token_owner.numel() else (token_owner == rank).nonzero().squeeze(1).to(device)
+    if bool((token_owner[1:] >= token_owner[:-1]).all()):  # rank-major already: views, no reordering
+        start = sum(counts[:rank])
+        return SequencePlan(slice(start, start + counts[rank]), counts, None,
+                            None if local is None else attention.plan(local))
+    rows = (token_owner == rank).nonzero().squeeze(1).to(device)
     by_rank = torch.argsort(token_owner, stable=True)  # [T] the concatenation's rows, as batch rows
-    order = None
-    if not torch.equal(by_rank, torch.arange(by_rank.numel())):
-        order = torch.empty_like(by_rank)
-        order[by_rank] = torch.arange(by_rank.numel())
-        order = order.to(device)
-    return SequencePlan(rows, counts, order, None if local is None else attention.plan(local))
+    order = torch.empty_like(by_rank)
+    order[by_rank] = torch.arange(by_rank.numel())
+    return SequencePlan(rows, counts, order.to(device), None if local is None else attention.plan(local))
 
 
 class SequenceSplitAttention(nn.Module):
@@ -93,8 +95,7 @@ class SequenceSplitAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 plan: SequencePlan) -> torch.Tensor:  # x [T, hidden] -> [T, hidden]
-        if plan.rows is not None:
-            x, cos, sin = x[plan.rows], cos[plan.rows], sin[plan.rows]
+        x, cos, sin = x[plan.rows], cos[plan.rows], sin[plan.rows]  # views when rows is a slice
         if plan.local is None:
             out = x.new_empty(0, self.attention.o_proj.out_features)
         else:
