@@ -71,6 +71,19 @@ class LadderIngress:
         return b"".join(chunks)
 
 
+def ingress_asgi_app(ingress: LadderIngress):
+    """The ingress as a plain ASGI app, for an HTTP server of its own outside Serve (`ladder serve --ray`):
+    no Serve proxy in front, so each streamed event crosses one process boundary fewer."""
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":  # uvicorn runs with lifespan off; websockets are not served
+            return
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    return app
+
+
 class RelayedResponse(Response):
     """The replica's ASGI messages, sent on as they come. `first` starts with http.response.start."""
 

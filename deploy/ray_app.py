@@ -126,7 +126,9 @@ def coerce(key: str, value: object, annotation: str) -> object:
     return value
 
 
-def build_app(config: RayAppConfig) -> Application:
+def build_replicas(config: RayAppConfig) -> Application:
+    """The engine replicas alone, routed by the prefix router of whichever process holds their handle (the
+    ingress deployment, or `ladder serve --ray`'s own HTTP server)."""
     replica = serve.deployment(LadderReplica).options(
         name="LadderReplica",
         num_replicas="auto" if config.max_replicas is not None else config.replicas,
@@ -142,14 +144,18 @@ def build_app(config: RayAppConfig) -> Application:
             request_router_class=f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
             request_router_kwargs={"imbalance_threshold": config.imbalance_threshold}),
     )
+    threads = max(1, int(config.num_cpus_per_replica))
+    return replica.bind(config.engine, config.server, threads, config.step_timeout)
+
+
+def build_app(config: RayAppConfig) -> Application:
+    """The whole application behind Serve's HTTP proxy: the ingress deployment and the replicas."""
     # One ingress: its router sends every request, so the router's own in-flight counts are exact loads.
     ingress = serve.deployment(LadderIngress).options(
         name="LadderIngress", num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config=QUIET,
         max_ongoing_requests=config.max_queue * (config.max_replicas or config.replicas) + 64,
     )
-    threads = max(1, int(config.num_cpus_per_replica))
-    return ingress.bind(replica.bind(config.engine, config.server, threads, config.step_timeout),
-                        config.max_body_bytes)
+    return ingress.bind(build_replicas(config), config.max_body_bytes)
 
 
 def app_builder(args: dict) -> Application:

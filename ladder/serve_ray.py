@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--cpus-per-replica", type=float, default=None,
                      help="CPUs Ray reserves for each replica, also its torch threads (default: the cores / replicas)")
     ray.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs for each replica (default 0)")
+    ray.add_argument("--ray-ingress", choices=("process", "serve"), default="process",
+                     help="who answers HTTP: this process, routing to the replicas itself (one relay hop per "
+                          "streamed event), or Serve's HTTP proxy and an ingress deployment, as `serve run "
+                          "deploy.ray_app:app_builder` runs it (two hops) (default process)")
     ray.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (default: start a local Ray instance with this machine's cores)")
 
@@ -36,7 +40,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
         import ray
         from ray import serve
 
-        from deploy.ray_app import RayAppConfig, build_app
+        from deploy.ingress import LadderIngress, ingress_asgi_app
+        from deploy.ray_app import RayAppConfig, build_app, build_replicas
     except ImportError as error:
         raise ValueError(f"ladder serve --ray needs Ray Serve ({error.name} is missing): "
                          "pip install 'ladder[ray]'") from None
@@ -63,15 +68,33 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name="ladder", route_prefix="/")
-        log.info("serving from %d replica(s) on Ray Serve at http://%s:%d", args.replicas, args.host, args.port)
-        stop.wait()
+        if args.ray_ingress == "process":
+            # No Serve proxy: this process's HTTP server runs the ingress over the replicas' handle, whose
+            # prefix router lives here.
+            serve.start(proxy_location="Disabled")
+            replicas_handle = serve.run(build_replicas(config), name="ladder", route_prefix=None)
+            log.info("serving from %d replica(s) on Ray Serve at http://%s:%d (this process routes)", args.replicas,
+                     args.host, args.port)
+            serve_http(ingress_asgi_app(LadderIngress(replicas_handle, config.max_body_bytes)), args.host, args.port)
+        else:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(app, name="ladder", route_prefix="/")
+            log.info("serving from %d replica(s) on Ray Serve at http://%s:%d", args.replicas, args.host, args.port)
+            stop.wait()
         log.info("stopping: replicas finish in-flight requests for up to %.0f s", args.shutdown_timeout)
     finally:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def serve_http(app, host: str, port: int) -> None:
+    """Answer HTTP with `app` until SIGINT or SIGTERM (uvicorn's own handlers; it then re-raises the
+    signal to the handlers installed before it, which only set an event here)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False,
+                                  log_level="warning")).run()
 
 
 def engine_kwargs_of(config, device: str, quantization: str) -> dict:

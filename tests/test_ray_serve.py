@@ -1,12 +1,14 @@
 """The Ray Serve application on a local Ray instance this module starts: 2 CPUs, the tiny chat model, 2
-engine replicas of one torch thread each. The OpenAI client answers through it, prefix routing shows in
-the ingress's /metrics, and a killed replica fails its in-flight stream cleanly while service goes on and
-Serve replaces it."""
+engine replicas of one torch thread each, reached through both fronts: Serve's HTTP proxy and the ingress
+deployment (`serve run`), and an ingress hosted in this process over the replicas' handle (`ladder serve
+--ray`). The OpenAI client answers through each, prefix routing shows in each front's /metrics, and a
+killed replica fails its in-flight stream cleanly while service goes on and Serve replaces it."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -56,8 +58,36 @@ def ray_app(tmp_path_factory):
         ray.shutdown()  # stops every process of this Ray instance; Serve's graceful drain is not under test
 
 
-def test_the_openai_client_answers_through_ray(ray_app):
+@pytest.fixture(scope="module")
+def process_front(ray_app):
+    """The ingress as `ladder serve --ray` hosts it: an HTTP server of this process, routing through its own
+    handle to the same replicas (its router, and its counts, are this process's)."""
+    import uvicorn
+
+    from deploy.ingress import LadderIngress, ingress_asgi_app
+
+    handle = serve.get_deployment_handle("LadderReplica", app_name=APP)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(ingress_asgi_app(LadderIngress(handle)), host="127.0.0.1", port=port,
+                                           lifespan="off", access_log=False, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(params=["serve", "process"])
+def front(request):
+    return request.getfixturevalue("ray_app" if request.param == "serve" else "process_front")
+
+
+def test_the_openai_client_answers_through_ray(front):
     import openai
+
+    ray_app = front
 
     client = openai.OpenAI(base_url=ray_app + "/v1", api_key="unused", max_retries=0)
     completion = client.completions.create(model="tiny", prompt="Hello there", max_tokens=5)
@@ -77,7 +107,8 @@ def test_the_openai_client_answers_through_ray(ray_app):
     assert httpx.get(ray_app + "/health", timeout=10).json() == {"status": "ok"}
 
 
-def test_prefix_routing_shows_in_metrics(ray_app):
+def test_prefix_routing_shows_in_metrics(front):
+    ray_app = front
     before = metrics(ray_app)
     served_by: dict[int, set[str]] = {g: set() for g in range(len(GROUPS))}
     with httpx.Client(base_url=ray_app, timeout=30) as client:
