@@ -172,6 +172,7 @@ def run_bench(config: BenchConfig) -> dict:
         "engine_step_seconds": step_seconds,
         "engine_steps": stats.num_steps - warm["num_steps"],
         "tensor_parallel_size": config.tensor_parallel_size,
+        "tensor_parallel_attention": config.tensor_parallel_attention,
         # Rank 0's seconds in each collective (inside the forward phase); empty for one process.
         "communication_seconds": communication,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
@@ -207,7 +208,9 @@ def format_table(report: dict) -> str:
     if report.get("communication_seconds"):
         comm = report["communication_seconds"]
         parts = ", ".join(f"{op} {s / total:.1%}" for op, s in sorted(comm.items(), key=lambda kv: -kv[1]))
-        lines.append(f"tensor parallel ({report['tensor_parallel_size']} ranks): communication "
+        split_by = report.get("tensor_parallel_attention", "heads")
+        lines.append(f"tensor parallel ({report['tensor_parallel_size']} ranks, attention split by {split_by}): "
+                     f"communication "
                      f"{sum(comm.values()) / total:.1%} of step time ({parts}), "
                      f"{sum(comm.values()) / max(report['engine_steps'], 1) * 1e3:.2f} ms per step")
     return "\n".join(lines)
