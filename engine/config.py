@@ -38,7 +38,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     # Ranks the model is split over (parallel/): this process and N-1 workers it starts. The KV cache
-    # budget is the whole group's: each rank holds its KV heads of every block.
+    # budget is the whole group's: each rank holds its KV heads of every block (split by heads) or its
+    # pool of the blocks with every head (split by sequences).
     tensor_parallel_size: int = 1
     # How the ranks split attention: by KV heads, or by sequences (each rank its own sequences' attention
     # with every head, and a pool of the KV blocks; parallel/sequence_split.py).
