@@ -172,7 +172,7 @@ def run_bench(config: BenchConfig) -> dict:
         "engine_step_seconds": step_seconds,
         "engine_steps": stats.num_steps - warm["num_steps"],
         "tensor_parallel_size": config.tensor_parallel_size,
-        "tensor_parallel_attention": config.tensor_parallel_attention,
+        "tensor_parallel_attention": engine_config.tensor_parallel_attention,  # resolved (auto)
         # Rank 0's seconds in each collective (inside the forward phase); empty for one process.
         "communication_seconds": communication,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),

@@ -42,7 +42,9 @@ class EngineConfig:
     # pool of the blocks with every head (split by sequences).
     tensor_parallel_size: int = 1
     # How the ranks split attention: by KV heads, or by sequences (each rank its own sequences' attention
-    # with every head, and a pool of the KV blocks; parallel/sequence_split.py).
+    # with every head, and a pool of the KV blocks; parallel/sequence_split.py); auto: by sequences on a
+    # CPU (ahead at batch 32 and on a prefill-heavy batch in benchmarks/RESULTS.md, "Stop 16"), by heads
+    # on CUDA (where the sequence split has not run yet).
     tensor_parallel_attention: str = "heads"
 
     def __post_init__(self) -> None:
@@ -67,8 +69,12 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_attention not in ("heads", "sequences"):
-            raise ValueError(f"tensor_parallel_attention is heads or sequences, not {self.tensor_parallel_attention!r}")
+        if self.tensor_parallel_attention not in ("heads", "sequences", "auto"):
+            raise ValueError(f"tensor_parallel_attention is heads, sequences or auto, "
+                             f"not {self.tensor_parallel_attention!r}")
+        if self.tensor_parallel_attention == "auto":
+            split = "sequences" if torch.device(self.device).type == "cpu" else "heads"
+            object.__setattr__(self, "tensor_parallel_attention", split)
         if self.tensor_parallel_size > 1 and self.artifact is not None:
             raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
 

@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
                   quantization=resolve_quantization(args.quantization, args.dtype, device, args.model,
                                                     args.tensor_parallel_size))
     if args.tensor_parallel_size != 1:
-        loaded = tensor_parallel_model.start(loaded, args.tensor_parallel_size, attention=args.tensor_parallel_attention)
+        # One sequence: split by sequences, one rank would run all its attention.
+        attention = "heads" if args.tensor_parallel_attention == "auto" else args.tensor_parallel_attention
+        loaded = tensor_parallel_model.start(loaded, args.tensor_parallel_size, attention=attention)
     try:
         return stream(args, loaded)
     finally:

@@ -65,3 +65,12 @@ def test_a_rank_major_batch_is_sliced_and_a_rank_without_sequences_runs_none():
     only_rank_0 = AttentionMetadata.build(query_lens=[2], seq_lens=[2], block_tables=[[3]], block_size=BLOCK)
     idle = plan_sequences(TorchPagedAttention(BLOCK), only_rank_0, 1, 2, POOL, BLOCK)
     assert idle.local is None and idle.counts == [2, 0] and idle.rows == slice(2, 2)
+
+
+def test_auto_splits_by_sequences_on_a_cpu_and_the_engine_default_stays_heads():
+    from engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu", tensor_parallel_attention="auto").tensor_parallel_attention == "sequences"
+    assert EngineConfig(device="cpu").tensor_parallel_attention == "heads"
+    with pytest.raises(ValueError, match="heads, sequences or auto, not 'rows'"):
+        EngineConfig(tensor_parallel_attention="rows")
