@@ -19,6 +19,10 @@ before the float epilogue (parallel/row_parallel_w8a8.py: a MAX all-reduce of ea
 the whole row's scale, then an int32 all-reduce), and o_proj's input, the attention output, is narrow
 (one row of heads), so the ranks all-gather it and each runs the whole o_proj: one collective where a
 row-parallel layer would need two.
+
+Split by sequences instead (`TensorParallelLayout.by_sequences`, parallel/sequence_split.py), q/k/v and
+o_proj stay whole on every rank and each layer's attention is wrapped to run the rank's own sequences;
+the MLP, the embedding and the LM head are split as above.
 """
 
 from __future__ import annotations
