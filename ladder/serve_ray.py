@@ -45,6 +45,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
     except ImportError as error:
         raise ValueError(f"ladder serve --ray needs Ray Serve ({error.name} is missing): "
                          "pip install 'ladder[ray]'") from None
+    if not args.ray_address:  # the replicas load the model on this machine: a bad path is refused here, in one line
+        from model.loader import check_source
+
+        check_source(args.model)
     replicas = args.max_replicas or args.replicas
     cpus = args.cpus_per_replica if args.cpus_per_replica is not None else max(1, (os.cpu_count() or 1) // replicas)
     config = RayAppConfig(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
@@ -72,13 +76,14 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
             # No Serve proxy: this process's HTTP server runs the ingress over the replicas' handle, whose
             # prefix router lives here.
             serve.start(proxy_location="Disabled")
-            replicas_handle = serve.run(build_replicas(config), name="ladder", route_prefix=None)
+            replicas_handle = deploy_or_explain(lambda: serve.run(build_replicas(config), name="ladder",
+                                                                  route_prefix=None))
             log.info("serving from %d replica(s) on Ray Serve at http://%s:%d (this process routes)", args.replicas,
                      args.host, args.port)
             serve_http(ingress_asgi_app(LadderIngress(replicas_handle, config.max_body_bytes)), args.host, args.port)
         else:
             serve.start(http_options={"host": args.host, "port": args.port})
-            serve.run(app, name="ladder", route_prefix="/")
+            deploy_or_explain(lambda: serve.run(app, name="ladder", route_prefix="/"))
             log.info("serving from %d replica(s) on Ray Serve at http://%s:%d", args.replicas, args.host, args.port)
             stop.wait()
         log.info("stopping: replicas finish in-flight requests for up to %.0f s", args.shutdown_timeout)
@@ -86,6 +91,17 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def deploy_or_explain(deploy):
+    """`deploy()`, with Serve's failure to start the replicas (a RuntimeError whose cause is in the
+    replicas' log lines above it) turned into the command line's one-line error."""
+    try:
+        return deploy()
+    except RuntimeError as error:
+        if not str(error).startswith("Deploying application"):
+            raise
+        raise ValueError(f"the replicas did not start (their error is in Ray's log above): {error}") from None
 
 
 def serve_http(app, host: str, port: int) -> None:

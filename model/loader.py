@@ -47,6 +47,20 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_source(source: str | Path | None) -> None:
+    """ModelLoadError (one line) unless `source` is the embedded default, a directory or a .gguf file:
+    what `load` refuses before reading anything, for a caller whose loading happens elsewhere (the Ray
+    replicas)."""
+    if source is None or str(source) == DEFAULT_MODEL_NAME:
+        return
+    path = Path(source).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    if path.exists():
+        raise ModelLoadError(f"{path}: not a model (expected a Hugging Face directory or a .gguf file)")
+    raise ModelLoadError(f"{path}: no such file or directory")
+
+
 def load(
     source: str | Path | None = None,
     dtype: str | torch.dtype = torch.float32,
@@ -89,10 +103,8 @@ def load(
                              torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         weight_files = [path]
-    elif path.exists():
-        raise ModelLoadError(f"{path}: not a model (expected a Hugging Face directory or a .gguf file)")
     else:
-        raise ModelLoadError(f"{path}: no such file or directory")
+        check_source(path)
     if quantization == "w4a8":
         if path.is_dir():
             raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "

@@ -93,3 +93,12 @@ def test_serve_ray_without_ray_says_so_in_one_line(monkeypatch, capsys):
     assert main(["serve", "--ray", "--replicas", "2"]) == 1
     assert capsys.readouterr().err.strip() == ("ladder serve: error: ladder serve --ray needs Ray Serve "
                                                "(ray is missing): pip install 'ladder[ray]'")
+
+
+def test_serve_ray_refuses_a_missing_model_in_one_line_before_starting_ray(tmp_path, capsys):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from ladder.cli import main
+
+    missing = tmp_path / "no-model"
+    assert main(["serve", "--ray", "--replicas", "2", "--model", str(missing)]) == 1
+    assert capsys.readouterr().err.strip() == f"ladder serve: error: {missing}: no such file or directory"
