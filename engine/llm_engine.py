@@ -38,6 +38,18 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # a model passed in is left whole: the ranks get copies
             self.model = tensor_parallel_model.start(self.model, config.tensor_parallel_size,
                                                      attention=config.tensor_parallel_attention)
+        try:
+            self._set_up(config)
+        except BaseException:
+            # Stop the workers and leave the group now: left to interpreter exit, the workers are killed
+            # first and the group's teardown aborts the process ("terminate called ...", exit 134) after
+            # the command line has printed its one-line error.
+            if isinstance(self.model.module, TensorParallelModel):
+                self.model.module.close()
+            raise
+
+    def _set_up(self, config: EngineConfig) -> None:
+        """Everything after the model (and its ranks) are up: cache, scheduler, runner, sampler."""
         self.config = config
         if self.model.module.block_size != config.block_size:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "

@@ -184,6 +184,18 @@ def test_sequences_driven_without_an_engine_keep_each_sequence_in_one_pool(tiny_
     assert torch.equal(split, whole)
 
 
+def test_an_engine_that_fails_after_starting_its_ranks_stops_them(tiny_w8a8):
+    """A KV cache too small for max_model_len is found after the workers started: they stop at once."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    per_block = bytes_per_block(tiny_w8a8.config, 16, torch.float32)
+    with pytest.raises(ValueError, match="fewer than max_model_len=64"):
+        LLMEngine(EngineConfig(kv_cache_memory_gib=2 * per_block / 2**30, max_model_len=64, tensor_parallel_size=2),
+                  loaded=tiny_w8a8)
+    assert not set(multiprocessing.active_children()) - before
+
+
 def test_a_size_the_heads_cannot_take_is_refused_in_one_line(tiny_dir, capsys):
     code = ladder_main(["generate", "hi", "--model", str(tiny_dir), "--tensor-parallel-size", "3",
                         "--quantization", "none", "--device", "cpu"])
