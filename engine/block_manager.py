@@ -67,7 +67,7 @@ class KVBlockManager:
 
     def cached_prefix(self, request: Request, pool: int = 0) -> CachedPrefix:
         """The longest run of the request's leading full blocks already in the pool's cache (counted in
-        no statistic: a pool chooser may ask every pool).
+        no statistic: a pool chooser may ask every pool; `count_lookup` counts the admission's).
 
         At least one token is always left to compute, since sampling needs its logits.
         """
@@ -84,12 +84,6 @@ class KVBlockManager:
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
         return CachedPrefix(hits, len(hits) * self.block_size)
-
-    def find_cached_prefix(self, request: Request) -> CachedPrefix:
-        """`cached_prefix` in the request's pool, counted in the hit rate."""
-        prefix = self.cached_prefix(request, request.kv_pool)
-        self.count_lookup(request, prefix)
-        return prefix
 
     def count_lookup(self, request: Request, prefix: CachedPrefix) -> None:
         """Count one admission's lookup in the hit rate (prompt tokens asked, tokens found)."""

@@ -12,6 +12,7 @@ import torch
 from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
 from model.quantization import resolve_quantization
+from parallel.layout import ATTENTION_SPLITS
 
 GIB = 1 << 30
 # On a CPU the cache shares memory with everything else; a bounded default keeps start-up quick.
@@ -69,7 +70,7 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_attention not in ("heads", "sequences", "auto"):
+        if self.tensor_parallel_attention not in (*ATTENTION_SPLITS, "auto"):
             raise ValueError(f"tensor_parallel_attention is heads, sequences or auto, "
                              f"not {self.tensor_parallel_attention!r}")
         if self.tensor_parallel_attention == "auto":

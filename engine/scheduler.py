@@ -172,26 +172,27 @@ class Scheduler:
     def _allocate_admission(self, request: Request, limit: int) -> tuple[CachedPrefix, int] | None:
         """Blocks for a waiting request's cached prefix and first chunk (up to `limit` tokens), from the
         first pool in `_pool_order` that has them: (prefix, chunk length), or None, nothing changed."""
-        for pool in self._pool_order(request):
+        for pool, prefix in self._pool_order(request):
             request.kv_pool = pool
-            prefix = self.blocks.cached_prefix(request, pool)
             num_new = min(request.num_tokens - prefix.num_tokens, limit)
             if self.blocks.allocate(request, num_new, prefix):
                 self.blocks.count_lookup(request, prefix)
                 return prefix, num_new
         return None
 
-    def _pool_order(self, request: Request) -> list[int]:
-        """Pools by load (running requests); a pool holding the request's prefix counts one request
-        lighter, since computing the prefix again costs more than a sequence of imbalance."""
+    def _pool_order(self, request: Request) -> list[tuple[int, CachedPrefix]]:
+        """(pool, the request's cached prefix there), by load (running requests); a pool holding the
+        request's prefix counts one request lighter, since computing the prefix again costs more than a
+        sequence of imbalance."""
         num_pools = self.blocks.num_pools
+        found = [(pool, self.blocks.cached_prefix(request, pool)) for pool in range(num_pools)]
         if num_pools == 1:
-            return [0]
+            return found
         load = [0] * num_pools
         for running in self.running:
             load[running.kv_pool] += 1
-        hit = [self.blocks.cached_prefix(request, pool).num_tokens for pool in range(num_pools)]
-        return sorted(range(num_pools), key=lambda pool: (load[pool] - (hit[pool] > 0), -hit[pool], pool))
+        return sorted(found, key=lambda item: (load[item[0]] - (item[1].num_tokens > 0), -item[1].num_tokens,
+                                               item[0]))
 
     def _pop_victim(self, pool: int) -> Request:
         """The most recently admitted running request of the pool (the caller's own request at worst)."""

@@ -55,7 +55,6 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
                           num_cpus_per_replica=cpus, num_gpus_per_replica=args.gpus_per_replica,
                           step_timeout=args.step_timeout or None, shutdown_timeout=args.shutdown_timeout,
                           engine=engine_kwargs, server=server_kwargs)
-    app = build_app(config)
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level=args.log_level.upper())
     else:
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
             serve_http(ingress_asgi_app(LadderIngress(replicas_handle, config.max_body_bytes)), args.host, args.port)
         else:
             serve.start(http_options={"host": args.host, "port": args.port})
-            deploy_or_explain(lambda: serve.run(app, name="ladder", route_prefix="/"))
+            deploy_or_explain(lambda: serve.run(build_app(config), name="ladder", route_prefix="/"))
             log.info("serving from %d replica(s) on Ray Serve at http://%s:%d", args.replicas, args.host, args.port)
             stop.wait()
         log.info("stopping: replicas finish in-flight requests for up to %.0f s", args.shutdown_timeout)

@@ -82,6 +82,7 @@ def load(
         path, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
         path = Path(source).expanduser()
+        check_source(path)
         name = path.stem if path.is_file() else path.name
     # The readers' packages (tokenizers, gguf) are imported here, not with the module: the decoder and
     # the kernels are usable where they are not installed.
@@ -94,7 +95,7 @@ def load(
         module = build_model(config, tensors, str(path), config_name, torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
-    elif path.is_file() and path.suffix.lower() == ".gguf":
+    else:  # a .gguf file (check_source)
         from model.gguf_checkpoint import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
@@ -103,8 +104,6 @@ def load(
                              torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         weight_files = [path]
-    else:
-        check_source(path)
     if quantization == "w4a8":
         if path.is_dir():
             raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "

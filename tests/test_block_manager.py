@@ -12,7 +12,8 @@ def request(tokens: list[int], rid: str = "r") -> Request:
 
 
 def admit(blocks: KVBlockManager, req: Request) -> int:
-    prefix = blocks.find_cached_prefix(req)
+    prefix = blocks.cached_prefix(req, req.kv_pool)
+    blocks.count_lookup(req, prefix)
     assert blocks.allocate(req, req.num_tokens - prefix.num_tokens, prefix)
     req.num_computed_tokens = req.num_tokens
     blocks.register_computed_blocks(req)
@@ -59,7 +60,7 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
     blocks = KVBlockManager(num_blocks=10, block_size=4)
     admit(blocks, request(list(range(8)), "a"))
     b = request(list(range(8)), "b")
-    prefix = blocks.find_cached_prefix(b)
+    prefix = blocks.cached_prefix(b)
     assert prefix.num_tokens == 4  # not 8: the last token's logits are needed
 
 
@@ -77,7 +78,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     assert admit(blocks, c) == 0
     assert len(c.block_ids) == 4
     assert all(blocks.cached[0].get(h) in c.block_ids for h in blocks.cached[0])  # only c's own blocks remain
-    assert blocks.find_cached_prefix(request([1, 2, 3, 4, 5], "d")).num_tokens == 0
+    assert blocks.cached_prefix(request([1, 2, 3, 4, 5], "d")).num_tokens == 0
 
 
 def test_lru_order_evicts_tail_blocks_first():
@@ -88,7 +89,7 @@ def test_lru_order_evicts_tail_blocks_first():
     blocks.release(a)
     b = request([9, 9, 9], "b")  # needs 2 blocks: takes the least recently freed: a's last two
     admit(blocks, b)
-    assert blocks.find_cached_prefix(request([1, 2, 3, 4, 0], "c")).num_tokens == 4
+    assert blocks.cached_prefix(request([1, 2, 3, 4, 0], "c")).num_tokens == 4
 
 
 def test_disabled_prefix_cache_never_hits():
