@@ -76,7 +76,9 @@ SAME=(--input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-requests $((CONC
       --warmup "$CONCURRENCY")
 for round in $(seq 1 "$ROUNDS"); do
   load "$PORT_ONE" "one-r$round" "${SAME[@]}"
+  curl -sf "http://127.0.0.1:$PORT_RAY/metrics" > "$OUT/ray-r$round.before"
   load "$PORT_RAY" "ray-r$round" "${SAME[@]}"
+  curl -sf "http://127.0.0.1:$PORT_RAY/metrics" > "$OUT/ray-r$round.after"
 done
 curl -sf "http://127.0.0.1:$PORT_RAY/metrics" > "$OUT/router-before.txt"
 load "$PORT_RAY" prefix --prefix-len "$PREFIX_LEN" --num-prefixes "$NUM_PREFIXES" --input-len 32 --output-len 16 \
@@ -97,6 +99,19 @@ def summary(name):
             "loadavg": float((out / f"{name}.loadavg").read_text())}
 
 
+def split(name):
+    """Requests each replica took during one Ray round, largest first: how evenly the router spread it."""
+    def per_replica(path):
+        counts = {}
+        for line in (out / path).read_text().splitlines():
+            if line.startswith("ladder_router_replica_requests_total{"):
+                key, _, value = line.rpartition(" ")
+                counts[key] = float(value)
+        return counts
+    before, after = per_replica(f"{name}.before"), per_replica(f"{name}.after")
+    return sorted((int(after[k] - before.get(k, 0.0)) for k in after), reverse=True)
+
+
 def counters(name):
     values = {}
     for line in (out / name).read_text().splitlines():
@@ -107,6 +122,8 @@ def counters(name):
 
 
 runs = {kind: [summary(f"{kind}-r{r}") for r in range(1, rounds + 1)] for kind in ("one", "ray")}
+for r, run in enumerate(runs["ray"], 1):
+    run["split"] = split(f"ray-r{r}")
 ratios = [ray["output_tok_s"] / one["output_tok_s"] for one, ray in zip(runs["one"], runs["ray"])]
 before, after = counters("router-before.txt"), counters("router-after.txt")
 routed = {k.removeprefix("ladder_router_").removesuffix("_total"): after[k] - before.get(k, 0.0)
@@ -114,13 +131,13 @@ routed = {k.removeprefix("ladder_router_").removesuffix("_total"): after[k] - be
 hit_rate = routed["prefix_hits"] / routed["requests"] if routed["requests"] else 0.0
 prefix = summary("prefix")
 
-print(f"| server | round | output tok/s | TTFT p50 ms | TPOT p50 ms | ok/failed | load avg |")
-print("|---|---|---|---|---|---|---|")
+print(f"| server | round | output tok/s | TTFT p50 ms | TPOT p50 ms | ok/failed | load avg | requests per replica |")
+print("|---|---|---|---|---|---|---|---|")
 one_label = f"ladder serve (1 process, {one_threads} thread(s))" if one_threads else "ladder serve (1 process)"
 for kind, label in (("one", one_label), ("ray", f"ladder serve --ray --replicas {replicas}")):
     for r, s in enumerate(runs[kind], 1):
         print(f"| {label} | {r} | {s['output_tok_s']:.1f} | {s['ttft_p50_ms']:,.0f} | {s['tpot_p50_ms']:.1f} | "
-              f"{s['ok']}/{s['failed']} | {s['loadavg']:.2f} |")
+              f"{s['ok']}/{s['failed']} | {s['loadavg']:.2f} | {'/'.join(map(str, s.get('split', []))) or '-'} |")
 print(f"\nconcurrency {users}: Ray/one output tok/s ratio per round {', '.join(f'{x:.2f}' for x in ratios)}; "
       f"median {statistics.median(ratios):.2f}")
 print(f"shared-prefix workload ({num_prefixes} prefixes of {prefix_len} tokens): {int(routed['requests'])} routed, "

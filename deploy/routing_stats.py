@@ -19,6 +19,7 @@ class RoutingStats:
     num_balanced: int = 0  # matches sent elsewhere because those replicas were too busy
     num_replica_deaths: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)  # the router's load view: sent, not completed
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, replica_id: str, holders: tuple[str, ...], has_prefix: bool) -> None:
@@ -34,6 +35,14 @@ class RoutingStats:
                     self.num_hits += 1
                 else:
                     self.num_balanced += 1
+
+    def set_in_flight(self, replica_id: str, count: int | None) -> None:
+        """The router's count of `replica_id`'s requests sent and not completed; None: the replica is gone."""
+        with self.lock:
+            if count is None:
+                self.in_flight.pop(replica_id, None)
+            else:
+                self.in_flight[replica_id] = count
 
     def replica_died(self) -> None:
         with self.lock:
@@ -64,6 +73,11 @@ class RoutingStats:
                       "# TYPE ladder_router_replica_requests_total counter"]
             lines += [f'ladder_router_replica_requests_total{{replica="{replica}"}} {count}'
                       for replica, count in sorted(self.per_replica.items())]
+            lines += ["# HELP ladder_router_replica_in_flight Requests the router sent to each replica and saw "
+                      "no completion of: the load it balances on",
+                      "# TYPE ladder_router_replica_in_flight gauge"]
+            lines += [f'ladder_router_replica_in_flight{{replica="{replica}"}} {count}'
+                      for replica, count in sorted(self.in_flight.items())]
             return "\n".join(lines) + "\n"
 
 
