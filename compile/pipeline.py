@@ -170,9 +170,13 @@ def backend_options(options: CompileOptions) -> dict[str, Any]:
     return {}
 
 
-def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
+def run(options: CompileOptions, log: StageLog | None = None,
+        reference: parity.Reference | None = None) -> LoadedArtifact:
     """Compile, verify and write the artifact; returns it as verified: loaded back from its files (and,
-    for torch-compile, compiled), ready to serve (`LLM(loaded=...)`)."""
+    for torch-compile, compiled), ready to serve (`LLM(loaded=...)`).
+
+    `reference`: fp32 eager's outputs on this model's parity inputs, when the caller already has them
+    (several artifacts of one model verified against one reference); refused if its inputs differ."""
     log = log or StageLog()
     check_options(options)
     device = torch.device(options.device)
@@ -180,9 +184,12 @@ def run(options: CompileOptions, log: StageLog | None = None) -> LoadedArtifact:
         loaded = load(options.model, dtype=torch.float32, device=device, block_size=options.block_size)
         eager = loaded.module
         source_sha = sha256_source(loaded.path)
-    with log.stage("reference", "fp32 eager outputs on the parity inputs"):
+    with log.stage("reference", "fp32 eager outputs on the parity inputs" + (" (given)" if reference else "")):
         prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)
-        reference = parity.reference(eager, prompts, corpus)
+        if reference is None:
+            reference = parity.reference(eager, prompts, corpus)
+        elif (reference.prompt_ids, reference.corpus_ids) != (prompts, corpus):
+            raise ValueError("the given parity reference was computed on other inputs than this model's")
     with log.stage("quantize", f"to {options.precision}"):
         module, quantization = quantize(eager, options, loaded.tokenizer)
     parent = Path(options.out).resolve().parent

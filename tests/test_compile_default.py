@@ -26,17 +26,18 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 
 
 @pytest.fixture(scope="module")
-def w8a8_artifact(tmp_path_factory):
-    return run(CompileOptions(model=None, backend="torch-compile", precision="w8a8",
-                              out=tmp_path_factory.mktemp("default") / "w8a8", max_model_len=1024, max_num_seqs=16,
-                              run_bench=False))
-
-
-@pytest.fixture(scope="module")
 def fp32_reference():
     loaded = model.load()
     prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)
     return parity.reference(loaded.module, prompts, corpus)
+
+
+@pytest.fixture(scope="module")
+def w8a8_artifact(tmp_path_factory, fp32_reference):
+    # The module's fp32 reference, not a second one computed inside the compile: 10-15 s of the suite.
+    return run(CompileOptions(model=None, backend="torch-compile", precision="w8a8",
+                              out=tmp_path_factory.mktemp("default") / "w8a8", max_model_len=1024, max_num_seqs=16,
+                              run_bench=False), reference=fp32_reference)
 
 
 @pytest.fixture(scope="module", params=["w8a8", "w4a8"])
