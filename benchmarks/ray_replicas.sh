@@ -99,26 +99,26 @@ def summary(name):
             "loadavg": float((out / f"{name}.loadavg").read_text())}
 
 
+def samples(name):
+    """The router's /metrics samples as saved in `name`: {"metric{labels}": value}."""
+    values = {}
+    for line in (out / name).read_text().splitlines():
+        if line.startswith("ladder_router_"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
 def split(name):
     """Requests each replica took during one Ray round, largest first: how evenly the router spread it."""
     def per_replica(path):
-        counts = {}
-        for line in (out / path).read_text().splitlines():
-            if line.startswith("ladder_router_replica_requests_total{"):
-                key, _, value = line.rpartition(" ")
-                counts[key] = float(value)
-        return counts
+        return {k: v for k, v in samples(path).items() if k.startswith("ladder_router_replica_requests_total{")}
     before, after = per_replica(f"{name}.before"), per_replica(f"{name}.after")
     return sorted((int(after[k] - before.get(k, 0.0)) for k in after), reverse=True)
 
 
 def counters(name):
-    values = {}
-    for line in (out / name).read_text().splitlines():
-        if line.startswith("ladder_router_") and "{" not in line:
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
+    return {k: v for k, v in samples(name).items() if "{" not in k}
 
 
 runs = {kind: [summary(f"{kind}-r{r}") for r in range(1, rounds + 1)] for kind in ("one", "ray")}
