@@ -17,14 +17,8 @@ $(STAMP): pyproject.toml
 	@if [ ! -x /usr/bin/chromium ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else echo "note: /usr/bin/chromium is missing; as root: apt-get install -y chromium"; fi; fi
-	# Build the CPU kernels now (cached), not during the first request; one compiler per core.
-	$(BIN)/python -m kernels.cpu_decode_attention & pid=$$!; \
-	$(BIN)/python -m kernels.cpu_w8a8_linear & pid2=$$!; \
-	$(BIN)/python -m kernels.cpu_fused_ops & pid3=$$!; \
-	$(BIN)/python -m kernels.cpu_w4a8_linear & pid4=$$!; \
-	$(BIN)/python -m parallel.shared_memory_all_reduce & pid5=$$!; \
-	$(BIN)/python -m kernels.cpu_int8_linear; status=$$?; wait $$pid && wait $$pid2 && wait $$pid3 && wait $$pid4 && wait $$pid5 && \
-	exit $$status
+	# Build the C++ CPU kernels now (one extension, cached), not during the first request; one compiler per core.
+	MAX_JOBS=$$(nproc) $(BIN)/python -m kernels.cpu_extension
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -19,10 +19,9 @@ import time
 
 import torch
 
+from bench_report import write_report  # benchmarks/, this script's directory
 import model
-from kernels.cpu_bench import write_report
-from model.attention import CpuPagedAttention, TorchPagedAttention
-from model.llama import Attention
+from model.attention import CpuPagedAttention, TorchPagedAttention, install
 from model.sequences import Sequences
 
 VARIANTS = (("float32", "kernel"), ("bfloat16", "gather"), ("bfloat16", "kernel"))
@@ -31,11 +30,7 @@ VARIANTS = (("float32", "kernel"), ("bfloat16", "gather"), ("bfloat16", "kernel"
 def use_attention(module: torch.nn.Module, kind: str) -> None:
     """Every layer on the C++ decode kernel ("kernel") or on the plain-torch gather path ("gather")."""
     cls = CpuPagedAttention if kind == "kernel" else TorchPagedAttention
-    backend = cls(module.block_size, module.config.sliding_window)
-    module.attention = backend
-    for layer in module.modules():
-        if isinstance(layer, Attention):
-            layer.backend = backend
+    install(module, cls(module.block_size, module.config.sliding_window))
 
 
 def timed_step(sequences: Sequences, batch: int) -> float:

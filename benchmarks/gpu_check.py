@@ -12,7 +12,7 @@ Sections, each a table row group and a JSON entry (DIR/gpu_check.json; the table
 2. decode: a model with SmolLM2-135M's shapes and random weights (speed does not depend on the values)
    decoding at batch 1 and 64 in bf16: eager (Triton ops), the torch-compile runtime the artifacts use
    (CUDA graphs for decode steps, Triton attention as a custom op), and TensorRT when `tensorrt`, `onnx`
-   and `onnxscript` are installed. Interleaved rounds (compile/bench.py), tokens/s, and the batch-64
+   and `onnxscript` are installed. Interleaved rounds (compile/speed.py), tokens/s, and the batch-64
    figure as a fraction of the memory roofline (weights + the KV cache read per step at the copy
    bandwidth). Whether the CUDA graphs replay is read from Inductor's graph-tree manager.
 3. parity: the fp32 model on the device (Triton ops) against the same weights on the CPU (torch ops):
@@ -38,19 +38,21 @@ from typing import Any
 if "--dry-run" in sys.argv:  # before any kernel module is imported: Triton decides when a kernel is defined
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["LADDER_KERNELS"] = "triton"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The repository root (its packages) and this directory (the kernel benchmarks' cases and timing), however
+# the script is started.
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
-from compile.bench import compare_decode  # noqa: E402
+from compile.speed import compare_decode  # noqa: E402
 from engine.backends.torch_compiled import (  # noqa: E402
     TorchCompiledModel,
     compile_options,
     compiled_ops,
     cuda_graph_state,
 )
-from kernels import bench_cases  # noqa: E402
-from kernels.bench import copy_bandwidth, measure_ms, relative_error  # noqa: E402
+import kernel_cases as bench_cases  # noqa: E402  (benchmarks/, this script's directory)
+from kernel_bench import copy_bandwidth, measure_ms, relative_error  # noqa: E402
 from kernels.ops import TORCH_OPS, TRITON_OPS  # noqa: E402
 from kernels.runtime import HAS_TRITON, INTERPRETING, TRITON_IMPORT_ERROR  # noqa: E402
 from model.config import ModelConfig  # noqa: E402

@@ -9,7 +9,7 @@
 #          torch 2.13 with triton 3.9.0, and the test extras (pip install -e '.[test]').
 # OUT      directory for the results (default: out/gpu-kernels-<UTC time>): versions.txt, tests.log,
 #          tests.xml, bench.txt, bench.json.
-# BENCH_ARGS  extra arguments for python -m kernels.bench (e.g. --only decode_attention,int8_matmul).
+# BENCH_ARGS  extra arguments for benchmarks/kernel_bench.py (e.g. --only decode_attention,int8_matmul).
 #
 # Exit status: 0 only if the tests and the benchmark both succeeded; the results are kept either way.
 set -euo pipefail
@@ -72,13 +72,14 @@ PY
 echo "== kernel tests (compiled)"
 tests_rc=0
 "$python" -m pytest -q -rs -p no:cacheprovider --junitxml "$out/tests.xml" \
-  tests/test_kernels.py tests/test_kernels_attention.py tests/test_kernels_model.py tests/test_kernels_compile.py \
+  tests/kernels/test_kernels.py tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_model.py \
+  tests/kernels/test_kernels_compile.py \
   2>&1 | tee "$out/tests.log" || tests_rc=$?
 
 echo "== benchmark (realistic sizes)"
 bench_rc=0
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
-"$python" -m kernels.bench --out "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt" || bench_rc=$?
+"$python" benchmarks/kernel_bench.py --out "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt" || bench_rc=$?
 
 echo "== summary"
 echo "tests: $(tail -n 1 "$out/tests.log") (exit $tests_rc)"

@@ -18,11 +18,11 @@ import time
 
 import torch
 
+from bench_report import write_report  # benchmarks/, this script's directory
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampler_ref import FullSortSampler
 from engine.sampling_params import SamplingParams
-from kernels.cpu_bench import write_report
 
 SCENARIOS = {  # name: (sampling parameters, logit spread)
     "greedy": (dict(temperature=0.0), 2.8),

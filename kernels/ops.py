@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 class Ops:
     """One implementation of each op; all take and return tensors of the model's dtype unless noted."""
 
-    # Names the side too: the model picks its attention backend by it (model/attention.py), since
+    # Names the side too: the model picks its attention backend by it (model/attention/), since
     # attention backends hold state per model and live above the kernels.
     name: str  # "torch", "cpu" (torch, with the C++ decode attention) or "triton"
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps) -> normed

@@ -1,8 +1,8 @@
 """All-reduce through shared memory, for the ranks of one host's CPU tensor-parallel group.
 
-gloo sends every all-reduce through loopback TCP: about 0.8 ms per call on this 2-core machine, and a step
-of the default model makes 61 to 121 of them (two per layer, and W8A8's scale maxima), so communication
-was two thirds of a 2-rank step. Ranks on one host can instead share one mapped file:
+gloo sends every all-reduce through loopback TCP, a fixed cost per call that a step of the default model
+pays 61 to 121 times (two per layer, and W8A8's scale maxima). Ranks on one host can instead share one
+mapped file:
 
 - the region is a header of per-rank arrival counters (one cache line each) and an abort flag, then two
   sets of `size` slots of `capacity` 4-byte elements each (float32, or int32 for exact integer sums);
@@ -15,7 +15,8 @@ was two thirds of a 2-rank step. Ranks on one host can instead share one mapped 
 
 A peer that stops never hangs a rank: the wait gives up when the group's abort flag is set (rank 0's
 monitor sets it when a worker dies), when the rank's parent is gone (a worker whose rank 0 died), or after
-the group's timeout. Tensors larger than a slot go through in slot-sized pieces.
+the group's timeout. Tensors larger than a slot go through in slot-sized pieces. The C++ side is
+kernels/csrc/shared_memory_all_reduce.cpp, in the one CPU extension (kernels/cpu_extension.py).
 """
 
 from __future__ import annotations
@@ -26,149 +27,16 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_extension import LazyExtension, cpu_kernels_enabled
+from kernels.cpu_extension import load
 
 HEADER_BYTES = 64 * 64  # 63 arrival counters and the abort flag, one cache line each
 MAX_RANKS = 63
 DEFAULT_CAPACITY = 1 << 20  # float32 per slot (4 MiB): a 2,048-token step of a 512-wide model in one piece
 
-SOURCE = r"""
-#include <torch/extension.h>
-#include <atomic>
-#include <chrono>
-#include <cstring>
-#include <stdexcept>
-#include <string>
-#include <thread>
-#include <unistd.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-namespace {
-using Counter = std::atomic<uint64_t>;
-constexpr int64_t kLine = 64;
-constexpr int64_t kHeader = 64 * 64;
-constexpr int64_t kAbortSlot = 63;
-
-inline Counter* counter(uint8_t* region, int64_t index) { return reinterpret_cast<Counter*>(region + index * kLine); }
-
-inline void relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
-}
-
-// Wait until every rank has published `call`; throws when the group aborts, the parent dies or time runs out.
-void wait_for_all(uint8_t* region, int64_t size, uint64_t call, double timeout_s, int64_t parent_pid) {
-  const auto start = std::chrono::steady_clock::now();
-  int64_t spins = 0;
-  for (int64_t r = 0; r < size; ++r) {
-    while (counter(region, r)->load(std::memory_order_acquire) < call) {
-      if (++spins < 4096) { relax(); continue; }
-      std::this_thread::yield();  // a rank that waits long gives its core to whoever it waits for
-      if ((spins & 255) != 0) continue;
-      if (counter(region, kAbortSlot)->load(std::memory_order_acquire) != 0)
-        throw std::runtime_error("shared-memory all-reduce: the tensor-parallel group was aborted");
-      if (parent_pid > 0 && getppid() != parent_pid)
-        throw std::runtime_error("shared-memory all-reduce: rank 0 is gone");
-      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (waited > timeout_s)
-        throw std::runtime_error("shared-memory all-reduce: rank " + std::to_string(r) + " did not arrive within " +
-                                 std::to_string(static_cast<int64_t>(timeout_s)) + " s");
-    }
-  }
-}
-}  // namespace
-
-template <typename T>
-void reduce_slots(T* data, const T* slots, int64_t n, int64_t size, int64_t capacity, bool take_max) {
-  std::memcpy(data, slots, n * sizeof(T));
-  for (int64_t r = 1; r < size; ++r) {  // rank order on every rank: bit-identical results everywhere
-    const T* other = slots + r * capacity;
-    if (take_max) {
-      for (int64_t i = 0; i < n; ++i) data[i] = data[i] < other[i] ? other[i] : data[i];
-    } else {
-      for (int64_t i = 0; i < n; ++i) data[i] += other[i];
-    }
-  }
-}
-
-// x: contiguous float32 or int32 of at most `capacity` elements, reduced over the ranks in place (sum, or
-// max). Slots hold 4-byte elements of either type: every rank of one call passes the same dtype.
-void all_reduce(torch::Tensor x, torch::Tensor region_tensor, int64_t rank, int64_t size, int64_t call,
-                int64_t capacity, bool take_max, double timeout_s, int64_t parent_pid) {
-  const bool is_int = x.scalar_type() == torch::kInt;
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat || is_int) && x.is_contiguous(),
-              "x: contiguous float32 or int32 CPU");
-  TORCH_CHECK(x.numel() <= capacity, "x is larger than a slot");
-  TORCH_CHECK(region_tensor.nbytes() >= static_cast<size_t>(kHeader + 2 * size * capacity * 4), "region too small");
-  uint8_t* region = region_tensor.data_ptr<uint8_t>();
-  const int64_t n = x.numel();
-  uint8_t* slots = region + kHeader + (call % 2) * size * capacity * 4;
-  void* data = x.data_ptr();
-  pybind11::gil_scoped_release no_gil;  // other Python threads (the failure monitor) run while this waits
-  std::memcpy(slots + rank * capacity * 4, data, n * 4);
-  counter(region, rank)->store(static_cast<uint64_t>(call), std::memory_order_release);
-  wait_for_all(region, size, static_cast<uint64_t>(call), timeout_s, parent_pid);
-  if (is_int) {
-    reduce_slots(static_cast<int32_t*>(data), reinterpret_cast<const int32_t*>(slots), n, size, capacity, take_max);
-  } else {
-    reduce_slots(static_cast<float*>(data), reinterpret_cast<const float*>(slots), n, size, capacity, take_max);
-  }
-}
-
-// Rank `rank`'s x [N, widths[rank]] (contiguous float32, at most `capacity` elements) is published in its
-// slot of the call's set; once every rank's is there, `out` [N, sum(widths)] (if given: rank 0's, or every
-// rank's for an all-gather) receives the ranks' columns side by side, this rank's straight from x. Slots
-// stay readable until this rank's next call but one: no rank writes this set before the next barrier.
-void gather_columns(torch::Tensor x, c10::optional<torch::Tensor> out, torch::Tensor region_tensor, int64_t rank,
-                    int64_t size, int64_t call, int64_t capacity, std::vector<int64_t> widths, double timeout_s,
-                    int64_t parent_pid) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2,
-              "x: contiguous [N, W] float32 CPU");
-  TORCH_CHECK(static_cast<int64_t>(widths.size()) == size && x.size(1) == widths[rank], "x: [N, widths[rank]]");
-  const int64_t rows = x.size(0);
-  int64_t total = 0;
-  for (int64_t w : widths) {
-    TORCH_CHECK(rows * w <= capacity, "a part is larger than a slot");
-    total += w;
-  }
-  float* op = nullptr;
-  if (out.has_value() && out->defined()) {
-    TORCH_CHECK(out->scalar_type() == torch::kFloat && out->is_contiguous() && out->dim() == 2 &&
-                out->size(0) == rows && out->size(1) == total, "out: contiguous [N, sum(widths)] float32");
-    op = out->data_ptr<float>();
-  }
-  TORCH_CHECK(region_tensor.nbytes() >= static_cast<size_t>(kHeader + 2 * size * capacity * 4), "region too small");
-  uint8_t* region = region_tensor.data_ptr<uint8_t>();
-  float* slots = reinterpret_cast<float*>(region + kHeader) + (call % 2) * size * capacity;
-  const float* xp = x.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
-  std::memcpy(slots + rank * capacity, xp, rows * widths[rank] * sizeof(float));
-  counter(region, rank)->store(static_cast<uint64_t>(call), std::memory_order_release);
-  wait_for_all(region, size, static_cast<uint64_t>(call), timeout_s, parent_pid);
-  if (op == nullptr) return;
-  int64_t offset = 0;
-  for (int64_t r = 0; r < size; ++r) {
-    const int64_t w = widths[r];
-    const float* part = r == rank ? xp : slots + r * capacity;
-    for (int64_t i = 0; i < rows; ++i) std::memcpy(op + i * total + offset, part + i * w, w * sizeof(float));
-    offset += w;
-  }
-}
-
-void set_abort(torch::Tensor region_tensor) {
-  counter(region_tensor.data_ptr<uint8_t>(), kAbortSlot)->store(1, std::memory_order_release);
-}
-"""
-
-_extension = LazyExtension("ladder_shared_memory_all_reduce", SOURCE, ["all_reduce", "gather_columns", "set_abort"],
-                           "shared-memory all-reduce for CPU tensor parallelism")
-
 
 def available() -> bool:
-    return cpu_kernels_enabled() and _extension.load() is not None
+    """Whether the C++ side is built here (and not switched off by LADDER_CPU_KERNELS=0)."""
+    return load() is not None
 
 
 def region_bytes(size: int, capacity: int) -> int:
@@ -192,7 +60,7 @@ def create_region(size: int, capacity: int = DEFAULT_CAPACITY) -> Path:
 class SharedMemoryAllReduce:
     def __init__(self, path: Path, rank: int, size: int, timeout_s: float, parent_pid: int = 0,
                  capacity: int = DEFAULT_CAPACITY) -> None:
-        self.module = _extension.load()
+        self.module = load()
         if self.module is None:
             raise RuntimeError("the shared-memory all-reduce could not be built here")
         self.region = torch.from_file(str(path), shared=True, size=region_bytes(size, capacity), dtype=torch.uint8)
@@ -242,8 +110,3 @@ class SharedMemoryAllReduce:
         """Make every rank's waiting all-reduce fail now (the group has lost a rank)."""
         self.module.set_abort(self.region)
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_extension.build_and_report())

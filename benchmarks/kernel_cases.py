@@ -1,4 +1,4 @@
-"""What kernels.bench measures: each kernel at each size, with the bytes and FLOPs its work needs.
+"""What benchmarks/kernel_bench.py measures: each kernel at each size, with the bytes and FLOPs its work needs.
 
 Bytes count what the operation must read and write at least once (inputs, outputs, the KV it attends
 to); FLOPs count the multiply-adds as two. Both ignore how an implementation gets there, so the

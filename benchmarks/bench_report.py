@@ -1,28 +1,13 @@
-"""Timing and reporting shared by the CPU kernel benchmarks (`kernels/bench_cpu_*.py`)."""
+"""The JSON report the CPU benchmarks write (benchmarks/cpu_*_bench.py, sampler_bench.py, bf16_decode_step.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
-import statistics
-import time
 from typing import Any
 
 import torch
-
-
-def median_us(fn, min_time: float, min_reps: int = 5) -> float:
-    """Median microseconds of fn() after three warm-up calls, over at least min_reps calls and min_time s."""
-    for _ in range(3):
-        fn()
-    times = []
-    deadline = time.perf_counter() + min_time
-    while len(times) < min_reps or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def write_report(path: str, rows: list[dict[str, Any]], **extra: Any) -> None:

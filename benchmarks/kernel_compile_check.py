@@ -1,4 +1,4 @@
-"""Compile every kernel for a CUDA GPU on a machine without one: `python -m kernels.compile_check`.
+"""Compile every kernel for a CUDA GPU on a machine without one: `python benchmarks/kernel_compile_check.py`.
 
 The interpreter runs a kernel's Python, not its compilation, so errors only the compiler sees (a
 non-constexpr global, a dot below the minimum tile, too much shared memory) would wait for a GPU. This
@@ -14,16 +14,18 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 if "kernels.runtime" in sys.modules:
-    raise RuntimeError("kernels.compile_check must run in its own process (python -m kernels.compile_check)")
+    raise RuntimeError("the compile check must run in its own process (python benchmarks/kernel_compile_check.py)")
 os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for its packages
 
-import torch
+import torch  # noqa: E402
 
-from kernels import decode_attention, int8_matmul, kv_cache, prefill_attention, rms_norm, rotary, swiglu
-from kernels.runtime import HAS_TRITON, require_triton, triton
+from kernels import decode_attention, int8_matmul, kv_cache, prefill_attention, rms_norm, rotary, swiglu  # noqa: E402
+from kernels.runtime import HAS_TRITON, require_triton, triton  # noqa: E402
 
 KERNEL_MODULES = (rms_norm, rotary, swiglu, kv_cache, decode_attention, prefill_attention, int8_matmul)
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
@@ -104,7 +106,7 @@ def capture_launches(dtypes: list[torch.dtype]) -> list[tuple]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/kernel_compile_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability as one number (90: H100/H200)")
     parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="activation dtypes to compile for")
     args = parser.parse_args(argv)

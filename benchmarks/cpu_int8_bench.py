@@ -1,6 +1,7 @@
 """CPU weight-only INT8 linear against float32 / bfloat16 F.linear and torch's _weight_int8pack_mm.
 
-    python -m kernels.bench_cpu_int8 [--out benchmarks/results/cpu_int8_linear.json] [--m 1,8,32] [--threads T] [--min-time 0.3]
+    .venv/bin/python benchmarks/cpu_int8_bench.py [--out benchmarks/results/cpu_int8_linear.json] [--m 1,8,32]
+        [--threads T] [--min-time 0.3]
 
 Shapes are SmolLM2-135M's linears (N, K); times are medians over repeated calls with torch's default
 thread count, under inference mode. Ratios are each time over the float32 F.linear time (below 1 is faster).
@@ -9,14 +10,24 @@ thread count, under inference mode. Ratios are each time over the float32 F.line
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8_linear as kernel
-from kernels.cpu_bench import median_us, write_report
-from kernels.int8_matmul import quantize_int8_ref
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for its packages
+
+from bench_report import write_report  # noqa: E402
+from kernels import cpu_int8_linear as kernel  # noqa: E402
+from kernels.int8_matmul import quantize_int8_ref  # noqa: E402
+from kernels.timing import time_calls  # noqa: E402
+
+
+def median_us(fn, min_time: float) -> float:
+    return time_calls(fn, min_time=min_time).median_us
+
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # (N, K)
 

@@ -1,9 +1,8 @@
 """CPU paged decode attention: the plain-torch path, the C++ portable loop and its AVX-512 version, for
 float32 and 16-bit caches.
 
-    python -m kernels.bench_cpu_attention [--out benchmarks/results/cpu_decode_attention.json] [--threads T]
-                                          [--batches 1,32] [--contexts 256,1024,4096]
-                                          [--dtypes float32,bfloat16] [--min-time 0.3]
+    .venv/bin/python benchmarks/cpu_attention_bench.py [--out benchmarks/results/cpu_decode_attention.json]
+        [--threads T] [--batches 1,32] [--contexts 256,1024,4096] [--dtypes float32,bfloat16] [--min-time 0.3]
 
 The default model's heads (9 query heads over 3 KV heads of 64), blocks of 16 tokens scattered over the
 cache at random as a long-running engine leaves them, every sequence at the same context length. As in
@@ -18,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
-from kernels import cpu_decode_attention as kernel
-from kernels.cpu_bench import median_us, write_report
-from kernels.kv_cache import write_kv_cache_ref
-from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
-from kernels.paged_attention import gathered_attention, plan_gather
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for its packages
+
+from bench_report import write_report  # noqa: E402
+from kernels import cpu_decode_attention as kernel  # noqa: E402
+from kernels.kv_cache import write_kv_cache_ref  # noqa: E402
+from kernels.kv_layout import blocks_for_tokens, kv_cache_shape  # noqa: E402
+from kernels.paged_attention import gathered_attention, plan_gather  # noqa: E402
+from kernels.timing import time_calls  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -76,7 +80,7 @@ def measure(batch: int, context: int, dtype: torch.dtype, generator: torch.Gener
     }
     reference = gathered_attention(q.float(), cache.float(), plan, scale)
     errors = {name: ((fn(cache).float() - reference).norm() / reference.norm()).item() for name, fn in calls.items()}
-    times = {name: median_us(next_layer(fn, caches), min_time) / 1e3 for name, fn in calls.items()}
+    times = {name: time_calls(next_layer(fn, caches), min_time=min_time).median_ms for name, fn in calls.items()}
     gb_per_s = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize / (times["avx512"] / 1e3) / 1e9
     return {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."), "times_ms": times,
             "rel_error_vs_float32": errors, "speedup_vs_torch": {name: times["torch"] / t for name, t in times.items()},

@@ -1,6 +1,6 @@
 """Roofline benchmark of the kernels against their eager and torch.compile references, in one run.
 
-    python -m kernels.bench [--quick] [--full] [--only NAME,...] [--no-compile] [--out results.json]
+    .venv/bin/python benchmarks/kernel_bench.py [--quick] [--full] [--only NAME,...] [--no-compile] [--out results.json]
 
 For each kernel and size it prints the time of the Triton kernel, of the eager reference and of
 torch.compile of the reference, the bytes each must move and the FLOPs it does, and the fraction of the
@@ -15,15 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from kernels.bench_cases import Case, make_cases
-from kernels.runtime import HAS_TRITON, INTERPRETING, triton
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for its packages
+
+from kernel_cases import Case, make_cases  # noqa: E402
+from kernels.runtime import HAS_TRITON, INTERPRETING, triton  # noqa: E402
+from kernels.timing import time_calls  # noqa: E402
 
 
 @dataclass
@@ -40,37 +43,9 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_ms(fn: Callable[[], object], device: torch.device, target_s: float) -> float:
-    """Median over 5 timed runs of a loop sized to take about target_s / 5 each, after warm-up."""
-    for _ in range(3):
-        fn()
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    once = max(time.perf_counter() - start, 1e-6)
-    iters = max(1, min(2000, int(target_s / 5 / once)))
-    samples = []
-    for _ in range(5):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) / iters)
-        else:
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
+    """Median milliseconds per call over 5 samples, each a loop of calls sized to take about target_s / 5."""
+    return time_calls(fn, min_reps=5, sample_time=target_s / 5, device=device).median_ms
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int, target_s: float) -> float:
@@ -164,7 +139,7 @@ def format_table(results: list[Result], triton_note: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/kernel_bench.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (the default without CUDA)")
     parser.add_argument("--full", action="store_true", help="realistic sizes even without CUDA")
     parser.add_argument("--only", default="", help="comma-separated kernel names to run")

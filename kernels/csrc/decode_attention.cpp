@@ -1,0 +1,331 @@
+// Paged decode attention: one query token per sequence against its cached blocks, read in place through the
+// block table. One task per (sequence, KV head); a float32 softmax over the whole context. The cache holds
+// float32, bfloat16 or float16 (q and the output share its dtype); 16-bit elements are widened as loaded.
+// On AVX-512 the common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads per KV head)
+// run a specialised task; other shapes run the portable loop.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ladder {
+namespace {
+
+// q [S, H, D] T; kv_cache [2, num_blocks, block_size, KVH, D] T; block_tables [S, max_blocks] int64;
+// seq_lens [S] int64 (tokens in the cache, the query's own included); out [S, H, D] T. T is float,
+// c10::BFloat16 or c10::Half; arithmetic is float32 throughout. Query head j reads KV head j / (H / KVH).
+// Tokens [first, len) are attended (first > 0 only with a sliding window).
+template <typename T>
+struct Problem {
+  const T* q; const T* k; const T* v; const int64_t* tables; T* out;
+  int64_t H, D, KVH, G, BS, max_blocks;
+  float scale;
+};
+
+// Portable version: any G and D, vectorised by the compiler where it can. `query` holds the G query rows
+// widened to float32 (a scratch buffer per thread).
+template <typename T>
+void task_generic(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len,
+                         std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& query) {
+  const int64_t G = p.G, D = p.D, n = len - first;
+  scores.assign(G * n, 0.f);
+  acc.assign(G * D, 0.f);
+  query.resize(G * D);
+  const T* qs = p.q + (s * p.H + h * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) query[i] = static_cast<float>(qs[i]);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = first + t;
+    const int64_t slot = p.tables[s * p.max_blocks + pos / p.BS] * p.BS + pos % p.BS;
+    const T* k = p.k + (slot * p.KVH + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = query.data() + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+      scores[g * n + t] = dot * p.scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores.data() + g * n;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, row[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) { row[t] = std::exp(row[t] - top); total += row[t]; }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < n; ++t) row[t] *= inv;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = first + t;
+    const int64_t slot = p.tables[s * p.max_blocks + pos / p.BS] * p.BS + pos % p.BS;
+    const T* v = p.v + (slot * p.KVH + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + t];
+      float* a = acc.data() + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
+    }
+  }
+  T* os = p.out + (s * p.H + h * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) os[i] = static_cast<T>(acc[i]);  // round to nearest even
+}
+
+#if defined(__AVX512F__)
+// 16 elements widened to float32. bfloat16 is the top half of a float32: widen and shift. float16 by
+// the F16C conversion every AVX-512 CPU has.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 float32 results rounded to nearest even, as torch's conversions round (c10's for bfloat16: a
+// NaN becomes the quiet 0x7FC0).
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2,
+// e^r by its Taylor series to degree 7 (relative error under 1e-8); below -87 the result flushes to 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693147180559945309f), x);
+  __m512 e = _mm512_set1_ps(1.f / 5040);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(e, k);
+}
+
+// v[i] holds 16 partial sums of dot product i; returns the 16 dot products, lane i = sum of v[i]'s lanes.
+// A transposing tree of 15 adds instead of 16 separate horizontal reductions.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pair[8], quad[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane j: the lane-j sums of four vectors
+    quad[i] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0x44),
+                            _mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0xEE));
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88), _mm512_shuffle_f32x4(quad[0], quad[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88), _mm512_shuffle_f32x4(quad[2], quad[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+// Into L2 (T1) rather than L1 (T0): the L1's few miss buffers limit how many lines can be in flight.
+// stride: elements between rows; lines: 64-byte lines per row.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t lines) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t l = 0; l < lines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(base + r * stride) + l * 64, _MM_HINT_T1);
+}
+
+// G query heads sharing one KV head, head size 16 * DV; cache blocks of 16 tokens. Two passes over the
+// context: scores (block by block, 16 tokens at a time), softmax, then the weighted sum of V; the next
+// block's rows are prefetched while one block is computed, since blocks lie anywhere in the cache.
+template <typename T, int G, int DV>
+void task_avx512(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores) {
+  constexpr int64_t BS = 16, D = 16 * DV;
+  constexpr int64_t LINES = D * static_cast<int64_t>(sizeof(T)) / 64;  // cache lines per token row
+  const int64_t row_stride = p.KVH * D;  // elements between consecutive tokens of a block
+  const int64_t first_block = first / BS, last_block = (len - 1) / BS;
+  const int64_t n = (last_block - first_block + 1) * BS;  // scores cover whole blocks; masked outside
+  const int64_t* table = p.tables + s * p.max_blocks;
+  auto block_rows = [&](const T* base, int64_t b) { return base + (table[b] * BS * p.KVH + h) * D; };
+  // The attended tokens [lo, hi) of block b: all 16 but for a window's start or the context's end.
+  auto attended = [&](int64_t b) {
+    return std::make_pair(std::max<int64_t>(first - b * BS, 0), std::min<int64_t>(len - b * BS, BS));
+  };
+  const T* qs = p.q + (s * p.H + h * G) * D;
+  __m512 qv[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(load16(qs + g * D + 16 * d), _mm512_set1_ps(p.scale));
+  __m512 top[G];
+  for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY);
+  prefetch_rows(block_rows(p.k, first_block), row_stride, BS, LINES);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const T* rows = block_rows(p.k, b);
+    if (b < last_block) prefetch_rows(block_rows(p.k, b + 1), row_stride, BS, LINES);
+    else prefetch_rows(block_rows(p.v, first_block), row_stride, BS, LINES);
+    __m512 partial[G][BS];
+    for (int64_t t = 0; t < BS; ++t) {
+      __m512 kv[DV];
+      for (int d = 0; d < DV; ++d) kv[d] = load16(rows + t * row_stride + 16 * d);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int d = 1; d < DV; ++d) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
+        partial[g][t] = a;
+      }
+    }
+    // Tokens outside [first, len) (a block's unused tail, or before a sliding window) get -inf.
+    const auto [lo, hi] = attended(b);
+    const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    for (int g = 0; g < G; ++g) {
+      const __m512 dots = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(partial[g]));
+      _mm512_storeu_ps(scores + g * n + (b - first_block) * BS, dots);
+      top[g] = _mm512_max_ps(top[g], dots);
+    }
+  }
+  float inv_total[G];
+  for (int g = 0; g < G; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + g * n + t), m));
+      _mm512_storeu_ps(scores + g * n + t, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv_total[g] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  __m512 acc[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const T* rows = block_rows(p.v, b);
+    if (b < last_block) prefetch_rows(block_rows(p.v, b + 1), row_stride, BS, LINES);
+    const float* w = scores + (b - first_block) * BS;
+    // Only attended tokens: a block's unused tail may hold anything, and 0 * NaN is not 0.
+    const auto [lo, hi] = attended(b);
+    for (int64_t t = lo; t < hi; ++t) {
+      __m512 vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = load16(rows + t * row_stride + 16 * d);
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(w[g * n + t]);
+        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(weight, vv[d], acc[g][d]);
+      }
+    }
+  }
+  T* os = p.out + (s * p.H + h * G) * D;
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) store16(os + g * D + 16 * d, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv_total[g])));
+}
+
+template <typename T>
+using Avx512Task = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, float*);
+
+template <typename T, int DV>
+Avx512Task<T> pick_group(int64_t G) {
+  switch (G) {
+    case 1: return task_avx512<T, 1, DV>;
+    case 2: return task_avx512<T, 2, DV>;
+    case 3: return task_avx512<T, 3, DV>;
+    case 4: return task_avx512<T, 4, DV>;
+    case 5: return task_avx512<T, 5, DV>;
+    case 6: return task_avx512<T, 6, DV>;
+    case 7: return task_avx512<T, 7, DV>;
+    case 8: return task_avx512<T, 8, DV>;
+    default: return nullptr;
+  }
+}
+
+// The specialised task for this shape, or nullptr (then the portable one runs).
+template <typename T>
+Avx512Task<T> pick_avx512(int64_t G, int64_t D, int64_t BS) {
+  if (BS != 16) return nullptr;
+  if (D == 64) return pick_group<T, 4>(G);
+  if (D == 128) return pick_group<T, 8>(G);
+  return nullptr;
+}
+#endif
+
+template <typename T>
+void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window, bool portable) {
+  const int64_t KVH = p.KVH, BS = p.BS;
+#if defined(__AVX512F__)
+  const Avx512Task<T> fast = portable ? nullptr : pick_avx512<T>(p.G, p.D, BS);
+#endif
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, query;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / KVH, h = task % KVH, len = sl[s];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+#if defined(__AVX512F__)
+      if (fast) {
+        scores.resize(p.G * ((len - 1) / BS - first / BS + 1) * BS);
+        fast(p, s, h, first, len, scores.data());
+        continue;
+      }
+#endif
+      task_generic(p, s, h, first, len, scores, acc, query);
+    }
+  });
+}
+
+template <typename T>
+void run_typed(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t sliding_window, bool portable) {
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
+  const T* kp = kv_cache.data_ptr<T>();
+  const Problem<T> p{q.data_ptr<T>(), kp, kp + num_blocks * BS * KVH * D, block_tables.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale)};
+  run(p, q.size(0), seq_lens.data_ptr<int64_t>(), sliding_window, portable);
+}
+
+// q and kv_cache of one dtype: float32, bfloat16 or float16 (checked in Python). portable: run the
+// ladder::paged_decode_attention. q [S, H, D] and kv_cache [2, num_blocks, block_size, KVH, D] of one dtype
+// (float32, bfloat16 or float16); block_tables [S, max_blocks] and seq_lens [S] int64. Values (block ids,
+// lengths) are the caller's invariant. portable: the portable loop even where the AVX-512 task exists.
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cache_in, const at::Tensor& tables_in,
+                                  const at::Tensor& lens_in, double scale, int64_t sliding_window, bool portable) {
+  TORCH_CHECK(q_in.device().is_cpu() && cache_in.device().is_cpu() && tables_in.device().is_cpu() &&
+              lens_in.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q_in.scalar_type() == cache_in.scalar_type(), "q and kv_cache must share a dtype");
+  TORCH_CHECK(q_in.dim() == 3 && cache_in.dim() == 5 && cache_in.size(0) == 2 && cache_in.size(4) == q_in.size(2) &&
+              q_in.size(1) % cache_in.size(3) == 0, "q [S, H, D], kv_cache [2, blocks, block_size, KVH, D]");
+  TORCH_CHECK(tables_in.dim() == 2 && tables_in.size(0) == q_in.size(0) && lens_in.numel() == q_in.size(0),
+              "block_tables [S, max_blocks], seq_lens [S]");
+  const auto q = q_in.contiguous(), kv_cache = cache_in.contiguous();
+  const auto block_tables = tables_in.to(at::kLong).contiguous(), seq_lens = lens_in.to(at::kLong).contiguous();
+  auto out = at::empty_like(q);
+  const auto window = sliding_window;
+  switch (q.scalar_type()) {
+    case at::kFloat: run_typed<float>(q, kv_cache, block_tables, seq_lens, out, scale, window, portable); break;
+    case at::kBFloat16: run_typed<c10::BFloat16>(q, kv_cache, block_tables, seq_lens, out, scale, window, portable); break;
+    case at::kHalf: run_typed<c10::Half>(q, kv_cache, block_tables, seq_lens, out, scale, window, portable); break;
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+bool has_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace ladder
+
+TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("paged_decode_attention", &ladder::paged_decode_attention); }
+
+// Whether this build has the AVX-512 tasks (compiled for this CPU's features).
+TORCH_LIBRARY_FRAGMENT(ladder_cpu, m) { m.def("has_avx512() -> bool", &ladder::has_avx512); }

@@ -1,0 +1,281 @@
+// W4A8 linear over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) weight codes times
+// int8 activations quantized per 32-block. The weight of output n over input block b is
+// w = d[n, b] * u + m[n, b] (u an unsigned code, d and m float16); m is implied (m = -zero * d) when the
+// scales hold d only. Bit-equal to its torch reference: every product and sum in the reference's order.
+// Codes per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes, 4-bit as [4, 16, 4] bytes
+// whose low nibbles hold groups 0-3 and high nibbles groups 4-7.
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "tile.h"
+
+// Bit-equal to the torch reference: no multiply-add contraction anywhere.
+#pragma GCC optimize("fp-contract=off")
+
+namespace ladder {
+namespace {
+
+constexpr int QK = 32;  // input channels per quantization block
+
+// One row x [KB * 32] -> int8 xq, and per block its scale xs[b], xs[b] * sum(xq of the block) xc[b] and
+// that sum xsum[b].
+void quantize_row_portable(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
+  for (int64_t b = 0; b < KB; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float s = std::max(amax, 1e-12f) / 127.f;
+    int32_t sum = 0;
+    for (int k = 0; k < QK; ++k) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[k] / s));
+      xq[b * QK + k] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xs[b] = s;
+    xc[b] = s * static_cast<float>(sum);
+    xsum[b] = sum;
+  }
+}
+
+#ifdef LADDER_VNNI
+void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
+  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t b = 0; b < KB; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float s = std::max(amax, 1e-12f) / 127.f;
+    const __m512 vs = _mm512_set1_ps(s);
+    const __m512i qlo = _mm512_cvt_roundps_epi32(_mm512_div_ps(lo, vs), rnd);
+    const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_div_ps(hi, vs), rnd);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK + 16), _mm512_cvtepi32_epi8(qhi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    xs[b] = s;
+    xc[b] = s * static_cast<float>(sum);
+    xsum[b] = sum;
+  }
+}
+
+template <bool FOUR>
+struct W4A8Tiles {
+  using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
+                      const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
+  static constexpr int kMaxMr = 4;
+  // Two accumulators per output (int32 block sums, float32 totals): 2 * MR * NB of the 32 registers.
+  static constexpr int kMaxNb[kMaxMr + 1] = {0, 6, 4, 3, 3};
+
+  // MR rows times NB consecutive blocks of 16 output channels, over all KB blocks of 32 input channels.
+  // codes: the first block's codes, each block KB * CB bytes; scales: its float16 d (and m), KB * S * 16 each.
+  template <int MR, int NB>
+  static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict xs, const float* __restrict xc,
+                   const int32_t* __restrict xsum, int64_t KB, const uint8_t* __restrict codes,
+                   const uint16_t* __restrict scales, int S, int32_t zero,
+                   const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
+    constexpr int64_t CB = FOUR ? 256 : 512;
+    __m512 y[MR][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) y[i][j] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < KB; ++b) {
+      __m512i acc[MR][NB];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+      const int8_t* xb = xq + b * QK;
+      if constexpr (FOUR) {
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j) {
+            const __m512i raw = _mm512_loadu_si512(codes + j * KB * CB + b * CB + l * 64);
+            const __m512i wlo = _mm512_and_si512(raw, nibble);  // groups 0-3: inputs 4l .. 4l + 3
+            const __m512i whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+              int32_t a0, a1;
+              std::memcpy(&a0, xb + i * K + 4 * l, 4);
+              std::memcpy(&a1, xb + i * K + 16 + 4 * l, 4);
+              acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wlo, _mm512_set1_epi32(a0));
+              acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], whi, _mm512_set1_epi32(a1));
+            }
+          }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j) {
+            const __m512i w = _mm512_loadu_si512(codes + j * KB * CB + b * CB + g * 64);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+              int32_t a;
+              std::memcpy(&a, xb + i * K + 4 * g, 4);
+              acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], w, _mm512_set1_epi32(a));
+            }
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const uint16_t* sc = scales + (j * KB + b) * S * BN;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+        if (S == 2) {  // w = d u + m
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + BN)));
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(xs[i * KB + b]));
+            const __m512 t = _mm512_mul_ps(ds, d);
+            const __m512 r = _mm512_mul_ps(m, _mm512_set1_ps(xc[i * KB + b]));
+            y[i][j] = _mm512_add_ps(_mm512_add_ps(y[i][j], t), r);
+          }
+        } else {  // w = d (u - zero): the offset leaves the integer sum exactly, sum (u - zero) a
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m512i q = _mm512_sub_epi32(acc[i][j], _mm512_set1_epi32(zero * xsum[i * KB + b]));
+            const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(xs[i * KB + b])), d);
+            y[i][j] = _mm512_add_ps(y[i][j], t);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = n0 + j * BN;
+      if (col >= N) break;
+      const __mmask16 mask = tail_mask(N - col);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        __m512 v = y[i][j];
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
+        _mm512_mask_storeu_ps(out + i * ldo + col, mask, v);
+      }
+    }
+  }
+};
+#endif
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// The same sums as the tiles, one output at a time, in the reference's order.
+void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* xc, const int32_t* xsum, int64_t KB,
+                    const uint8_t* codes, const uint16_t* scales, int S, int32_t zero, bool four, const float* bias,
+                    float* out, int64_t ldo, int64_t n0, int64_t N, int64_t M) {
+  const int64_t CB = four ? 256 : 512;
+  for (int c = 0; c < BN && n0 + c < N; ++c) {
+    for (int64_t i = 0; i < M; ++i) {
+      float y = 0.f;
+      for (int64_t b = 0; b < KB; ++b) {
+        int32_t dot = 0;
+        for (int k = 0; k < QK; ++k) {
+          int32_t u;
+          if (four) {  // input k of the block: group (k % 16) / 4, low nibble below 16, high from 16
+            const uint8_t byte = codes[b * CB + ((k % 16) / 4) * 64 + c * 4 + k % 4];
+            u = k < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            u = codes[b * CB + (k / 4) * 64 + c * 4 + k % 4];
+          }
+          dot += u * static_cast<int32_t>(xq[i * K + b * QK + k]);
+        }
+        const float d = half_to_float(scales[b * S * BN + c]);
+        if (S == 2) {
+          const float m = half_to_float(scales[b * S * BN + BN + c]);
+          const float t = (static_cast<float>(dot) * xs[i * KB + b]) * d;
+          const float r = m * xc[i * KB + b];
+          y = (y + t) + r;
+        } else {
+          y = y + (static_cast<float>(dot - zero * xsum[i * KB + b]) * xs[i * KB + b]) * d;
+        }
+      }
+      out[i * ldo + n0 + c] = bias ? y + bias[n0 + c] : y;
+    }
+  }
+}
+
+// ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit, 512
+// for 8-bit); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d); bias [N] or none.
+// Returns [..., N] float32. portable: the portable loop even where the VNNI tiles exist (tests).
+at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias_in, int64_t N, int64_t zero, bool portable) {
+  TORCH_CHECK(x_in.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
+              "w4a8_linear: CPU tensors only");
+  const at::Tensor x = float_rows(x_in);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+              (codes.size(2) == 256 || codes.size(2) == 512), "codes: [NBLK, KB, 256 or 512] uint8");
+  TORCH_CHECK(scales.dim() == 4 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(3) == BN &&
+              (scales.size(2) == 1 || scales.size(2) == 2), "scales: [NBLK, KB, 1 or 2, 16] float16");
+  const int64_t M = x.size(0), K = x.size(1), NBLK = codes.size(0), KB = codes.size(1);
+  const bool four = codes.size(2) == 256;
+  const int S = static_cast<int>(scales.size(2));
+  TORCH_CHECK(K == KB * QK, "the weight holds ", KB * QK, " input channels, x has ", K);
+  check_blocks(N, NBLK);
+  const auto bias = float_vector(bias_in);
+  const float* bp = optional_vector_data(bias, N, "bias");
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.view(sizes_with_last(x_in, N));
+#ifndef LADDER_VNNI
+  portable = true;
+#endif
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * KB), xc(M * KB);
+  std::vector<int32_t> xsum(M * KB);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      auto quantize = quantize_row_portable;
+#ifdef LADDER_VNNI
+      if (!portable) quantize = quantize_row;
+#endif
+      quantize(xp + m * K, KB, xq.data() + m * K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB);
+    }
+  });
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  const int64_t CB = codes.size(2);
+  const int32_t z = static_cast<int32_t>(zero);
+  const int64_t work_per_block = M * K * BN, min_work = 262144;
+  if (portable) {
+    const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
+    at::parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        portable_block(xq.data(), K, xs.data(), xc.data(), xsum.data(), KB, cp + b * KB * CB, sp + b * KB * S * BN,
+                       S, z, four, bp, op, N, b * BN, N, M);
+    });
+    return out.view(sizes_with_last(x_in, N));
+  }
+#ifdef LADDER_VNNI
+  auto call = [&](auto tile, int64_t m, int64_t b) {
+    tile(xq.data() + m * K, K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB, KB, cp + b * KB * CB,
+         sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N);
+  };
+  if (four) {
+    for_each_tile<W4A8Tiles<true>>(M, NBLK, work_per_block, min_work, call);
+  } else {
+    for_each_tile<W4A8Tiles<false>>(M, NBLK, work_per_block, min_work, call);
+  }
+#endif
+  return out.view(sizes_with_last(x_in, N));
+}
+
+}  // namespace
+
+bool has_vnni() {
+#ifdef LADDER_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace ladder
+
+TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("w4a8_linear", &ladder::w4a8_linear); }
+
+// Whether this build has the AVX-512 VNNI tiles (compiled for this CPU's features).
+TORCH_LIBRARY_FRAGMENT(ladder_cpu, m) { m.def("has_vnni() -> bool", &ladder::has_vnni); }

@@ -1,0 +1,226 @@
+// W8A8 linear: int8 weights times int8 activations quantized per row on the fly, exact int32 sums.
+// y [M, N] = (int32(q [M, K] @ w [N, K].T) * x_scale [M, 1]) * w_scale [N] (+ bias), each row of x
+// quantized symmetrically: x_scale = max(max|x_row|, 1e-12) / 127, q = round(x / x_scale) (half to even).
+// AVX-512 VNNI's vpdpbusd takes unsigned activations: rows are stored as q + 128 and 128 * sum_k w[n, k]
+// (`wsum`, computed at packing) is subtracted from the sums.
+// Packed weight: [NBLK, KG, 16, 4] int8, 16 output channels by groups of 4 input channels per block.
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "tile.h"
+
+// Bit-equal to the torch reference: no multiply-add contraction of the epilogue's (y * s) + bias.
+#pragma GCC optimize("fp-contract=off")
+
+namespace ladder {
+namespace {
+
+constexpr int GK = 4;  // input channels per vpdpbusd lane
+
+// A row's scale from its max |x|: the reference's clamp, then / 127.
+inline float row_scale(float amax) { return std::max(amax, 1e-12f) / 127.f; }
+
+// Row x [K] -> q + 128 as uint8 into xq [KP] (KP = K rounded up to GK, padded with 128, i.e. q = 0) and
+// its scale. The arithmetic is the reference's: amax, clamp, / 127, x / scale, round to even.
+// `given_amax`: the row's max |x| taken over more columns than these K (a row-parallel rank's part).
+void quantize_row(const float* x, int64_t K, int64_t KP, uint8_t* xq, float* x_scale, const float* given_amax) {
+  float amax = 0.f;
+  if (given_amax) {
+    amax = *given_amax;
+  } else {
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  }
+  const float s = row_scale(amax);
+  *x_scale = s;
+  int64_t k = 0;
+#ifdef LADDER_VNNI
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512i offset = _mm512_set1_epi32(128);
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + k), vs);
+    __m512i q = _mm512_add_epi32(_mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(q));
+  }
+#endif
+  for (; k < K; ++k) xq[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / s)) + 128);
+  for (; k < KP; ++k) xq[k] = 128;
+}
+
+// RAW: `out` is int32 and takes the exact integer sums, sum_k q w, without the float epilogue.
+template <bool RAW>
+struct W8A8Tiles {
+  using Fn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*,
+                      const float*, const float*, void*, int64_t, int64_t, int64_t);
+  static constexpr int kMaxMr = 8;
+  static constexpr int kMaxNb[kMaxMr + 1] = {0, 8, 6, 4, 4, 4, 3, 3, 3};
+
+#ifdef LADDER_VNNI
+  // MR rows times NB consecutive blocks of 16 output channels, over all KG groups of 4 input channels.
+  template <int MR, int NB>
+  static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __restrict w, int64_t KG,
+                   const int32_t* __restrict wsum, const float* __restrict xs, const float* __restrict scale,
+                   const float* __restrict bias, void* __restrict out_, int64_t ldo, int64_t n0, int64_t N) {
+    __m512i acc[MR][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+    const int64_t bstride = KG * BN * GK;
+    for (int64_t g = 0; g < KG; ++g) {
+      __m512i wv[NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * bstride + g * BN * GK);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, xq + i * ldq + g * GK, sizeof(four));
+        const __m512i xv = _mm512_set1_epi32(four);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = n0 + j * BN;
+      if (col >= N) break;
+      const __mmask16 mask = tail_mask(N - col);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + col), 7);  // 128 * sum_k w
+      if constexpr (RAW) {
+        int32_t* out = static_cast<int32_t*>(out_);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i)
+          _mm512_mask_storeu_epi32(out + i * ldo + col, mask, _mm512_sub_epi32(acc[i][j], offset));
+        continue;
+      }
+      float* out = static_cast<float*>(out_);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + col);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        // ((float)sum * x_scale) * w_scale (+ bias): the reference's order, no fused multiply-add.
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], offset)),
+                                               _mm512_set1_ps(xs[i])), s);
+        if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, bias + col));
+        _mm512_mask_storeu_ps(out + i * ldo + col, mask, y);
+      }
+    }
+  }
+#else
+  template <int MR, int NB>
+  static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __restrict w, int64_t KG,
+                   const int32_t* __restrict wsum, const float* __restrict xs, const float* __restrict scale,
+                   const float* __restrict bias, void* __restrict out_, int64_t ldo, int64_t n0, int64_t N) {
+    const int64_t bstride = KG * BN * GK;
+    for (int j = 0; j < NB; ++j)
+      for (int c = 0; c < BN; ++c) {
+        const int64_t col = n0 + j * BN + c;
+        if (col >= N) return;
+        for (int i = 0; i < MR; ++i) {
+          int32_t sum = 0;
+          for (int64_t g = 0; g < KG; ++g)
+            for (int t = 0; t < GK; ++t)
+              sum += static_cast<int32_t>(xq[i * ldq + g * GK + t]) * w[j * bstride + (g * BN + c) * GK + t];
+          if constexpr (RAW) {
+            static_cast<int32_t*>(out_)[i * ldo + col] = sum - 128 * wsum[col];
+            continue;
+          }
+          float y = (static_cast<float>(sum - 128 * wsum[col]) * xs[i]) * scale[col];
+          static_cast<float*>(out_)[i * ldo + col] = bias ? y + bias[col] : y;
+        }
+      }
+  }
+#endif
+};
+
+// x [M, K] float32 contiguous CPU; packed [NBLK, KG, 16, 4] int8; wsum [NBLK * 16] int32; scale [N]
+// float32 (ignored with `raw`); bias [N] float32 or none. Returns [M, N] float32, or with `raw` the int32
+// sums sum_k q w (a row-parallel layer sums them over its ranks exactly first). `row_max` [M] float32, if
+// given, is each row's max |x| to quantize with instead of the row's own.
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const float* sp,
+               const float* bp, int64_t N, bool raw, const std::optional<at::Tensor>& row_max) {
+  check_rows(x);
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 4 && packed.scalar_type() == at::kChar &&
+              packed.is_contiguous() && packed.size(2) == BN && packed.size(3) == GK, "packed: [NBLK, KG, 16, 4] int8");
+  const int64_t M = x.size(0), K = x.size(1), NBLK = packed.size(0), KG = packed.size(1);
+  TORCH_CHECK(KG == (K + GK - 1) / GK, "packed holds ", KG * GK, " input channels, x has ", K);
+  check_blocks(N, NBLK);
+  TORCH_CHECK(wsum.device().is_cpu() && wsum.scalar_type() == at::kInt && wsum.is_contiguous() &&
+              wsum.numel() == NBLK * BN, "wsum: [NBLK * 16] int32");
+  const float* given = optional_vector_data(row_max, M, "row_max");
+  auto out = at::empty({M, N}, x.options().dtype(raw ? at::kInt : at::kFloat));
+  if (M == 0 || N == 0) return out;
+  const int64_t KP = KG * GK;
+  std::vector<uint8_t> xq(M * KP);
+  std::vector<float> xs(M);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(xp + m * K, K, KP, xq.data() + m * KP, xs.data() + m, given ? given + m : nullptr);
+  });
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* sump = wsum.data_ptr<int32_t>();
+  uint8_t* op = static_cast<uint8_t*>(out.data_ptr());  // 4-byte elements, float32 or int32
+  auto call = [&](auto tile, int64_t m, int64_t b) {
+    tile(xq.data() + m * KP, KP, wp + b * KP * BN, KG, sump, xs.data() + m, sp, bp, op + 4 * m * N, N, b * BN, N);
+  };
+  if (raw) {
+    for_each_tile<W8A8Tiles<true>>(M, NBLK, M * KP * BN, 262144, call);
+  } else {
+    for_each_tile<W8A8Tiles<false>>(M, NBLK, M * KP * BN, 262144, call);
+  }
+  return out;
+}
+
+// ladder::w8a8_linear: x [..., K] float32 or bfloat16 -> [..., n] float32.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  const auto s = scale.to(at::kFloat).contiguous();
+  const auto b = float_vector(bias);
+  auto out = run(float_rows(x), packed.contiguous(), wsum.contiguous(), vector_data(s, n, "scale"),
+                 optional_vector_data(b, n, "bias"), n, false, std::nullopt);
+  return out.view(sizes_with_last(x, n));
+}
+
+// ladder::w8a8_int32: x [M, K] -> int32 [M, n], sum_k q[m, k] w[n, k] with x's rows quantized as
+// `w8a8_linear` does (with the scale of `row_max`'s maxima [M] when given).
+at::Tensor w8a8_int32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wsum, int64_t n,
+                      const std::optional<at::Tensor>& row_max) {
+  return run(float_rows(x), packed.contiguous(), wsum.contiguous(), nullptr, nullptr, n, true,
+             float_vector(row_max));
+}
+
+// ladder::w8a8_epilogue: the raw tiles' float epilogue on summed int32 sums [M, N]:
+// ((float)sum * row_scale(row_max[m])) * scale[n] (+ bias[n]), the fused kernel's arithmetic in its order,
+// so a row-parallel layer's result is its bits.
+at::Tensor w8a8_epilogue(const at::Tensor& sums, const at::Tensor& row_max, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(sums.device().is_cpu() && sums.dim() == 2 && sums.scalar_type() == at::kInt, "sums: [M, N] int32");
+  const auto s32 = sums.contiguous();
+  const int64_t M = s32.size(0), N = s32.size(1);
+  const auto maxima = row_max.to(at::kFloat).contiguous(), s = scale.to(at::kFloat).contiguous();
+  const auto b = float_vector(bias);
+  const float* mp = vector_data(maxima, M, "row_max");
+  const float* wp = vector_data(s, N, "scale");
+  const float* bp = optional_vector_data(b, N, "bias");
+  auto out = at::empty({M, N}, s32.options().dtype(at::kFloat));
+  const int32_t* sp = s32.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float xs = row_scale(mp[m]);
+    for (int64_t j = 0; j < N; ++j) {
+      const float y = (static_cast<float>(sp[m * N + j]) * xs) * wp[j];
+      op[m * N + j] = bp ? y + bp[j] : y;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace ladder
+
+TORCH_LIBRARY_IMPL(ladder, CPU, m) {
+  m.impl("w8a8_linear", &ladder::w8a8_linear);
+  m.impl("w8a8_int32", &ladder::w8a8_int32);
+  m.impl("w8a8_epilogue", &ladder::w8a8_epilogue);
+}
