@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from compile.onnx_export import example_step
-from engine.backends.aoti_runtime import PACKAGE, STEP_ARGS, PackagedStep, use_opaque_attention
+from engine.backends.aoti_runtime import PACKAGE, STEP_ARGS, PackagedStep
+from model.attention import OpaquePagedAttention, install
 from model.llama import LlamaForCausalLM
 
 # The weights stay out of the library: the runtime passes the module's own (user-managed) tensors.
@@ -42,7 +43,7 @@ def export_package(module: LlamaForCausalLM, directory: Path, kv_cache_dtype: to
     file's name. The module's attention is set to the opaque custom op, as the runtime sets it."""
     if module.device.type != "cpu":
         raise ValueError(f"the AOTInductor package is built for CPU modules, not {module.device.type}")
-    use_opaque_attention(module)
+    install(module, OpaquePagedAttention(module.block_size, module.config.sliding_window))
     # A small mixed batch (a prefill chunk beside a decode): no dimension is 0 or 1, which the exporter
     # would specialise; the compiled step then serves any size.
     args, caches = example_step(module.config, module.block_size, num_blocks=8, dtype=kv_cache_dtype)

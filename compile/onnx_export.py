@@ -37,12 +37,12 @@ from torch import nn
 from compile import onnx_rewrites
 from engine.backends.onnx_runtime import DATA_FILE, MODEL_FILE, STEP_INPUTS, cache_input, cache_output
 from kernels.ops import TORCH_OPS, Ops
-from kernels.paged_attention import gathered_attention
-from model.attention import TorchAttentionPlan, TorchPagedAttention
+from model.attention import ExportPagedAttention, TorchAttentionPlan, TorchPagedAttention, installed
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from model.quantization import PRECISIONS, Int8Weights
+from model.precision import COMPILE_PRECISIONS
+from model.quantization import Int8Weights
 from model.rope import inverse_frequencies
 from model.step import allocate_kv_caches
 
@@ -56,30 +56,6 @@ UNSUPPORTED = {
 
 
 # --- the traced step -------------------------------------------------------------------------------------
-
-
-class ExportPagedAttention(TorchPagedAttention):
-    """`TorchPagedAttention` written for export: the cache update is functional (the new cache is a new
-    tensor, recorded in `self.updated` for the exporter to return), and grouped-query attention is
-    a reshape of the queries instead of SDPA's `enable_gqa` (no repeated K/V heads are materialised):
-    the reference's `heads_by_reshape` form, in the query's dtype with the softmax in float32.
-    """
-
-    def __init__(self, block_size: int, sliding_window: int | None = None) -> None:
-        super().__init__(block_size, sliding_window)
-        self.updated: list[torch.Tensor] = []
-
-    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
-        block_size = kv_cache.shape[2]
-        # One ScatterND into the 5-d cache: rows (0|1, block, offset) get the new keys, then values.
-        slots = plan.slot_mapping
-        which = torch.cat([torch.zeros_like(slots), torch.ones_like(slots)])
-        blocks = torch.cat([slots // block_size, slots // block_size])
-        offsets = torch.cat([slots % block_size, slots % block_size])
-        new_kv = torch.cat([k, v]).to(kv_cache.dtype)  # [2T, kvh, d]
-        kv_cache = kv_cache.index_put((which, blocks, offsets), new_kv)
-        self.updated.append(kv_cache)
-        return gathered_attention(q, kv_cache, plan.gather, scale, heads_by_reshape=True)
 
 
 class _StepGraph(nn.Module):
@@ -104,7 +80,6 @@ class _StepGraph(nn.Module):
 @contextlib.contextmanager
 def _exportable(module: LlamaForCausalLM) -> Iterator[ExportPagedAttention]:
     """Temporarily give `module` the plain-torch ops and the export attention backend (restored after)."""
-    attention = ExportPagedAttention(module.block_size, module.config.sliding_window)
     saved: list[tuple[object, str, object]] = []
 
     def swap(obj: object, name: str, value: object) -> None:
@@ -121,10 +96,8 @@ def _exportable(module: LlamaForCausalLM) -> Iterator[ExportPagedAttention]:
                 swap(module.get_submodule(parent_name) if parent_name else module, child, _dequantized(sub))
         # Rotary angles in float32 whatever the weights (a `module.to(float16)` casts this buffer too).
         swap(module, "inv_freq", inverse_frequencies(module.config).to(module.inv_freq.device))
-        swap(module, "attention", attention)
-        for layer in module.layers:
-            swap(layer.self_attn, "backend", attention)
-        yield attention
+        with installed(module, ExportPagedAttention(module.block_size, module.config.sliding_window)) as attention:
+            yield attention
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
@@ -177,8 +150,8 @@ def module_precision(module: LlamaForCausalLM) -> str:
 def check_precision(precision: str) -> None:
     if precision in UNSUPPORTED:
         raise ValueError(UNSUPPORTED[precision])
-    if precision not in PRECISIONS:
-        supported = [p for p in PRECISIONS if p not in UNSUPPORTED]
+    if precision not in COMPILE_PRECISIONS:
+        supported = [p for p in COMPILE_PRECISIONS if p not in UNSUPPORTED]
         raise ValueError(f"unknown precision {precision!r} for the onnx backend (choose from {', '.join(supported)})")
 
 

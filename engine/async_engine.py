@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
-import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -37,9 +36,8 @@ from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from model.config import ModelConfig
+from model.precision import precision_of_dtype
 from model.tokenizer import Tokenizer
-from parallel.errors import TensorParallelError
-from parallel.tensor_parallel_model import TensorParallelModel
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +83,6 @@ class EngineInfo:
     precision: str | None = None  # the artifact's precision, or the eager weights' dtype (fp32, bf16, fp16)
 
 
-PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -95,7 +92,7 @@ def weight_precision(engine: LLMEngine) -> str:
     if engine.model.quantization != "none":  # int8 linears applied at load
         return engine.model.quantization
     dtype = engine.model.module.kv_cache_dtype
-    return PRECISION_OF_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
+    return precision_of_dtype(dtype)
 
 
 class AsyncLLMEngine:
@@ -121,8 +118,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ladder-engine", daemon=True)
         self._thread.start()
-        if isinstance(engine.runner.module, TensorParallelModel):
-            engine.runner.module.on_failure(self._worker_lost)
+        engine.runner.module.on_failure(self._worker_lost)
         if step_timeout is not None:
             threading.Thread(target=self._watch, args=(step_timeout,), name="ladder-watchdog", daemon=True).start()
 
@@ -191,8 +187,9 @@ class AsyncLLMEngine:
                 self._step_started = None
                 if self.dead_reason is not None:
                     return
-                if isinstance(error, TensorParallelError):  # no step can run again: nothing to recover
-                    self._worker_lost(str(error))
+                failure = self.engine.runner.module.failure
+                if failure is not None:  # the model can run no step again: nothing to recover
+                    self._worker_lost(failure)
                     return
                 log.exception("engine step failed")
                 self._recover(f"{type(error).__name__}: {error}")

@@ -20,10 +20,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
-from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
 from parallel import tensor_parallel_model
-from parallel.tensor_parallel_model import TensorParallelModel
 
 
 class LLMEngine:
@@ -44,8 +42,7 @@ class LLMEngine:
             # Stop the workers and leave the group now: left to interpreter exit, the workers are killed
             # first and the group's teardown aborts the process ("terminate called ...", exit 134) after
             # the command line has printed its one-line error.
-            if isinstance(self.model.module, TensorParallelModel):
-                self.model.module.close()
+            self.model.module.close()
             raise
 
     def _set_up(self, config: EngineConfig) -> None:
@@ -56,20 +53,16 @@ class LLMEngine:
                              f"the engine asks for {config.block_size}")
         self.tokenizer = self.model.tokenizer
         module = self.model.module
-        num_pools = getattr(module, "kv_pools", 1)  # one per rank under tensor parallelism by sequences
         num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
-                                                       module.device, num_pools)
-        self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_pools)
+                                                       module.device, module.kv_pools)
+        self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching, module.kv_pools)
         bound = config.max_prefill_tokens
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                            prefill_bound)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.runner = ModelRunner(module, num_blocks)
-        if isinstance(module, (LlamaForCausalLM, TensorParallelModel)):  # compiled steps warm up as they load
-            self.runner.warm_up()
-        if isinstance(module, TensorParallelModel):
-            module.reset_communication()
+        self.runner.warm_up()
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples
@@ -117,9 +110,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine runs no more steps after."""
-        if isinstance(self.runner.module, TensorParallelModel):
-            self.runner.module.close()
+        """Release the model's workers, if any; the engine runs no more steps after."""
+        self.runner.module.close()
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -141,8 +133,7 @@ class LLMEngine:
             sampled_at = time.perf_counter()
             self.stats.record_step(batch, len(inputs.sample_requests), scheduled_at - started,
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
-            if isinstance(self.runner.module, TensorParallelModel):
-                self.stats.record_communication(self.runner.module.communication_seconds())
+            self.stats.record_communication(self.runner.module.communication_seconds())
             self.scheduler.finish_step(batch)
             if sampled is not None:
                 for i, request in enumerate(inputs.sample_requests):

@@ -23,17 +23,12 @@ class ModelRunner:
         self.kv_caches = module.allocate_kv_caches(num_blocks)
         # A cache split into pools (one per rank, tensor parallelism by sequences): the step's sequences go
         # pool by pool, so each rank's rows are one contiguous run of the batch (a view, not a gather).
-        self.num_pools = getattr(module, "kv_pools", 1)
+        self.num_pools = module.kv_pools
 
     def warm_up(self) -> None:
-        """A 2-token prefill and a 1-token decode in block 0, so the kernels an eager model builds or loads
-        on first use (the C++ extensions, compiled once per CPU, tens of seconds on a fresh machine) are
-        ready before the engine takes requests and /ready answers. Block 0's contents are overwritten by
-        whichever sequence gets it before anything reads them; the caches are not cleared."""
-        if self.module.block_size < 3 or not self.kv_caches:
-            return
-        for chunk in (SeqChunk([0, 0], 0, [0]), SeqChunk([0], 2, [0])):
-            run_step(self.module, build_step([chunk], self.module.block_size, self.module.device), self.kv_caches)
+        """The model's own warm-up on the engine's caches, before the engine takes requests and /ready
+        answers (model/step.py `StepModel.warm_up`; compiled artifacts warmed as they loaded)."""
+        self.module.warm_up(self.kv_caches)
 
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         chunks: list[SeqChunk] = []

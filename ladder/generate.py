@@ -8,12 +8,12 @@ import time
 
 from engine.config import resolve_device
 from ladder.device import add_device_argument
-from ladder.quantization import add_quantization_argument
+from ladder.precision import add_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.detokenizer import IncrementalDetokenizer
 from model.generator import Generator
-from model.loader import DTYPES, load
+from model.loader import load
 from model.quantization import resolve_quantization
 from parallel import tensor_parallel_model
 
@@ -29,7 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling when temperature > 0")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message for the chat template")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype (default float32)")
+    add_dtype_argument(p)
     add_device_argument(p)
     add_quantization_argument(p)
     add_tensor_parallel_argument(p)
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return stream(args, loaded)
     finally:
-        if isinstance(loaded.module, tensor_parallel_model.TensorParallelModel):
-            loaded.module.close()
+        loaded.module.close()  # a tensor-parallel model's workers; nothing for one process
 
 
 def stream(args: argparse.Namespace, loaded) -> int:

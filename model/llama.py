@@ -19,7 +19,7 @@ from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.rope import inverse_frequencies
-from model.step import allocate_kv_caches
+from model.step import BaseStepModel, allocate_kv_caches
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, BaseStepModel):
     def __init__(self, config: ModelConfig, block_size: int = 16, ops: Ops | None = None) -> None:
         """`ops`: the kernels every layer uses (kernels/ops.py); by default those for torch's default device."""
         super().__init__()
@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden] final hidden states (normed); logits come from compute_logits
         return self.run(input_ids, positions, kv_caches, self.plan(attn_metadata))
 
-    # -- the step interface (model/step.py) ----------------------------------------------------------
+    # -- the step interface (model/step.py; BaseStepModel gives the rest: one pool, warm-up, close) -----
 
     @property
     def device(self) -> torch.device:

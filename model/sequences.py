@@ -21,7 +21,7 @@ class Sequences:
         blocks_per_seq = blocks_for_tokens(max_len, model.block_size)
         # A model whose cache is split into pools (tensor parallelism by sequences) needs each sequence's
         # blocks in one pool: sequence i goes to pool i % pools.
-        pools = getattr(model, "kv_pools", 1)
+        pools = model.kv_pools
         per_pool = -(-num_seqs // pools) * blocks_per_seq
         self.kv_caches = model.allocate_kv_caches(pools * per_pool)
         self.tables = [list(range(start, start + blocks_per_seq))

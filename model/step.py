@@ -2,14 +2,15 @@
 
 A step runs the new tokens of S sequences, laid end to end as one flat batch, over a paged KV cache:
 it writes their keys and values into the cache and returns the logits of the rows whose next token is
-drawn. The eager `LlamaForCausalLM` implements `StepModel`, and so does each artifact runtime
-(`engine/backends/`: compiled torch, ONNX Runtime, TensorRT). Every driver (the engine's runner, the
-small `Sequences` driver of generation, parity and benchmarks) builds a step with `build_step`.
+drawn. The eager `LlamaForCausalLM` implements `StepModel`, and so do the tensor-parallel model
+(parallel/tensor_parallel_model.py) and each artifact runtime (`engine/backends/`: compiled torch, ONNX
+Runtime, TensorRT); the engine names none of them. Every driver (the engine's runner, the small
+`Sequences` driver of generation, parity and benchmarks) builds a step with `build_step`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,10 @@ class StepModel(Protocol):
     block_size: int  # tokens per KV block
     kv_cache_dtype: torch.dtype
     device: torch.device  # where its caches and step inputs live
+    # Pools the KV blocks are split into, each sequence's blocks in one pool: 1, or one per rank when tensor
+    # parallelism splits by sequences (a rank holds its pool's blocks with every head).
+    kv_pools: int
+    failure: str | None  # why the model can run no more steps (its steps raise from then on); None: it can
 
     def plan(self, meta: AttentionMetadata) -> Any:
         """The attention plan of a step: the tensors every layer shares (backend-specific)."""
@@ -36,6 +41,19 @@ class StepModel(Protocol):
                       plan: Any, sample_rows: torch.Tensor) -> torch.Tensor:
         """Run one step: input_ids, positions [T] int64, sample_rows [B] int64 -> logits [B, vocab] float32;
         the step's keys and values are written into `kv_caches` in place."""
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """Make the first request's step as quick as later ones, before the engine takes requests; may run
+        steps that write block 0 of `kv_caches` (whichever sequence gets it overwrites it before reading)."""
+
+    def communication_seconds(self) -> dict[str, float]:
+        """Seconds spent per collective since the warm-up (empty for a model in one process)."""
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` once when the model fails for good, even between steps (`failure`)."""
+
+    def close(self) -> None:
+        """Release what outlives the model's steps (worker processes); no step runs after."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,31 @@ def run_step(model: StepModel, inputs: StepInputs, kv_caches: list[torch.Tensor]
     """Logits [B, vocab] float32 of the step's sample rows (B may be 0: prefill chunks only)."""
     plan = model.plan(inputs.attn_metadata)
     return model.sample_logits(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows)
+
+
+class BaseStepModel:
+    """What a model that runs in this process alone has of `StepModel` beyond its step: one KV pool, no
+    failure but a step's own exception, nothing to close. Its warm-up runs a 2-token prefill and a 1-token
+    decode in block 0, so the kernels built or loaded on first use (the C++ extensions, compiled once per
+    CPU, tens of seconds on a fresh machine) are ready before the first request."""
+
+    kv_pools = 1
+    failure: str | None = None
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        if self.block_size < 3 or not kv_caches:
+            return
+        for chunk in (SeqChunk([0, 0], 0, [0]), SeqChunk([0], 2, [0])):
+            run_step(self, build_step([chunk], self.block_size, self.device), kv_caches)
+
+    def communication_seconds(self) -> dict[str, float]:
+        return {}
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Nothing to listen for: a failed step raises to its caller, and the next step may run."""
+
+    def close(self) -> None:
+        pass
 
 
 def allocate_kv_caches(config: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,

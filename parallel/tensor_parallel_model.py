@@ -37,7 +37,7 @@ from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel
 from model.quantization import INT8_LINEARS
-from model.step import allocate_kv_caches
+from model.step import BaseStepModel, allocate_kv_caches
 from parallel import step_message
 from parallel.collectives import Collectives, create_group
 from parallel.errors import TensorParallelError
@@ -73,7 +73,7 @@ def exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class TensorParallelModel:
+class TensorParallelModel(BaseStepModel):
     def __init__(self, shard: LlamaForCausalLM, config: ModelConfig, layout: TensorParallelLayout,
                  collectives: Collectives, workers: list, pipes: list[Connection], num_threads_before: int) -> None:
         self.shard = shard
@@ -127,17 +127,19 @@ class TensorParallelModel:
             raise self._fail(f"step {self.num_steps} failed on rank 0: {type(error).__name__}: "
                              f"{' '.join(str(error).split())[:300]}") from error
 
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """The one-process warm-up on every rank (each loads its own kernels); collectives are counted
+        from its end, so the warm-up stays out of them as it does of step time."""
+        super().warm_up(kv_caches)
+        self.collectives.reset()
+
     # -- health and figures ------------------------------------------------------------------------
 
     def communication_seconds(self) -> dict[str, float]:
-        """Seconds rank 0 has spent per collective since start: broadcast (the step's inputs to the
+        """Seconds rank 0 has spent per collective since the warm-up: broadcast (the step's inputs to the
         workers), all_reduce (the row-parallel sums), all_reduce_max (W8A8's activation scales),
         all_gather (the attention output before W8A8's whole o_proj), gather (the logits)."""
         return dict(self.collectives.seconds)
-
-    def reset_communication(self) -> None:
-        """Count collectives from now on (the engine's warm-up steps stay out, as they do of step time)."""
-        self.collectives.reset()
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
         """Call `listener(reason)` once when the group fails (from the monitor thread, or the step's)."""

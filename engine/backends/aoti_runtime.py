@@ -27,10 +27,10 @@ from torch import nn
 
 from engine.backends.manifest import ArtifactError
 from kernels import cpu_int8_linear, cpu_w8a8_linear  # noqa: F401  registers ladder::int8_linear, w8a8_linear
-from model.attention import OpaquePagedAttention, TorchAttentionPlan
+from model.attention import OpaquePagedAttention, TorchAttentionPlan, install
 from model.llama import LlamaForCausalLM
 from model.quantization import activation_dtype
-from model.step import allocate_kv_caches
+from model.step import BaseStepModel, allocate_kv_caches
 
 PACKAGE = "step.pt2"
 KIND = "aotinductor"
@@ -55,15 +55,6 @@ class PackagedStep(nn.Module):
                 seq_lens, sample_rows, *kv_caches):
         plan = TorchAttentionPlan(query_index, output_index, block_tables, mask, slot_mapping, seq_lens)
         return self.module.sample_logits(input_ids, positions, list(kv_caches), plan, sample_rows)
-
-
-def use_opaque_attention(module: LlamaForCausalLM) -> OpaquePagedAttention:
-    """Give every layer the CPU attention behind one custom op (traced as a call, not as its body)."""
-    attention = OpaquePagedAttention(module.block_size, module.config.sliding_window)
-    module.attention = attention
-    for layer in module.layers:
-        layer.self_attn.backend = attention
-    return attention
 
 
 def cpu_vector_flags() -> list[str]:
@@ -102,7 +93,7 @@ def check_package(record: dict[str, Any]) -> None:
                             "recompile the artifact on this machine")
 
 
-class PackagedModel:
+class PackagedModel(BaseStepModel):
     """An AOTInductor package of the step over the rebuilt module's weights, as a StepModel (model/step.py)."""
 
     def __init__(self, package: Path, module: LlamaForCausalLM, precision: str) -> None:
@@ -112,7 +103,10 @@ class PackagedModel:
         self.precision = precision
         self.device = module.device
         self.kv_cache_dtype = activation_dtype(precision, self.device)
-        self.attention = use_opaque_attention(module)  # its plan() builds the step's attention tensors
+        # The attention the package was compiled with (a call to the custom op, not its body); its plan()
+        # builds the step's attention tensors.
+        self.attention = OpaquePagedAttention(module.block_size, module.config.sliding_window)
+        install(module, self.attention)
         try:
             # The package's C++ loader itself (not `aoti_load_package`, whose Python side may read pickled
             # parts of a .pt2 archive): it unpacks and opens the shared library only.
@@ -129,6 +123,9 @@ class PackagedModel:
             raise ArtifactError(f"{package}: the compiled step needs weights the artifact lacks: {unknown[:3]}")
         self._constants = {name: tensors[name.removeprefix("module.")] for name in wanted}
         self._loader.load_constants(self._constants, False, True, True)  # user-managed: no copy
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """Nothing left to warm: `torch_compiled.load` ran its warm-up steps."""
 
     def plan(self, meta) -> TorchAttentionPlan:
         return self.attention.plan(meta)

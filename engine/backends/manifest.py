@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from model.quantization import PRECISIONS
+from model.precision import COMPILE_PRECISIONS
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -83,7 +83,7 @@ def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
         manifest = Manifest(**data)
     except TypeError as exc:
         raise ArtifactError(f"{path}: unexpected fields: {exc}") from exc
-    if manifest.backend not in BACKENDS or manifest.precision not in PRECISIONS:
+    if manifest.backend not in BACKENDS or manifest.precision not in COMPILE_PRECISIONS:
         raise ArtifactError(f"{path}: unknown backend {manifest.backend!r} or precision {manifest.precision!r}")
     if verify_files:
         for name, entry in manifest.files.items():

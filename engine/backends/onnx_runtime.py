@@ -22,7 +22,7 @@ import torch
 from model.attention import TorchAttentionPlan, TorchPagedAttention
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
-from model.step import allocate_kv_caches
+from model.step import BaseStepModel, allocate_kv_caches
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -57,7 +57,7 @@ def ort_value(array, device: torch.device):
     return ort.OrtValue.ortvalue_from_numpy(array, device.type, device.index or 0)
 
 
-class OnnxModel:
+class OnnxModel(BaseStepModel):
     """An exported step in an `onnxruntime.InferenceSession`, as a `model.step.StepModel` (its
     `sample_logits` updates the caches in place)."""
 
@@ -104,6 +104,9 @@ class OnnxModel:
         got = [d if isinstance(d, int) else None for d in cache.shape]
         if got != shape:
             raise ValueError(f"ONNX graph KV cache shape {cache.shape} does not match {shape}")
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """None: the session is built and optimised at load."""
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         return self.attention.plan(meta)

@@ -27,12 +27,12 @@ from engine.backends.onnx_runtime import STEP_INPUTS, cache_input, cache_output
 from model.attention import TorchAttentionPlan, TorchPagedAttention
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
-from model.step import allocate_kv_caches
+from model.step import BaseStepModel, allocate_kv_caches
 
 ENGINE_FILE = "model.plan"
 
 
-class TensorRTModel:
+class TensorRTModel(BaseStepModel):
     """A TensorRT engine as a StepModel; caches are CUDA tensors updated in place."""
 
     def __init__(self, engine: Any, config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype,
@@ -60,6 +60,9 @@ class TensorRTModel:
         # The graph's inputs and outputs are fp32 whatever kernels the builder chose, the caches included.
         return cls(engine, ModelConfig.from_dict(manifest.model["config"]), manifest.shapes["block_size"],
                    torch.float32, device)
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """None: the engine was built ahead of time and deserialized at load."""
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         return self.attention.plan(meta)

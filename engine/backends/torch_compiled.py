@@ -15,7 +15,7 @@ norms, rotary, SwiGLU and W8A8's per-token quantization around it and calls the 
 weight-only kernel, or `_int_mm`) directly, with no Python per layer.
 
 On CUDA the attention is the Triton paged kernels behind their own custom op
-(`engine/backends/graph_attention.py`), and decode steps run as CUDA graphs (`mode="reduce-overhead"`,
+(`model/attention/graph_backend.py`), and decode steps run as CUDA graphs (`mode="reduce-overhead"`,
 Inductor's CUDA graph trees): one graph recorded per decode batch size, replayed after. What a graph
 needs to replay and not re-record or be skipped:
 - the KV caches, which every step mutates, are marked static (`torch._dynamo.mark_static_address`), so
@@ -38,19 +38,19 @@ import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 
 from engine.backends.aoti_runtime import PackagedModel, check_package
-from engine.backends.graph_attention import GraphPagedAttention
 from engine.backends.packed_weights import load_packed
 from kernels import cpu_w8a8_linear
 from kernels.kv_layout import blocks_for_tokens
 from kernels.ops import TORCH_OPS, Ops, select_ops
-from model.attention import AttentionPlan, OpaquePagedAttention, TorchPagedAttention
+from model.attention import (AttentionPlan, GraphPagedAttention, OpaquePagedAttention, TorchPagedAttention,
+                             install)
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from model.quantization import INT8_LINEARS, activation_dtype, int8_skeleton, pack_all
 from model.rope import inverse_frequencies
 from model.sequences import Sequences
-from model.step import allocate_kv_caches
+from model.step import BaseStepModel, allocate_kv_caches
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 WARM_UP_BLOCKS = 4
@@ -75,7 +75,7 @@ def uses_graph_attention(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-class TorchCompiledModel:
+class TorchCompiledModel(BaseStepModel):
     """A compiled module as a StepModel (model/step.py).
 
     `max_model_len`: the longest sequence served; with the Triton attention it fixes the block tables'
@@ -101,9 +101,7 @@ class TorchCompiledModel:
         else:
             attention_type = OpaquePagedAttention if self.device.type == "cpu" else TorchPagedAttention
             self.attention = attention_type(module.block_size, window)
-        module.attention = self.attention
-        for layer in module.layers:
-            layer.self_attn.backend = self.attention
+        install(module, self.attention)
         # Dynamo caches graphs per code object, and every model's `sample_logits` shares one: leave room
         # for several models in a process (tests, the compile pipeline) beside their shape variants.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
@@ -125,6 +123,9 @@ class TorchCompiledModel:
 
         self._compiled = torch.compile(mixed_step, **{**options, "mode": "default"} if self.cuda_graphs else options)
         self._decode = torch.compile(decode_step, **options) if self.cuda_graphs else self._compiled
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """Nothing left to warm: `load` ran its warm-up steps (`warm_up_at_load`)."""
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan:
         return self.attention.plan(meta)
@@ -148,7 +149,7 @@ class TorchCompiledModel:
             return self._decode(input_ids, positions, kv_caches, plan, sample_rows).clone()
 
 
-def warm_up(model: TorchCompiledModel | PackagedModel) -> None:
+def warm_up_at_load(model: TorchCompiledModel | PackagedModel) -> None:
     """Compile now, not on the first requests: run the kinds of step the engine makes (one prompt, one
     decode, decodes beside a prefill chunk) on a scratch cache. A package needs no compile: one prompt
     and one decode beside a prompt load the C++ kernels it calls and show that it runs."""
@@ -211,5 +212,5 @@ def load(directory: Path, precision: str, block_size: int, device: torch.device,
         model: TorchCompiledModel | PackagedModel = PackagedModel(directory / package["file"], module, precision)
     else:
         model = TorchCompiledModel(module, precision, options, max_model_len)
-    warm_up(model)
+    warm_up_at_load(model)
     return model

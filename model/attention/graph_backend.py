@@ -1,4 +1,5 @@
-"""The Triton paged attention as one custom op, for compiled models whose steps are CUDA graphs.
+"""The Triton paged attention as one custom op (`ladder::triton_paged_attention`), for compiled models whose
+steps are CUDA graphs.
 
 `torch.compile` must not trace into the Triton launchers (their grids are Python numbers read from the
 metadata), and a CUDA graph replays only what it recorded, so the op takes tensors alone and derives
@@ -24,6 +25,7 @@ import torch
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache import write_kv_cache
 from kernels.prefill_attention import paged_prefill_attention
+from model.attention.base import BaseAttention
 from model.attention_metadata import AttentionMetadata
 
 
@@ -33,7 +35,7 @@ class GraphAttentionPlan:
 
     query_start_loc: torch.Tensor  # [S + 1] int64
     seq_lens: torch.Tensor  # [S] int64
-    block_tables: torch.Tensor  # [S, width] int64, width fixed by the plan's owner when it pads
+    block_tables: torch.Tensor  # [S, width] int64, width fixed by the backend when it pads
     slot_mapping: torch.Tensor  # [T] int64
 
 
@@ -65,15 +67,12 @@ def _(q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, 
     return q.new_empty(q.shape)
 
 
-class GraphPagedAttention:
-    """An attention backend (model/attention.py's interface) over `triton_paged_attention`.
-
-    `table_width`: blocks per row of every plan's block table (the most a sequence may own); None keeps
+class GraphPagedAttention(BaseAttention):
+    """`table_width`: blocks per row of every plan's block table (the most a sequence may own); None keeps
     the metadata's width (no CUDA graphs: a new width is only a new shape for a dynamic graph)."""
 
     def __init__(self, block_size: int, sliding_window: int | None = None, table_width: int | None = None) -> None:
-        self.block_size = block_size
-        self.sliding_window = sliding_window
+        super().__init__(block_size, sliding_window)
         self.table_width = table_width
 
     def plan(self, meta: AttentionMetadata) -> GraphAttentionPlan:
