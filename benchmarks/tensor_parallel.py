@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import BenchConfig, make_workload
+from engine.throughput import BenchConfig, make_workload
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from compile import bench, parity
+from compile import parity, speed
 from compile.manifest import describe_device, file_entries, library_versions, sha256_source, write_artifact
 from engine.backends.artifact import TOKENIZER_DIR, LoadedArtifact, load_backend, loaded_artifact
 from engine.backends.manifest import BACKENDS, ArtifactError, Manifest
 from model.loader import load
-from model.quantization import PRECISIONS, apply_precision
+from model.precision import COMPILE_PRECISIONS
+from model.quantization import apply_precision
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ def check_options(options: CompileOptions) -> None:
     """Everything that can be refused before any work is done, with a one-line reason."""
     if options.backend not in BACKENDS:
         raise ValueError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
-    if options.precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {options.precision!r} (choose from {', '.join(PRECISIONS)})")
+    if options.precision not in COMPILE_PRECISIONS:
+        raise ValueError(f"unknown precision {options.precision!r} (choose from {', '.join(COMPILE_PRECISIONS)})")
     if Path(options.out).exists():
         raise ValueError(f"{options.out}: already exists; choose another --out or remove it")
     if min(options.max_num_seqs, options.max_model_len, options.block_size, options.bench_batch,
@@ -230,11 +231,11 @@ def run(options: CompileOptions, log: StageLog | None = None,
 
 
 def benchmark(model, options: CompileOptions, batches: list[int]) -> dict[str, dict[str, float]]:
-    """The artifact against a fresh fp32 eager model, decode rounds interleaved (compile/bench.py)."""
+    """The artifact against a fresh fp32 eager model, decode rounds interleaved (compile/speed.py)."""
     eager = load(options.model, dtype=torch.float32, device=options.device, block_size=options.block_size)
     figures = {}
     for batch in batches:
-        speeds = bench.compare_decode({"eager": eager.module, "artifact": model}, batch, eager.config.vocab_size)
+        speeds = speed.compare_decode({"eager": eager.module, "artifact": model}, batch, eager.config.vocab_size)
         figures[f"batch_{batch}"] = {
             "eager_fp32_tokens_per_s": speeds["eager"].tokens_per_s,
             "artifact_tokens_per_s": speeds["artifact"].tokens_per_s,

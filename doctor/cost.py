@@ -12,10 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+from model.precision import PRECISIONS
 
-# Bytes of one weight and the arithmetic the matmuls run in, per precision (model/quantization.py's names).
-WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "w8a8": 1, "w4a8": 0.625}  # w4a8: Q4_1, 20 bytes per 32
-MATMUL_KIND = {"fp32": "fp32", "fp16": "bf16", "bf16": "bf16", "int8": "fp32", "w8a8": "int8", "w4a8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -32,12 +30,12 @@ class StepCost:
 @dataclass(frozen=True)
 class ModelCost:
     config: ModelConfig
-    precision: str  # fp32, fp16, bf16, int8 (weight-only) or w8a8
+    precision: str  # a name of model/precision.py
     kv_itemsize: int  # bytes of one cached key or value element
 
     def __post_init__(self) -> None:
-        if self.precision not in WEIGHT_BYTES:
-            raise ValueError(f"unknown precision {self.precision!r} (choose from {', '.join(WEIGHT_BYTES)})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
 
     @property
     def layer_matmul_params(self) -> int:
@@ -60,7 +58,7 @@ class ModelCost:
     @property
     def weight_bytes(self) -> float:
         """Bytes of weights one step reads: the layers' matmuls and the head."""
-        return (self.layer_matmul_params + self.head_params) * WEIGHT_BYTES[self.precision]
+        return (self.layer_matmul_params + self.head_params) * PRECISIONS[self.precision].weight_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -69,7 +67,7 @@ class ModelCost:
 
     @property
     def matmul_kind(self) -> str:
-        return MATMUL_KIND[self.precision]
+        return PRECISIONS[self.precision].matmul
 
     def attention_flops(self, context: int) -> float:
         """One new token attending to `context` positions: QK^T and the weighted sum of V, every layer."""

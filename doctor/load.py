@@ -12,7 +12,7 @@ import torch
 
 from doctor.cost import ModelCost
 from doctor.roofline import RooflinePoint, combine
-from engine.bench import BenchConfig, make_workload
+from engine.throughput import BenchConfig, make_workload
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelInputs, ModelRunner
 from engine.sampling_params import SamplingParams

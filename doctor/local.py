@@ -19,8 +19,8 @@ from engine.config import GIB, EngineConfig, bytes_per_block
 from engine.llm_engine import LLMEngine
 from kernels.kv_layout import blocks_for_tokens
 from model.loader import LoadedModel, load
+from model.precision import precision_of_dtype
 
-PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def default_device() -> str:
@@ -31,7 +31,7 @@ def precision_of(loaded: LoadedModel) -> str:
     if isinstance(loaded, LoadedArtifact):
         return loaded.manifest.precision
     quantization = getattr(loaded, "quantization", "none")  # int8 or w8a8 linears swapped in at load
-    return quantization if quantization != "none" else PRECISION_OF_DTYPE[loaded.module.kv_cache_dtype]
+    return quantization if quantization != "none" else precision_of_dtype(loaded.module.kv_cache_dtype)
 
 
 def kernels_of(loaded: LoadedModel) -> str:

@@ -9,11 +9,12 @@ shared, and the best run is the one least disturbed by the neighbours.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from kernels.timing import time_calls
 
 COPY_BYTES = 64 << 20  # well past any cache, so the copy streams from memory
 REFERENCE_SIZE = 1024
@@ -50,30 +51,11 @@ class MachineLimits:
         return asdict(self)
 
 
-def best_seconds(run: Callable[[], object], sync: Callable[[], None], reps: int, budget: float) -> float:
-    """Fastest of `reps` timed runs after one warm-up, stopping early once `budget` seconds are spent."""
-    run()
-    sync()
-    best, spent = float("inf"), 0.0
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        sync()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > budget:
-            break
-    return best
-
-
-def synchronizer(device: torch.device) -> Callable[[], None]:
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
 def measure_bandwidth(device: torch.device, num_bytes: int = COPY_BYTES, reps: int = 5) -> float:
     source = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     target = torch.empty_like(source)
-    seconds = best_seconds(lambda: target.copy_(source), synchronizer(device), reps, budget=0.5)
+    seconds = time_calls(lambda: target.copy_(source), warmup=1, min_reps=1, max_reps=reps, max_time=0.5,
+                         device=device).best_s
     return 2 * num_bytes / seconds  # each byte is read once and written once
 
 
@@ -90,7 +72,7 @@ def measure_gemm(kind: str, shape: tuple[int, int, int], device: torch.device, r
         a, b = operands(kind, m, k, n, device)
         # torch._int_mm is the int8 x int8 -> int32 product the W8A8 path is built on.
         product = (lambda: torch._int_mm(a, b)) if kind == "int8" else (lambda: a @ b)
-        seconds = best_seconds(product, synchronizer(device), reps, budget=0.3)
+        seconds = time_calls(product, warmup=1, min_reps=1, max_reps=reps, max_time=0.3, device=device).best_s
     except (RuntimeError, NotImplementedError) as error:
         return GemmResult(kind, shape, None, " ".join(str(error).split())[:160])
     return GemmResult(kind, shape, 2.0 * m * k * n / seconds)

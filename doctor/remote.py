@@ -31,8 +31,8 @@ from loadtest.client import api_root
 from loadtest.config import LoadShape, LoadTestConfig, LoadTestError, WorkloadConfig
 from loadtest.server_metrics import Samples, by_label, delta, parse_prometheus, total
 from model.config import ModelConfig
+from model.precision import PRECISIONS
 
-KV_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 4, "w8a8": 4, "w4a8": 4}  # the int8 forms keep an fp32 cache
 
 
 def fetch(url: str, api_key: str | None = None) -> bytes:
@@ -84,7 +84,8 @@ def run_remote(config: DoctorConfig, on_progress: Callable[[str], None] = lambda
     served = stats["model"]
     model_config = ModelConfig.from_dict(served["config"])
     precision = served["precision"] or "fp32"
-    cost = ModelCost(model_config, precision, KV_ITEMSIZE.get(precision, 4))
+    kv_dtype = PRECISIONS[precision].dtype if precision in PRECISIONS else torch.float32  # int8 forms: an fp32 cache
+    cost = ModelCost(model_config, precision, kv_dtype.itemsize)
     num_requests = config.load_requests
     before = parse_prometheus(fetch(root + "/metrics").decode())
     on_progress(f"load: {num_requests} requests of ~{config.input_len} + {config.output_len} tokens at once")

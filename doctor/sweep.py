@@ -8,7 +8,6 @@ computed itself).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from doctor.cost import ModelCost
 from doctor.roofline import RooflinePoint
 from kernels.kv_layout import blocks_for_tokens
+from kernels.timing import time_calls
 from model.step import SeqChunk, StepModel, build_step, run_step
 
 
@@ -32,19 +32,9 @@ def time_step(model: StepModel, kv_caches: list[torch.Tensor], chunks: list[SeqC
               budget: float) -> float:
     """Best seconds of the model's forward on `chunks` (inputs built once, outside the timing)."""
     inputs = build_step(chunks, model.block_size, model.device)
-    sync = (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
-    run_step(model, inputs, kv_caches)  # warm-up: first-call allocations and kernel choices
-    sync()
-    best, spent = float("inf"), 0.0
-    for _ in range(reps):
-        start = time.perf_counter()
-        run_step(model, inputs, kv_caches)
-        sync()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > budget:
-            break
-    return best
+    # The first call is a warm-up: first-call allocations and kernel choices.
+    return time_calls(lambda: run_step(model, inputs, kv_caches), warmup=1, min_reps=1, max_reps=reps,
+                      max_time=budget, device=model.device).best_s
 
 
 def decode_chunks(batch: int, context: int, block_size: int) -> list[SeqChunk]:

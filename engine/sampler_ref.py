@@ -1,7 +1,7 @@
 """The reference sampler: every filter sorts the whole vocabulary of every row.
 
 What `engine.sampler.Sampler` computed before its filters looked at short candidate lists; the Sampler
-must give the same tokens and logprobs (tests/test_sampler.py) and is timed against it
+must give the same tokens and logprobs (tests/engine/test_sampler.py) and is timed against it
 (benchmarks/sampler_bench.py). One difference is by design: here, once any row of a batch uses top-p,
 every row goes through it, and a row whose top_p is 1 loses the tail tokens whose preceding mass
 rounds to 1 in float32; the Sampler leaves such a row alone, so its draws never depend on its batch.

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.bench import BenchConfig, format_table, run_bench, write_report
+from engine.throughput import BenchConfig, format_table, run_bench, write_report
 from ladder.device import add_device_argument
-from ladder.quantization import add_quantization_argument
+from ladder.precision import add_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
-from model.loader import DTYPES
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -24,7 +23,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="spread lengths by +/- this fraction")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-prefill-tokens", type=int, default=None,
@@ -32,8 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "(default: no bound, the whole --max-num-batched-tokens)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers generate")
-    p.add_argument("--hf-dtype", default=None, choices=sorted(DTYPES),
-                   help="dtype of transformers (default: the engine's --dtype; float32 for an artifact)")
+    add_dtype_argument(p, "--hf-dtype", default=None,
+                       help="dtype of transformers (default: the engine's --dtype; float32 for an artifact)")
     p.add_argument("--skip-hf", action="store_true", help="run the engine alone")
     add_device_argument(p)
     add_quantization_argument(p)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.backends.manifest import BACKENDS
 from engine.config import resolve_device
-from model.quantization import PRECISIONS
+from model.precision import COMPILE_PRECISIONS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                                         "artifact directory with a manifest.")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded model)")
     p.add_argument("--backend", required=True, choices=BACKENDS)
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--precision", default="fp32", choices=COMPILE_PRECISIONS)
     p.add_argument("--out", type=Path, required=True, help="the artifact directory to create (must not exist)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
                    help="where the artifact will run: cpu, cuda, or auto (cuda when present)")

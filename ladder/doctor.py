@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from model.loader import DTYPES
+from ladder.precision import add_dtype_argument
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--api-key", default=os.environ.get("LADDER_API_KEY"),
                         help="the server's key, for --base-url (default: $LADDER_API_KEY)")
     engine = p.add_argument_group("engine and workload")
-    engine.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_dtype_argument(engine)
     engine.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     engine.add_argument("--max-num-seqs", type=int, default=16, help="sequence cap; the decode sweep goes up to it")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -18,10 +18,9 @@ import time
 from engine.config import EngineConfig
 from ladder import serve_ray
 from ladder.device import add_device_argument
-from ladder.quantization import add_quantization_argument
+from ladder.precision import add_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
-from model.loader import DTYPES
 
 log = logging.getLogger("ladder.serve")
 
@@ -36,7 +35,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
     p.add_argument("--api-key", default=os.environ.get("LADDER_API_KEY"),
                    help="require this bearer token (default: $LADDER_API_KEY; none when unset)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-prefill-tokens", type=int, default=None,

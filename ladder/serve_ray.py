@@ -61,9 +61,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
         # Ray starts its workers at niceness 15, below everything else on the machine; here the workers are
         # the engines, the reason the machine runs at all.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        # Serve's controller loop (every 0.1 s) and every actor's metrics export (every 0.1 s) took 14% of a
-        # core on an idle 2-replica instance on a 2-core machine; at 0.5 s and 1 s, 10%, the rest left to
-        # the engines. Dead replicas are still found and replaced, half a second later at most.
+        # Serve's controller loop and every actor's metrics export run every 0.1 s by default, a share of a
+        # core that a small machine's engines need; at 0.5 s and 1 s less of it goes there. Dead replicas
+        # are still found and replaced, half a second later at most.
         os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
         os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=args.log_level.upper())

@@ -15,7 +15,7 @@ from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
 from model.hf_checkpoint import read_config, read_tensors, safetensors_files
-from model.quantization import QUANTIZATIONS
+from model.precision import QUANTIZATIONS, parse_dtype
 from model.step import StepModel
 from model.weights import build_model
 
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -36,15 +34,7 @@ class LoadedModel:
     name: str  # the name to serve it under
     path: Path  # the file or directory it came from
     load_seconds: float
-    quantization: str = "none"  # applied at load (model/quantization.py QUANTIZATIONS)
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    return DTYPES[dtype]
+    quantization: str = "none"  # applied at load (model/precision.py QUANTIZATIONS)
 
 
 def check_source(source: str | Path | None) -> None:

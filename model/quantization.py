@@ -32,11 +32,8 @@ from kernels import cpu_int8_linear, cpu_w8a8_linear
 from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
 from model.llama import LlamaForCausalLM
+from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS, parse_dtype
 
-FLOAT_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "w8a8")
-# Applied by `model.load` to the float32 eager model (no compile step); "none" keeps float32.
-QUANTIZATIONS = ("none", "int8", "w8a8", "w4a8")  # w4a8: GGUF files only (model/block_quantization.py)
 
 
 def resolve_quantization(quantization: str, dtype: str, device: str | torch.device,
@@ -55,8 +52,7 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
 
     Other values pass through, checked."""
     if quantization == "auto":
-        is_fp32 = dtype in ("float32", "fp32", torch.float32)
-        if not is_fp32 or torch.device(device).type != "cpu":
+        if parse_dtype(dtype) != torch.float32 or torch.device(device).type != "cpu":
             return "none"
         return "w4a8" if tensor_parallel_size == 1 and _runs_w4a8(model) else "w8a8"
     if quantization not in QUANTIZATIONS:
@@ -202,7 +198,7 @@ def apply_precision(module: LlamaForCausalLM, precision: str) -> LlamaForCausalL
                     for name, param in m.named_parameters(recurse=False):
                         param.data = param.data.to(dtype)
         return module
-    raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+    raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(COMPILE_PRECISIONS)})")
 
 
 def activation_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dtype:

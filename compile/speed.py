@@ -2,19 +2,18 @@
 
 Each model gets its own batch of prompts, prefilled once; then rounds of decode steps alternate between
 the models, so a slow spell on a shared machine lands on both sides instead of skewing one. A figure is
-the median step time over every timed step of that model; on CUDA a step is timed with events on the
-stream and waited for, so queued kernels are not mistaken for finished ones. Both sides run the same driver
+the median step time over every timed step of that model. Both sides run the same driver
 (`model.sequences.Sequences`), so the ratio compares the models, not the harness.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from kernels.timing import time_calls
 from model.sequences import Sequences
 from model.step import StepModel
 
@@ -41,27 +40,11 @@ class _Decoder:
     def __init__(self, model: StepModel, prompts: list[list[int]], max_len: int) -> None:
         self.seqs = Sequences(model, len(prompts), max_len)
         self.logits = self.seqs.step(prompts)
-        self.times: list[float] = []
+        self.times: list[float] = []  # seconds of each timed step
 
-    def step(self, timed: bool) -> None:
+    def step(self) -> None:
         tokens = self.logits.argmax(dim=-1).tolist()  # waits for the previous step's work
-        device = self.seqs.model.device
-        if device.type != "cuda":
-            start = time.perf_counter()
-            self.logits = self.seqs.step([[t] for t in tokens])
-            if timed:
-                self.times.append(time.perf_counter() - start)
-            return
-        # A CUDA step returns once its kernels are queued: time it with events on the stream, from before
-        # the host builds the step's tensors to after its last kernel (host work counts, as it does for
-        # the engine), and wait for the end event before reading it.
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
         self.logits = self.seqs.step([[t] for t in tokens])
-        end.record()
-        end.synchronize()
-        if timed:
-            self.times.append(begin.elapsed_time(end) / 1e3)
 
 
 def compare_decode(models: dict[str, StepModel], batch: int, vocab_size: int, prompt_len: int = PROMPT_LEN,
@@ -73,11 +56,13 @@ def compare_decode(models: dict[str, StepModel], batch: int, vocab_size: int, pr
     decoders = {name: _Decoder(model, prompts, max_len) for name, model in models.items()}
     for decoder in decoders.values():
         for _ in range(WARMUP_STEPS):  # first calls: allocation, and compilation for compiled models
-            decoder.step(timed=False)
+            decoder.step()
     for _ in range(rounds):
         for decoder in decoders.values():
-            for _ in range(steps):
-                decoder.step(timed=True)
+            # On CUDA a step is timed with events on the stream and waited for (kernels/timing.py), so
+            # queued kernels are not mistaken for finished ones; host work counts, as it does for the engine.
+            timing = time_calls(decoder.step, warmup=0, min_reps=steps, device=decoder.seqs.model.device)
+            decoder.times.extend(timing.samples_s)
     speeds = {}
     for name, decoder in decoders.items():
         median = statistics.median(decoder.times)

@@ -1,10 +1,15 @@
-"""The `--quantization` option of serve, generate and bench."""
+"""The `--dtype` and `--quantization` options of serve, generate, bench and doctor (model/precision.py names them)."""
 
 from __future__ import annotations
 
 import argparse
 
-from model.quantization import QUANTIZATIONS
+from model.precision import DTYPE_CHOICES, QUANTIZATIONS
+
+
+def add_dtype_argument(p: argparse.ArgumentParser, name: str = "--dtype", default: str | None = "float32",
+                       help: str = "the weights' float type (default float32)") -> None:
+    p.add_argument(name, default=default, choices=DTYPE_CHOICES, help=help)
 
 
 def add_quantization_argument(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,71 @@
+"""The one vocabulary of precisions: how a model's linear weights are stored and what its matmuls compute in.
+
+Every part names a precision from this table and reads its facts here: `ladder compile --precision`
+(artifacts), `--quantization` of serve, generate, bench and doctor (a precision applied at load, or
+`none` to keep the weights' dtype), `--dtype` (a float precision, or torch's name for it), the artifact
+manifest, the stats the server reports and `ladder doctor`'s cost model.
+
+- fp32, fp16, bf16: float weights and activations of that type.
+- int8: weight-only int8 linears (float activations), `model/quantization.py`.
+- w8a8: int8 weights and per-token int8 activations, SmoothQuant-calibrated, `model/quantization.py`.
+- w4a8: a GGUF file's own 4-bit and 8-bit blocks times int8 activations, `model/block_quantization.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    dtype: torch.dtype  # weights outside the quantized linears, activations and the KV cache on a CPU
+    weight_bytes: float  # bytes of one linear weight (w4a8: Q4_1 blocks, 20 bytes per 32 weights)
+    matmul: str  # what the linears compute in, as `ladder doctor` measures peaks: fp32, bf16 or int8
+    quantized: bool  # the linears are swapped for int8 modules
+    compiled: bool  # `ladder compile` builds artifacts in it
+    at_load: bool  # `--quantization` applies it when the model loads
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", torch.float32, 4, "fp32", quantized=False, compiled=True, at_load=False),
+    Precision("fp16", torch.float16, 2, "bf16", quantized=False, compiled=True, at_load=False),
+    Precision("bf16", torch.bfloat16, 2, "bf16", quantized=False, compiled=True, at_load=False),
+    Precision("int8", torch.float32, 1, "fp32", quantized=True, compiled=True, at_load=True),
+    Precision("w8a8", torch.float32, 1, "int8", quantized=True, compiled=True, at_load=True),
+    Precision("w4a8", torch.float32, 0.625, "int8", quantized=True, compiled=False, at_load=True),
+)}
+
+FLOAT_PRECISIONS: dict[str, torch.dtype] = {p.name: p.dtype for p in PRECISIONS.values() if not p.quantized}
+COMPILE_PRECISIONS: tuple[str, ...] = tuple(p.name for p in PRECISIONS.values() if p.compiled)
+# `--quantization`: "none" keeps the weights' own dtype.
+QUANTIZATIONS: tuple[str, ...] = ("none", *(p.name for p in PRECISIONS.values() if p.at_load))
+# `--dtype` takes a float precision or torch's name for its dtype.
+DTYPE_NAMES: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+DTYPE_CHOICES: tuple[str, ...] = (*FLOAT_PRECISIONS, *DTYPE_NAMES)
+
+
+def precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r} (choose from {', '.join(PRECISIONS)})")
+    return PRECISIONS[name]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A float dtype from a precision name (fp32), torch's name (float32) or the dtype itself."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = DTYPE_NAMES.get(dtype, dtype)
+    if name not in FLOAT_PRECISIONS:
+        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPE_CHOICES)})")
+    return FLOAT_PRECISIONS[name]
+
+
+def precision_of_dtype(dtype: torch.dtype) -> str:
+    """The float precision of a dtype: torch.bfloat16 -> "bf16"; a dtype outside the table by torch's name."""
+    for name, float_dtype in FLOAT_PRECISIONS.items():
+        if float_dtype == dtype:
+            return name
+    return str(dtype).removeprefix("torch.")
