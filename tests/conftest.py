@@ -2,8 +2,8 @@ import os
 import sys
 from pathlib import Path
 
-# Test helpers (tiny model writers) live beside the tests.
-sys.path.insert(0, str(Path(__file__).parent))
+# Test helpers (tiny model writers, server processes) live in tests/support/: helpers, not test modules.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import pytest  # noqa: E402
 
@@ -11,13 +11,40 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def ladder_server(tmp_path_factory):
     """One real `ladder serve` of the default model, shared by the end-to-end tests."""
-    from server_process import API_KEY, ServerProcess
+    from server_process import API_KEY, LadderServer
 
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc = ServerProcess("--api-key", API_KEY, "--kv-cache-memory", "0.25", "--max-model-len", "1024",
+    proc = LadderServer("--api-key", API_KEY, "--kv-cache-memory", "0.25", "--max-model-len", "1024",
                          "--max-body-bytes", "65536", "--max-num-seqs", "32", log=log)
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random-weight Llama with SmolLM2's tokenizer and chat template, written once per session.
+    Tests only read it; one that needs to change a model writes its own."""
+    from tiny_models import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """`tiny_hf_dir(family)`: a tiny random-weight model of that family (tests/support/tiny_models.py) in a
+    directory of its own, written once per session and only read by the tests."""
+    from tiny_models import make_hf_model
+
+    directories = {}
+
+    def directory_for(family: str):
+        if family not in directories:
+            directory = tmp_path_factory.mktemp(family) / "model"
+            make_hf_model(family, directory)
+            directories[family] = directory
+        return directories[family]
+
+    return directory_for
 
 
 @pytest.fixture(scope="session")
@@ -28,18 +55,36 @@ def default_model():
     return model.load()
 
 
-# Files that take minutes (Inductor compiles) go first, so that under pytest-xdist (`make test` runs two
-# workers, a file per worker) they overlap the many short files instead of running last on their own.
-# test_ray_serve.py (a local Ray instance, about a minute of waiting on it) follows them for the same reason.
-FIRST = ("test_compile_default.py", "test_compile.py", "test_ray_serve.py")
+# The slowest files go first, slowest first, so that under pytest-xdist (`make test` runs two workers, a
+# file per worker) they overlap the many short files instead of running last on their own: the Inductor
+# compiles (minutes each), a local Ray instance (about a minute of waiting on it), then the files of a
+# minute or so (the default model in two ranks, `ladder serve` processes, doctor's runs, transformers).
+FIRST = (
+    "compile/test_compile_default.py",
+    "compile/test_compile.py",
+    "deploy/test_ray_serve.py",
+    "server/test_server.py",
+    "parallel/test_tensor_parallel.py",
+    "server/test_server_limits.py",
+    "doctor/test_doctor.py",
+    "e2e/test_default_model.py",
+    "model/test_model_parity.py",
+    "loadtest/test_loadtest_e2e.py",
+    "server/test_reliability.py",
+)
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+    tests_dir = Path(__file__).parent
+    rank = {tests_dir / name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(FIRST)))  # stable: the rest keep their order
 
 
 def pytest_configure(config):
+    # pytest-xdist (3.7 and later) sorts the files by their number of tests before handing them out, which
+    # would send the six slow tests of test_compile_default.py last; keep the order above instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     # Each xdist worker takes its share of the cores: two workers of two torch threads each on a
     # 2-core machine spin against each other and run several times slower than one.
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")

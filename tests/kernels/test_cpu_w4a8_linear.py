@@ -1,0 +1,99 @@
+"""The C++ CPU W4A8 linear over GGUF blocks: bit for bit its torch reference (activations quantized per
+32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0 and Q8_0 forms, any
+batch and thread count, on the VNNI tiles and the portable loop; and the GGUF reader's blocks are exactly
+the weights the float model is built from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_w4a8_linear as kernel
+from model.gguf_checkpoint import BlockWeight
+
+pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W4A8 kernel could not be built here "
+                                "(a C++ compiler and ninja are needed); the torch reference is used instead")
+
+FORMATS = {"q4_1": (4, 0, True), "q4_0": (4, 8, False), "q8_0": (8, 128, False)}  # bits, zero, has m
+
+
+def _case(m, n, k, form, seed=0):
+    bits, zero, has_m = FORMATS[form]
+    gen = torch.Generator().manual_seed(seed * 7919 + m * 1000 + n * 10 + k + bits)
+    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half() if has_m else None
+    x = torch.randn(m, k, generator=gen)
+    x[:, 3] *= 50  # an outlier channel, as RMSNorm outputs have
+    x[:, 32:64] = 0  # an all-zero block
+    return x, BlockWeight(codes, d, mins, bits, zero), torch.randn(n, generator=gen)
+
+
+def _reference(x, w: BlockWeight, bias=None):
+    y = kernel.w4a8_matmul_ref(x, w.codes, w.d.float(), None if w.m is None else w.m.float(), w.zero)
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("form", FORMATS)
+@pytest.mark.parametrize("m", [1, 9, 33])
+@pytest.mark.parametrize("n,k", [(37, 96), (208, 576), (16, 32)])
+def test_equals_the_reference_bit_for_bit(form, m, n, k):
+    x, w, bias = _case(m, n, k, form)
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    assert torch.equal(kernel.unpack(codes, n), w.codes)
+    for with_bias in (False, True):
+        ref = _reference(x, w, bias if with_bias else None)
+        for portable in (False, True):
+            out = kernel.w4a8_linear(x, codes, scales, bias if with_bias else None, n, w.zero, portable=portable)
+            assert out.dtype == torch.float32 and torch.equal(out, ref), (with_bias, portable)
+    # The reference computes the dequantized weights' product, up to the activations' rounding (an
+    # outlier coarsens only its own block: measured without one).
+    plain = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    exact = plain @ w.dequantize().t()
+    assert ((_reference(plain, w) - exact).norm() / exact.norm()).item() < 0.02
+
+
+def test_rows_do_not_depend_on_the_batch_or_threads():
+    """Batch invariance: a row's output is the same alone, in any batch, on one thread or two."""
+    x, w, bias = _case(40, 300, 576, "q4_1")
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    together = kernel.w4a8_linear(x, codes, scales, bias, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernel.w4a8_linear(x[i:i + 1], codes, scales, bias, 300) for i in range(40)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+
+
+def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
+    x, w, _ = _case(6, 48, 64, "q8_0")
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    out = kernel.w4a8_linear(x.view(2, 3, 64), codes, scales, None, 48, 128)
+    assert out.shape == (2, 3, 48) and torch.equal(out.view(6, 48), _reference(x, w))
+    assert kernel.w4a8_linear(x[:0], codes, scales, None, 48, 128).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="input channels"):
+        kernel.w4a8_linear(torch.randn(2, 96), codes, scales, None, 48, 128)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernel.pack(w.codes[:, :40], w.d, None, 8)
+    with pytest.raises(ValueError, match="0..15"):
+        kernel.pack(w.codes, w.d, None, 4)
+    # The op's torch reference, from the packed form.
+    assert torch.equal(kernel.w4a8_linear_ref(x, codes, scales, None, 48, 128, False), out.view(6, 48))
+
+
+def test_gguf_blocks_are_the_float_weights():
+    """Each GGML block type read as codes, d, m gives back exactly what the gguf package dequantizes."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from model.gguf_checkpoint import block_weight
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((8, 64)).astype(np.float32)
+    for name in ("Q4_0", "Q4_1", "Q8_0"):
+        kind = gguf.GGMLQuantizationType[name]
+        raw = gguf.quants.quantize(values, kind)  # [8, bytes per row] uint8
+        weight = block_weight(raw, name, (8, 64))
+        assert torch.equal(weight.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, kind))), name

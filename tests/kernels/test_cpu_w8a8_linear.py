@@ -1,0 +1,109 @@
+"""The C++ CPU W8A8 linear: bit for bit the torch reference (`torch._int_mm` over per-row int8 activations),
+for any shape, thread count and batch; and the W8A8 layer uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_w8a8_linear as kernel
+from kernels.int8_matmul import quantize_int8_ref
+from model.quantization import W8A8Linear
+
+pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W8A8 kernel could not be built here "
+                                "(a C++ compiler and ninja are needed); the torch reference is used instead")
+
+
+def _case(m, n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed * 7919 + m * 1000 + n * 10 + k)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    if k > 1:
+        x[:, 1] *= 50  # an outlier channel, as RMSNorm outputs have
+    q, scale = quantize_int8_ref(weight)
+    return x, q, scale, torch.randn(n, generator=gen)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("n,k", [(37, 101), (960, 576), (16, 1), (130, 36), (17, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_the_reference_bit_for_bit(m, n, k, with_bias):
+    x, q, scale, bias = _case(m, n, k)
+    packed, wsum = kernel.pack(q)
+    assert torch.equal(kernel.unpack(packed, n, k), q)
+    ref = kernel.w8a8_matmul_ref(x, q, scale)
+    if with_bias:
+        ref = ref + bias
+    out = kernel.w8a8_linear(x, packed, wsum, scale, bias if with_bias else None, n)
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("m", [1, 9, 33])
+@pytest.mark.parametrize("n,k", [(37, 101), (960, 577), (16, 1)])
+def test_integer_sums_are_exact_and_their_epilogue_is_the_linear(m, n, k):
+    """`w8a8_int32`, what a tensor-parallel rank adds across ranks, is the exact integer product, and
+    (sums * x_scale) * scale + bias gives `w8a8_linear`'s bits."""
+    x, q, scale, bias = _case(m, n, k)
+    packed, wsum = kernel.pack(q)
+    sums = kernel.w8a8_int32(x, packed, wsum, n)
+    qx, x_scale = kernel.quantize_rows_ref(x)
+    assert sums.dtype == torch.int32 and torch.equal(sums, qx.long().matmul(q.long().t()).int())
+    assert torch.equal(sums, kernel.w8a8_int32_ref(x, q))
+    linear = kernel.w8a8_linear(x, packed, wsum, scale, bias, n)
+    assert torch.equal((sums.float() * x_scale) * scale + bias, linear)
+    assert torch.equal(kernel.w8a8_epilogue(sums, kernel.row_maximum(x), scale, bias), linear)
+
+
+@pytest.mark.parametrize("m", [1, 33])
+def test_column_parts_quantized_with_the_whole_rows_maximum_add_up_to_the_linear(m):
+    """A row-parallel rank's part: its columns quantized with the whole row's maximum. The parts' int32
+    sums add up to the whole product, and the epilogue of the total is `w8a8_linear`, bit for bit."""
+    n, k, split = 96, 200, 72
+    x, q, scale, bias = _case(m, n, k)
+    maximum = kernel.row_maximum(x)
+    parts = []
+    for cols in (slice(0, split), slice(split, k)):
+        packed, wsum = kernel.pack(q[:, cols].contiguous())
+        part = kernel.w8a8_int32(x[:, cols].contiguous(), packed, wsum, n, maximum)
+        assert torch.equal(part, kernel.w8a8_int32_ref(x[:, cols].contiguous(), q[:, cols], maximum))
+        parts.append(part)
+    packed, wsum = kernel.pack(q)
+    assert torch.equal(parts[0] + parts[1], kernel.w8a8_int32(x, packed, wsum, n))
+    assert torch.equal(kernel.w8a8_epilogue(parts[0] + parts[1], maximum, scale, bias),
+                       kernel.w8a8_linear(x, packed, wsum, scale, bias, n))
+
+
+def test_rows_do_not_depend_on_the_batch_or_threads():
+    """Batch invariance: a row's output is the same alone, in any batch, on one thread or two."""
+    x, q, scale, bias = _case(40, 300, 576)
+    packed, wsum = kernel.pack(q)
+    together = kernel.w8a8_linear(x, packed, wsum, scale, bias, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernel.w8a8_linear(x[i:i + 1], packed, wsum, scale, bias, 300) for i in range(40)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+
+
+def test_leading_dimensions_zero_rows_and_bad_shapes():
+    x, q, scale, _ = _case(6, 48, 64)
+    packed, wsum = kernel.pack(q)
+    out = kernel.w8a8_linear(x.view(2, 3, 64), packed, wsum, scale, None, 48)
+    assert out.shape == (2, 3, 48) and torch.equal(out.view(6, 48), kernel.w8a8_matmul_ref(x, q, scale))
+    assert kernel.w8a8_linear(x[:0], packed, wsum, scale, None, 48).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="input channels"):
+        kernel.w8a8_linear(torch.randn(2, 60), packed, wsum, scale, None, 48)
+    with pytest.raises(ValueError, match="int8"):
+        kernel.pack(q.float())
+
+
+def test_the_layer_runs_the_kernel_and_matches_its_torch_path():
+    torch.manual_seed(0)
+    layer = W8A8Linear.from_linear(torch.nn.Linear(96, 40))
+    assert layer.packed is not None
+    x = torch.randn(5, 96)
+    fast = layer(x)
+    layer.packed = None  # the layer's torch path
+    assert torch.equal(fast, layer(x))

@@ -1,0 +1,118 @@
+"""The decoder against Hugging Face transformers on the same weights, for every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import model
+from model.attention_metadata import AttentionMetadata
+from greedy_checks import NUM_GREEDY, assert_same_greedy
+from model.generator import Generator
+from tiny_models import FAMILIES, hf_config, make_hf_model, write_gguf
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_models(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(request.param, directory)
+    return request.param, hf, model.load(directory)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_config_maps_from_hf_fields(family_models):
+    family, hf, ours = family_models
+    cfg = ours.config
+    assert cfg.num_kv_heads == 2 and cfg.num_heads == 4
+    assert (cfg.rope_scaling is not None) == (family == "llama3")
+    assert cfg.attention_bias == (family == "qwen2")
+    assert cfg.qk_norm == (family == "qwen3")
+    assert cfg.tie_word_embeddings == (family == "qwen2")
+
+
+def test_logits_match_transformers(family_models):
+    _, hf, ours = family_models
+    ids = prompt(57, seed=1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    out = Generator(ours.module, 64).step(ids)
+    assert relative_error(out, ref) < 1e-4
+
+
+def test_greedy_matches_transformers(family_models):
+    _, hf, ours = family_models
+    for seed in range(3):
+        ids = prompt(11 + 7 * seed, seed=seed)
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_GREEDY, min_new_tokens=NUM_GREEDY,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ref_tokens = gen.sequences[0, len(ids):].tolist()
+        ref_logits = [step[0] for step in gen.logits]
+        ours_tokens = [s.token_id for s in Generator(ours.module, 128).generate(ids, NUM_GREEDY)]
+        assert_same_greedy(ours_tokens, ref_tokens, ref_logits)
+
+
+def test_mixed_flat_batch_equals_each_alone(family_models):
+    """Sequences of different lengths, some with cached context (decode and chunked prefill), in one
+    flat forward give the logits each gives alone."""
+    _, _, ours = family_models
+    module, bs = ours.module, ours.module.block_size
+    # (cached tokens, new tokens): a fresh prefill, a decode, a prefill chunk after a cached prefix
+    # crossing a block boundary, and a one-token prompt.
+    shapes = [(0, 37), (20, 1), (16, 9), (0, 1), (33, 1)]
+    seqs = [prompt(c + n, seed=10 + i) for i, (c, n) in enumerate(shapes)]
+    blocks_per_seq = 4
+    caches = module.allocate_kv_caches(len(seqs) * blocks_per_seq)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))[::-1] for i in range(len(seqs))]
+    alone = []
+    for (cached, new), seq, table in zip(shapes, seqs, tables):
+        if cached:  # fill the cache with the context first
+            meta = AttentionMetadata.build([cached], [cached], [table], bs)
+            module(torch.tensor(seq[:cached]), torch.arange(cached), caches, meta)
+        meta = AttentionMetadata.build([new], [cached + new], [table], bs)
+        hidden = module(torch.tensor(seq[cached:]), torch.arange(cached, cached + new), caches, meta)
+        alone.append(module.compute_logits(hidden))
+    meta = AttentionMetadata.build([n for _, n in shapes], [c + n for c, n in shapes], tables, bs)
+    ids = torch.tensor([t for (c, _), seq in zip(shapes, seqs) for t in seq[c:]])
+    positions = torch.cat([torch.arange(c, c + n) for c, n in shapes])
+    with torch.inference_mode():
+        batched = module.compute_logits(module(ids, positions, caches, meta))
+    assert torch.allclose(batched, torch.cat(alone), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
+    """A GGUF of each tensor type loads to the same logits as transformers with the weights the file
+    holds (K-quant blocks are random; the others are quantized from a random model)."""
+    cfg = hf_config(family)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64  # K-quants need rows of 256
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    held = write_gguf(hf, tmp_path / "m.gguf", qtype, arch)
+    hf.load_state_dict(held)
+    ours = model.load(tmp_path / "m.gguf")
+    assert ours.config.architecture == arch
+    assert (ours.config.rope_freq_factors is not None) == (family == "llama3")
+    ids = prompt(45, seed=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert relative_error(Generator(ours.module, 64).step(ids), ref) < 1e-4
+
+
+def test_bf16_logits_stay_close_to_fp32(family_models, tmp_path):
+    family, hf, ours = family_models
+    ids = prompt(30, seed=5)
+    directory = tmp_path / family
+    hf.save_pretrained(directory, safe_serialization=True)
+    low = model.load(directory, dtype="bf16")
+    assert low.module.embed_tokens.weight.dtype == torch.bfloat16
+    ref = Generator(ours.module, 64).step(ids)
+    assert relative_error(Generator(low.module, 64).step(ids), ref) < 3e-2
