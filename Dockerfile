@@ -23,7 +23,7 @@ ENV PATH=/opt/ladder/bin:$PATH PYTHONUNBUFFERED=1
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-# Every package the `ladder` command imports (tests/test_dockerfile.py checks this list against the code).
+# Every package the `ladder` command imports (tests/deploy/test_dockerfile.py checks this list against the code).
 COPY ladder ladder
 COPY model model
 COPY parallel parallel

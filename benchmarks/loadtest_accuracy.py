@@ -2,10 +2,10 @@
 
     python benchmarks/loadtest_accuracy.py [--out benchmarks/results/loadtest_accuracy.json]
 
-The test server (tests/loadtest_server.py, a process of its own) answers with a known time to first
+The test server (tests/support/fake_openai_server.py, a process of its own) answers with a known time to first
 token and inter-token latency; the load test runs against it closed loop and open loop, and the table
 gives each figure's median beside the true value and their ratio. The excess is the client's and the
-machine's. The tests check the same logic exactly on a virtual clock (tests/test_loadtest_timing.py);
+machine's. The tests check the same logic exactly on a virtual clock (tests/loadtest/test_loadtest_timing.py);
 this is the wall-clock side, which depends on how busy the machine is and so is no test.
 """
 
@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from loadtest_server import ServerProcess  # noqa: E402
+from fake_openai_server import FakeServerProcess  # noqa: E402
 
 from loadtest.cli import add_parser, config_from_args  # noqa: E402
 from loadtest.measure import measure  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/loadtest_accuracy.json"))
     out = parser.parse_args().out
     truth = {"ttft": TTFT * 1e3, "tpot": ITL * 1e3, "itl": ITL * 1e3, "e2e": (TTFT + (OUTPUT_LEN - 1) * ITL) * 1e3}
-    server = ServerProcess()
+    server = FakeServerProcess()
     rows = []
     try:
         for name, flags in RUNS.items():

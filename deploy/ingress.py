@@ -32,9 +32,8 @@ class BodyTooLarge(Exception):
 class LadderIngress:
     def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 4 << 20) -> None:
         # _by_reference=False: each streamed item goes straight to this process over the replica's gRPC
-        # server instead of through Ray's object store and the owner's reports. Per 2,048 streamed tokens
-        # the relay then took the ingress 0.65 core-seconds instead of 1.73, and the replica's own Serve
-        # threads 0.75 instead of 1.6 (benchmarks/RESULTS.md, "Stop 17").
+        # server instead of through Ray's object store and the owner's reports, which costs both this
+        # process and the replica's Serve threads less CPU per streamed token.
         self.replicas = replicas.options(method_name="forward", stream=True, _by_reference=False)
         self.max_body_bytes = max_body_bytes
 
