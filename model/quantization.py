@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import cpu_int8_linear, cpu_w8a8_linear
+from kernels import cpu_int8_linear, cpu_w4a8_linear, cpu_w8a8_linear
 from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
 from model.llama import LlamaForCausalLM
@@ -48,16 +48,27 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
       every batch: mixing the two per step would make a request's tokens depend on its batch.
     - other float32 weights on a CPU (a Hugging Face directory, a K-quant GGUF, tensor-parallel ranks,
       which do not split W4A8): W8A8;
-    - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing.
+    - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing;
+    - a CPU without AVX-512 VNNI: nothing, since the int8 kernels' portable loops run several times slower
+      than torch's float32 matmuls there (`int8_kernels_are_fast`).
 
     Other values pass through, checked."""
     if quantization == "auto":
         if parse_dtype(dtype) != torch.float32 or torch.device(device).type != "cpu":
             return "none"
+        if not int8_kernels_are_fast():
+            return "none"
         return "w4a8" if tensor_parallel_size == 1 and _runs_w4a8(model) else "w8a8"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")
     return quantization
+
+
+def int8_kernels_are_fast() -> bool:
+    """Whether this CPU runs the W8A8 and W4A8 linears on their vector kernels (AVX-512 VNNI, built here).
+    Elsewhere (an AVX2-only CPU, or no compiler) they fall back to loops that lose to float32 at every batch
+    size (benchmarks/RESULTS.md, "AVX2-only hosts")."""
+    return cpu_w4a8_linear.has_vnni()
 
 
 def _runs_w4a8(model: str | Path | None) -> bool:

@@ -43,15 +43,18 @@ def test_w4a8_tracks_the_float_model_and_is_batch_invariant(tmp_path, family, qt
     assert together == alone
 
 
-def test_w4a8_needs_block_weights(tmp_path):
+def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
     hf = make_hf_model("llama3", tmp_path / "hf")
     write_gguf(hf, tmp_path / "f32.gguf", "F32")
     with pytest.raises(ModelLoadError, match="is F32; the w4a8 layers take Q4_0, Q4_1, Q8_0"):
         model.load(tmp_path / "f32.gguf", quantization="w4a8")
     with pytest.raises(ValueError, match="GGUF file's own 4-bit blocks"):
         model.load(tmp_path / "hf", quantization="w4a8")
-    # `auto` takes W4A8 only where it applies, W8A8 elsewhere.
+    # `auto` takes W4A8 only where it applies, W8A8 elsewhere (on a CPU with the int8 kernels' VNNI tiles).
+    from model import quantization
     from model.quantization import resolve_quantization
+
+    monkeypatch.setattr(quantization, "int8_kernels_are_fast", lambda: True)
 
     import gguf
 

@@ -142,11 +142,18 @@ def test_quantization_at_load_caches_the_calibration(tiny_dirs, tmp_path, monkey
     assert weight_only.quantization == "int8" and not list((tmp_path / "smoothquant").glob("*.tmp"))
 
 
-def test_quantization_choices_and_errors(tiny_dirs):
+def test_quantization_choices_and_errors(tiny_dirs, monkeypatch):
+    from model import quantization
     from model.quantization import resolve_quantization
 
     # auto: the default GGUF's own blocks (W4A8) in one process, W8A8 where W4A8 does not apply (a Hugging
-    # Face directory, tensor-parallel ranks), nothing for 16-bit weights or a GPU.
+    # Face directory, tensor-parallel ranks), nothing for 16-bit weights, a GPU or a CPU whose int8 kernels
+    # are portable loops (no AVX-512 VNNI).
+    monkeypatch.setattr(quantization, "int8_kernels_are_fast", lambda: False)
+    assert resolve_quantization("auto", "float32", "cpu") == "none"
+    assert resolve_quantization("auto", "float32", "cpu", tiny_dirs["llama3"]) == "none"
+    assert resolve_quantization("w8a8", "float32", "cpu") == "w8a8"  # asked for by name: served as asked
+    monkeypatch.setattr(quantization, "int8_kernels_are_fast", lambda: True)
     assert resolve_quantization("auto", "float32", "cpu") == "w4a8"
     assert resolve_quantization("auto", "float32", "cpu", tensor_parallel_size=2) == "w8a8"
     assert resolve_quantization("auto", "float32", "cpu", tiny_dirs["llama3"]) == "w8a8"
