@@ -18,4 +18,5 @@ def add_quantization_argument(p: argparse.ArgumentParser) -> None:
                         "and activations, SmoothQuant calibrated once and cached), w4a8 (a Q4_0/Q4_1/Q8_0 GGUF's "
                         "own blocks times int8 activations: fastest for one stream, slower for large batches), "
                         "none (the weights' dtype). auto (default), on a CPU with float32 weights: w4a8 for a "
-                        "Q4_0/Q4_1/Q8_0 GGUF in one process, else w8a8; none for 16-bit weights or a GPU")
+                        "Q4_0/Q4_1/Q8_0 GGUF in one process, else w8a8; none for 16-bit weights, a GPU or a CPU "
+                        "without AVX-512 VNNI")
