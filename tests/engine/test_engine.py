@@ -11,6 +11,7 @@ from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.config import bytes_per_block
 from engine.async_engine import ENGINE_DIED, MAX_CONSECUTIVE_STEP_FAILURES, STEP_FAILED, AsyncLLMEngine, EngineDeadError
 from engine.llm import LLM
+from greedy_checks import count_near_ties
 
 NUM_TOKENS = 16
 TEXTS = [
@@ -83,19 +84,7 @@ def solo(loaded, prompts):
 def near_ties(solo, outputs) -> int:
     """Check each request's tokens against its solo run; a divergence is allowed only at a near tie
     (top-2 logprob gap under 1e-3 where it first differs). Returns how many requests diverged so."""
-    ties = 0
-    for i, (ref_tokens, ref_logprobs) in enumerate(solo):
-        got = tokens(outputs[str(i)])
-        assert len(got) == NUM_TOKENS
-        for step, (a, b) in enumerate(zip(got, ref_tokens)):
-            if a != b:
-                top = ref_logprobs[step].top
-                gap = top[0][1] - top[1][1]
-                assert gap < 1e-3, f"prompt {i} diverges at token {step} with a gap of {gap:.2e}"
-                ties += 1
-                print(f"near tie: prompt {i}, token {step}, gap {gap:.1e}")
-                break
-    return ties
+    return count_near_ties(solo, [tokens(outputs[str(i)]) for i in range(len(solo))], NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
