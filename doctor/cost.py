@@ -15,7 +15,6 @@ from model.config import ModelConfig
 from model.precision import PRECISIONS
 
 
-
 @dataclass(frozen=True)
 class StepCost:
     bytes: float

@@ -22,7 +22,6 @@ from model.loader import LoadedModel, load
 from model.precision import precision_of_dtype
 
 
-
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -34,7 +34,6 @@ from model.config import ModelConfig
 from model.precision import PRECISIONS
 
 
-
 def fetch(url: str, api_key: str | None = None) -> bytes:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:

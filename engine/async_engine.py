@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
-
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
@@ -81,8 +80,6 @@ class EngineInfo:
     model_config: ModelConfig | None = None
     engine_config: EngineConfig | None = None
     precision: str | None = None  # the artifact's precision, or the eager weights' dtype (fp32, bf16, fp16)
-
-
 
 
 def weight_precision(engine: LLMEngine) -> str:

@@ -35,7 +35,6 @@ from model.llama import LlamaForCausalLM
 from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS, parse_dtype
 
 
-
 def resolve_quantization(quantization: str, dtype: str, device: str | torch.device,
                          model: str | Path | None = None, tensor_parallel_size: int = 1) -> str:
     """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
