@@ -7,21 +7,28 @@ both drive this class; nothing in it is thread-safe, so the async engine calls i
 
 from __future__ import annotations
 
+import logging
 import time
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelInputs, ModelRunner
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
 from model.loader import LoadedModel, load
 from parallel import tensor_parallel_model
+
+log = logging.getLogger(__name__)
+
+# The errors a request ends with when its own part of a step fails; the other requests of the step go on.
+PREPARE_FAILED = "building this request's step inputs failed"
+OUTPUT_FAILED = "turning this request's next token into text failed"
 
 
 class LLMEngine:
@@ -124,8 +131,8 @@ class LLMEngine:
         scheduled_at = time.perf_counter()
         deltas = self.pending
         self.pending = []
-        if not batch.is_empty:
-            inputs = self.runner.prepare(batch)
+        inputs = self._prepare(batch) if not batch.is_empty else None
+        if inputs is not None:
             prepared_at = time.perf_counter()
             logits = self.runner.forward(inputs)
             forward_at = time.perf_counter()
@@ -137,12 +144,38 @@ class LLMEngine:
             self.scheduler.finish_step(batch)
             if sampled is not None:
                 for i, request in enumerate(inputs.sample_requests):
-                    deltas.extend(self._append_token(request, sampled.token_ids[i], sampled.logprobs[i]))
+                    error = sampled.error(i)
+                    if error is None:
+                        try:
+                            deltas.extend(self._append_token(request, sampled.token_ids[i], sampled.logprobs[i]))
+                            continue
+                        except Exception:  # its text stream failed: the request's own failure
+                            log.exception("appending a token to request %s failed", request.request_id)
+                            error = OUTPUT_FAILED
+                    self._finish(request, FinishReason.ERROR, error)
         deltas.extend(self.pending)
         self.pending = []
         self._release_finished()
         self.stats.observe_queue(self.scheduler, self.blocks)
         return deltas
+
+    def _prepare(self, batch: SchedulerOutput) -> ModelInputs | None:
+        """The step's inputs. If building them raises, each scheduled request is tried alone: the ones that
+        fail alone end with an error and leave the batch, the rest run (None if none is left)."""
+        try:
+            return self.runner.prepare(batch)
+        except Exception:
+            log.exception("preparing a step of %d requests failed; trying each alone", len(batch.scheduled))
+        kept = []
+        for item in batch.scheduled:
+            try:
+                self.runner.prepare(SchedulerOutput(scheduled=[item]))
+                kept.append(item)
+            except Exception:
+                log.exception("preparing request %s failed; it ends with an error", item.request.request_id)
+                self._finish(item.request, FinishReason.ERROR, PREPARE_FAILED)
+        batch.scheduled = kept  # finish_step must not count the dropped requests' tokens as computed
+        return self.runner.prepare(batch) if kept else None
 
     def _append_token(self, request: Request, token_id: int, logprobs) -> list[SampleDelta]:
         now = time.monotonic()

@@ -11,16 +11,39 @@ use it, and top-p first at a short `topk` list of candidates: the kept set is ex
 would keep whenever the candidates' mass reaches top_p (the rare row where it does not, or where equal
 probabilities straddle the cut, is sorted in full as before). Every probability and cumulative sum is
 computed by the same operations as with a full sort, so the draws, tokens and logprobs are the same.
+
+Sampling is total: for every parameter value `SamplingParams` accepts, alone or combined, each row gets a
+token id in range and finite logprobs. The arithmetic that makes it so:
+- Penalties and temperature edit float32 logits; a value pushed past float32's range (a repetition
+  penalty of 1e-300 is 0 in float32, and a positive logit divided by it is +inf) is clamped to the
+  largest finite float, so the softmax (which subtracts the row's maximum) never sees inf - inf. Tokens
+  pushed to the same bound share the top of the distribution, the limit of what the penalty asks.
+- Stop tokens forbidden before `min_tokens` are set to -inf after that clamp, so no clamp revives them.
+- Top-p always keeps the most likely token (a nucleus of 1e-50 is the argmax, not an empty set), top-k
+  keeps at least one, min-p at most 1 keeps the maximum.
+- The draw lands strictly below the row's total mass, so it never falls on a zero-mass tail token.
+- A row whose model logits hold a NaN is that request's failure (an error for it alone), not a token.
+- Logprobs come from the model's own logits, clamped to finite values.
+If sampling a batch raises anyway, each row is sampled alone with the uniform number it already drew
+(a row's token does not depend on its batch), and only the rows that fail alone end with an error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.request import Request, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# The errors a row's request ends with when it cannot be sampled (the other rows keep their tokens).
+NON_FINITE_LOGITS = "the model produced non-finite logits for this request"
+SAMPLING_FAILED = "sampling the next token of this request failed"
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -34,8 +57,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # a failed row's entry is 0 and means nothing
     logprobs: list[TokenLogprobs | None]
+    errors: list[str | None] = field(default_factory=list)  # per row: None, or why its request failed
+
+    def error(self, row: int) -> str | None:
+        return self.errors[row] if self.errors else None
 
 
 class Sampler:
@@ -48,6 +75,46 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [B, V] float32, one row per request, in order."""
+        # Every row draws first, greedy ones too, so each generator's stream does not depend on the batch,
+        # and a row sampled again alone (below) uses the number it drew here.
+        uniform = torch.stack([self._uniform(r) for r in requests]).to(logits.device)  # [B]
+        # A NaN anywhere in a row makes its sum NaN: one cheap pass (0.2 ms at 32 x 49,152) finds the rows
+        # the model failed; an infinite logit is clamped like the ones penalties make.
+        broken = [i for i in (~logits.sum(dim=-1).isfinite()).nonzero()[:, 0].tolist() if logits[i].isnan().any()]
+        if broken:
+            logits = logits.clone()
+            logits[broken] = 0.0
+        try:
+            out = self._sample(logits, requests, uniform)
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling each row alone", len(requests))
+            out = self._sample_alone(logits, requests, uniform)
+        if broken:
+            errors = out.errors or [None] * len(requests)
+            for i in broken:
+                errors[i] = NON_FINITE_LOGITS
+            out = SamplerOutput(out.token_ids, [None if i in broken else lp for i, lp in enumerate(out.logprobs)],
+                                errors)
+        return out
+
+    def _sample_alone(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor) -> SamplerOutput:
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        errors: list[str | None] = []
+        for i, request in enumerate(requests):
+            try:
+                one = self._sample(logits[i:i + 1], [request], uniform[i:i + 1])
+                token_ids.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+                errors.append(None)
+            except Exception:
+                log.exception("sampling request %s failed; it ends with an error", request.request_id)
+                token_ids.append(0)
+                logprobs.append(None)
+                errors.append(SAMPLING_FAILED)
+        return SamplerOutput(token_ids, logprobs, errors)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor) -> SamplerOutput:
         raw_logits = logits
         device = logits.device
         params = [r.params for r in requests]
@@ -56,17 +123,18 @@ class Sampler:
         penalties = any(p.has_penalties for p in params)
         if suppress or penalties or not all_greedy:  # edited in place below; a plain argmax reads it as is
             logits = logits.clone()  # [B, V]: 6 MB at batch 32 of a 49K vocabulary, a millisecond to copy
-        if suppress:
-            self._suppress_stop_tokens(logits, requests)
         if penalties:
             apply_penalties(logits, requests)
-        # Every row draws, greedy ones too, so each generator's stream does not depend on the batch.
-        uniform = torch.stack([self._uniform(r) for r in requests]).to(device)  # [B]
+        if not all_greedy:
+            temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+            logits.div_(temperature[:, None])
+        if penalties or not all_greedy:
+            logits.clamp_(-FLOAT32_MAX, FLOAT32_MAX)  # +-inf from the edits above; see the module's notes
+        if suppress:
+            self._suppress_stop_tokens(logits, requests)
         if all_greedy:  # no filter changes an argmax
             token_ids = argmax_rows(logits).tolist()
             return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
-        temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
-        logits.div_(temperature[:, None])
         # Filters run on the sampled rows that use them (a greedy row's argmax survives every filter).
         vocab = logits.shape[1]
         top_k_rows = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k < vocab]
@@ -81,10 +149,7 @@ class Sampler:
         min_p = [0.0 if p.is_greedy else p.min_p for p in params]
         if any(min_p):
             probs = apply_min_p(probs, torch.tensor(min_p, device=device))
-        cdf = probs.cumsum(dim=-1)
-        target = uniform[:, None] * cdf[:, -1:]
-        # right=True: the first token whose cumulative mass exceeds the draw, never a zero-mass one.
-        sampled = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
+        sampled = draw(probs, uniform)
         if any(p.is_greedy for p in params):
             greedy = torch.tensor([p.is_greedy for p in params], device=device)
             sampled = torch.where(greedy, argmax_rows(logits), sampled)
@@ -97,7 +162,7 @@ class Sampler:
             return torch.rand((), generator=self.generator)
         generator = self.request_generators.get(request.request_id)
         if generator is None:
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator().manual_seed(seed % 2**64)  # any int: the generator takes 64 bits
             self.request_generators[request.request_id] = generator
         return torch.rand((), generator=generator)
 
@@ -111,6 +176,17 @@ class Sampler:
                     stops |= request.eos_token_ids
                 if stops:
                     logits[row, list(stops)] = float("-inf")
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[B, V] probabilities (unnormalized, each row with some mass), [B] uniform numbers in [0, 1) -> [B]
+    int64: the first token whose cumulative mass exceeds the row's draw. The draw is kept strictly below
+    the row's total (u x total can round up to it), so a zero-mass tail token is never chosen."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    # right=True: the first token whose cumulative mass exceeds the draw, never a zero-mass one.
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -184,6 +260,7 @@ def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> No
         mass = values.cumsum(dim=-1)
         mass_before = mass - values
         drop = mass_before >= threshold[pending, None]
+        drop[:, 0] = False  # the most likely token stays, however small top_p is
         cut = drop.int().argmax(dim=1)  # [P] first dropped candidate (0 where none is)
         smallest_from = (values == values[:, -1:]).int().argmax(dim=1)  # first candidate of the smallest value
         reached = drop.any(dim=1) & (cut >= 1) & (cut <= smallest_from)
@@ -208,6 +285,7 @@ def apply_top_p_(probs: torch.Tensor, rows: list[int], top_p: list[float]) -> No
         sorted_probs, order = full.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= threshold[pending, None]
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         sub[pending] = full.masked_fill(drop, 0.0)
     if not every_row:
@@ -223,13 +301,15 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def compute_logprobs(
     logits: torch.Tensor, token_ids: list[int], num_top: list[int | None]
 ) -> list[TokenLogprobs | None]:
-    """Log-probabilities under the model's own distribution (before sampling filters)."""
+    """Log-probabilities under the model's own distribution (before sampling filters), finite: the logits
+    are clamped to float32's range first, and a token far below the rest gets float32's lowest value, not
+    -inf (which JSON cannot carry)."""
     if all(k is None for k in num_top):
         return [None] * len(token_ids)
     rows = [i for i, k in enumerate(num_top) if k is not None]
-    logprobs = torch.log_softmax(logits[rows], dim=-1)
-    widest = max(num_top[i] for i in rows)
-    top_values, top_ids = logprobs.topk(max(widest, 1), dim=-1)
+    logprobs = torch.log_softmax(logits[rows].clamp_(-FLOAT32_MAX, FLOAT32_MAX), dim=-1).clamp_(min=-FLOAT32_MAX)
+    widest = max(1, min(max(num_top[i] for i in rows), logits.shape[1]))
+    top_values, top_ids = top_by_value_then_id(logprobs, widest)
     chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logits.device))
     result: list[TokenLogprobs | None] = [None] * len(token_ids)
     for j, i in enumerate(rows):
@@ -237,3 +317,17 @@ def compute_logprobs(
         top = tuple(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
         result[i] = TokenLogprobs(token_ids[i], float(chosen[j, 0]), top)
     return result
+
+
+def top_by_value_then_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, V] -> the k largest values of each row and their indices [R, k], equal values in index order.
+    `topk` orders ties as its batch happens to run them; a row with a tie among its best k + 1 is sorted
+    stably instead, so a request's top logprobs do not depend on its batch."""
+    wider = min(k + 1, values.shape[1])
+    top_values, top_ids = values.topk(wider, dim=-1)  # [R, wider] descending
+    tied = (top_values[:, 1:] == top_values[:, :-1]).any(dim=1).nonzero()[:, 0]
+    if len(tied):
+        top_values, top_ids = top_values.clone(), top_ids.clone()
+        stable_values, stable_ids = values[tied].sort(dim=-1, descending=True, stable=True)
+        top_values[tied], top_ids[tied] = stable_values[:, :wider], stable_ids[:, :wider]
+    return top_values[:, :k], top_ids[:, :k]

@@ -12,21 +12,22 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, compute_logprobs
+from engine.sampler import FLOAT32_MAX, Sampler, SamplerOutput, apply_min_p, apply_penalties, compute_logprobs, draw
 
 
 class FullSortSampler(Sampler):
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [B, V] float32, one row per request, in order."""
+        uniform = torch.stack([self._uniform(r) for r in requests]).to(logits.device)  # [B]
         raw_logits = logits
         logits = logits.clone()
         device = logits.device
         params = [r.params for r in requests]
-        self._suppress_stop_tokens(logits, requests)
         if any(p.has_penalties for p in params):
             apply_penalties(logits, requests)
         temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
-        logits.div_(temperature[:, None])
+        logits.div_(temperature[:, None]).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        self._suppress_stop_tokens(logits, requests)
         top_k = [p.top_k for p in params]
         if any(top_k):
             vocab = logits.shape[1]
@@ -39,14 +40,12 @@ class FullSortSampler(Sampler):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop_sorted = mass_before >= torch.tensor(top_p, device=device)[:, None]
+            drop_sorted[:, 0] = False  # the most likely token always stays
             probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted), 0.0)
         min_p = [p.min_p for p in params]
         if any(min_p):
             probs = apply_min_p(probs, torch.tensor(min_p, device=device))
-        uniform = torch.stack([self._uniform(r) for r in requests]).to(device)  # [B]
-        cdf = probs.cumsum(dim=-1)
-        target = uniform[:, None] * cdf[:, -1:]
-        sampled = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
+        sampled = draw(probs, uniform)
         greedy = torch.tensor([p.is_greedy for p in params], device=device)
         token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled).tolist()
         return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
