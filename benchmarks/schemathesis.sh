@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Schemathesis over the server's own OpenAPI schema: >= 1,000 generated cases per operation (-n), no 5xx
-# allowed, every response checked against the schema. Serves a tiny random model with SmolLM2's real
+# allowed, every response checked against the schema; sampling floats drawn from the edges of float
+# arithmetic (benchmarks/schemathesis_hooks.py). Serves a tiny random model with SmolLM2's real
 # tokenizer and chat template (every server path is real; generation is fast), or --model PATH.
 # Usage: benchmarks/schemathesis.sh [-n CASES] [--model PATH]. Report: benchmarks/results/schemathesis/.
 set -euo pipefail
@@ -21,7 +22,7 @@ WORK="$(mktemp -d)"
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -rf "$WORK"' EXIT
 if [ -z "$MODEL" ]; then
   MODEL="$WORK/tiny-chat"
-  "$PY" -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from tiny_models import make_tiny_chat_model; make_tiny_chat_model(Path('$MODEL'))" >/dev/null 2>&1
+  "$PY" -c "import sys; sys.path.insert(0, 'tests/support'); from pathlib import Path; from tiny_models import make_tiny_chat_model; make_tiny_chat_model(Path('$MODEL'))" >/dev/null 2>&1
 fi
 PORT="${PORT:-8937}"
 "$PY" -m ladder.cli serve --model "$MODEL" --port "$PORT" --max-model-len 256 --kv-cache-memory 0.02 \
@@ -37,7 +38,8 @@ ROOT="$(pwd)"
 ST="$(cd "$(dirname "$PY")" && pwd)/st"
 set +e
 # Run from the scratch directory: schemathesis keeps a cache directory in its working directory.
-(cd "$WORK" && "$ST" run "http://127.0.0.1:$PORT/openapi.json" -n "$CASES" --seed 0 \
+# benchmarks/schemathesis_hooks.py redraws the sampling floats from their edges (subnormals, 1e-300, ...).
+(cd "$WORK" && SCHEMATHESIS_HOOKS=schemathesis_hooks PYTHONPATH="$ROOT/benchmarks" "$ST" run "http://127.0.0.1:$PORT/openapi.json" -n "$CASES" --seed 0 \
   --checks not_a_server_error,response_schema_conformance,content_type_conformance,negative_data_rejection \
   --suppress-health-check all --request-timeout 120 --workers 2 --continue-on-failure --generation-database none \
   --report junit --report-dir "$ROOT/$OUT") | tee "$OUT/summary.txt"

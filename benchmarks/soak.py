@@ -1,8 +1,9 @@
 """Soak a real `ladder serve` process at ~80% of its measured capacity with a mix of requests, then
 SIGKILL it under load and restart it. Asserts nothing lost; writes soak.json and soak.png.
 
-Mix: of every 20 requests one is bad (it must get a 4xx) and two are streams the client drops early; the
-rest are streaming, non-streaming, n > 1, stop strings and chat. At the end: 0 unexpected errors, every accepted request
+Mix: of every 20 requests one is bad (it must get a 4xx: malformed, oversized, a lone surrogate, 65,536
+empty content parts, 5 MB sent chunked), two are streams the client drops early, and one samples with
+values at the schema's edges (it must be answered in full); the rest are streaming, non-streaming, n > 1, stop strings and chat. At the end: 0 unexpected errors, every accepted request
 answered in full, 0 KV blocks held, resident memory over the last third (at most 10 minutes) grown < 5%.
 """
 
@@ -34,7 +35,30 @@ BAD = [  # (body, path): each must be refused with a 4xx
     ({"messages": [{"role": "user", "content": "a"}] * 5000}, "/v1/chat/completions"),
     ({"messages": [{"role": "wizard", "content": "a"}]}, "/v1/chat/completions"),
     ("{not json", "/v1/completions"),
+    ('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "/v1/chat/completions"),  # a lone surrogate
+    ('{"prompt": "a \\udfff b", "max_tokens": 2}', "/v1/completions"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 1024}] * 64},
+     "/v1/chat/completions"),  # 65,536 empty content parts
+    (b"chunked", "/v1/completions"),  # 5 MB sent chunked, no content-length: 413
 ]
+# Values the schema accepts at its edges, each of which once crashed the sampler or gave garbage: every
+# one must be answered in full (200), and the requests around it must not notice.
+EXTREME = [
+    {"top_p": 0.9, "repetition_penalty": 1e-300},
+    {"top_p": 1e-50},
+    {"top_p": 5e-324, "temperature": 2.0, "min_p": 1.0},
+    {"repetition_penalty": 5e-324, "temperature": 1e-5, "logprobs": 20},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 2.0, "top_k": 2**62, "n": 2},
+    {"seed": -(2**63), "temperature": 2.0, "top_p": 2.2250738585072014e-308, "logprobs": 5, "stream": True},
+]
+
+
+async def chunked_body(size: int = 5 << 20, chunk: int = 64 << 10):
+    """A JSON-looking body of `size` bytes sent in chunks: httpx declares no content-length for it."""
+    yield b'{"prompt": "'
+    for _ in range(size // chunk):
+        yield b"a" * chunk
+    yield b'"}'
 WORDS = "the of and to in is that for it as was with be by on not he this are or his from at which".split()
 
 
@@ -106,9 +130,23 @@ async def one(client: httpx.AsyncClient, url: str, index: int, rng: random.Rando
     try:
         if slot == 0:
             body, path = rng.choice(BAD)
-            content = body if isinstance(body, str) else json.dumps(body)
+            content = chunked_body() if body == b"chunked" else body if isinstance(body, str) else json.dumps(body)
             response = await client.post(url + path, content=content, headers={"content-type": "application/json"})
             entry.update(kind="bad", status=response.status_code, ok=400 <= response.status_code < 500)
+        elif slot == 3:
+            body = {"prompt": " ".join(rng.choice(WORDS) for _ in range(8)), "max_tokens": 16, **rng.choice(EXTREME)}
+            entry["kind"] = "extreme"
+            if body.get("stream"):
+                async with client.stream("POST", url + "/v1/completions", json=body) as response:
+                    lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+                entry["status"] = response.status_code
+                entry["ok"] = response.status_code == 429 or (
+                    response.status_code == 200 and lines[-1] == "data: [DONE]" and '"error"' not in lines[-2])
+            else:
+                response = await client.post(url + "/v1/completions", json=body)
+                entry["status"] = response.status_code
+                entry["ok"] = response.status_code == 429 or (
+                    response.status_code == 200 and all(c["finish_reason"] for c in response.json()["choices"]))
         elif slot <= 2:
             kind, body, path = good_request(rng)
             body["stream"], body["max_tokens"] = True, 64
@@ -242,8 +280,14 @@ def main() -> int:
         growth = (last - first) / first
         unexpected = [r for r in record if not r["ok"]]
         kinds = {k: sum(r["kind"] == k for r in record) for k in sorted({r.get("kind", "?") for r in record})}
+        statuses: dict[str, dict[str, int]] = {}  # kind -> status (or the client's error) -> count
+        for r in record:
+            status = str(r["status"]) if r["status"] is not None else r.get("error", "none")
+            counts = statuses.setdefault(r.get("kind", "?"), {})
+            counts[status] = counts.get(status, 0) + 1
+        server_errors = sum(1 for r in record if r["status"] is not None and r["status"] >= 500)
         result = {"minutes": args.minutes, "capacity_req_s": capacity, "rate_req_s": rate, "requests": len(record),
-                  "kinds": kinds, "refused_429": sum(r["status"] == 429 for r in record),
+                  "kinds": kinds, "statuses": statuses, "server_errors_5xx": server_errors, "refused_429": sum(r["status"] == 429 for r in record),
                   "unexpected": len(unexpected), "unexpected_examples": unexpected[:5],
                   "kv_blocks_held_at_end": leaked, "rss_growth_last_window": growth, "rss_window_s": window,
                   "rss_start_mib": samples[0]["rss_mib"], "rss_end_mib": samples[-1]["rss_mib"], "samples": samples}
@@ -252,7 +296,8 @@ def main() -> int:
         raise
     result["kill"] = None if args.no_kill else kill_under_load(args, server, out, log)
     server.stop()
-    checks = {"0 unexpected errors": result["unexpected"] == 0, "0 KV blocks held": leaked == 0,
+    checks = {"0 unexpected errors": result["unexpected"] == 0, "0 5xx": result["server_errors_5xx"] == 0,
+              "0 KV blocks held": leaked == 0,
               "memory flat (< 5%)": growth < 0.05,
               "SIGKILL reported, restart answers": args.no_kill or result["kill"]["ok"]}
     result["checks"] = checks
@@ -260,6 +305,8 @@ def main() -> int:
     plot(samples, out / "soak.png")
     print(f"{'requests':<34}{len(record)} ({', '.join(f'{k} {v}' for k, v in kinds.items())})")
     print(f"{'refused 429':<34}{result['refused_429']}")
+    for kind, counts in statuses.items():
+        print(f"{'  ' + kind:<34}{', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))}")
     print(f"{'unexpected errors':<34}{result['unexpected']}")
     print(f"{'KV blocks held at the end':<34}{leaked:.0f}")
     print(f"{'RSS start / end':<34}{samples[0]['rss_mib']:.0f} / {samples[-1]['rss_mib']:.0f} MiB "

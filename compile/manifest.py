@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from engine.backends.manifest import MANIFEST_NAME, ArtifactError, Manifest, sha256_file
+from engine.backends.manifest import (
+    MANIFEST_NAME,
+    ArtifactError,
+    Manifest,
+    check_file_names,
+    check_no_links_out,
+    sha256_file,
+)
 
 
 def sha256_source(path: Path) -> str:
@@ -74,6 +81,9 @@ def write_artifact(out: Path, manifest: Manifest, fill: Callable[[Path], None]) 
                 raise ArtifactError(f"{out}: the files written differ from the manifest's list")
         else:
             manifest.files = file_entries(tmp)
+        # What the runtime will check on reading it (engine/backends/manifest.py): no name leads outside.
+        check_file_names(tmp, manifest, out / MANIFEST_NAME)
+        check_no_links_out(tmp)
         manifest.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         (tmp / MANIFEST_NAME).write_text(manifest.to_json() + "\n", encoding="utf-8")
         os.rename(tmp, out)  # atomic on one filesystem: readers see no directory or a whole one

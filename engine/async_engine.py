@@ -5,7 +5,10 @@ queue and applied between steps; outputs come back with `call_soon_threadsafe` i
 per request.
 
 Faults, as designed:
-- A step that raises fails every request in flight (STEP_FAILED); the engine aborts them, checks that
+- A request's own part of a step (its inputs, its sampled row, its text) that raises ends that request
+  with an error; the step's other requests keep their tokens and nothing counts against the engine
+  (engine/llm_engine.py, engine/sampler.py).
+- A step that raises otherwise (the forward pass) fails every request in flight (STEP_FAILED); the engine aborts them, checks that
   every KV block came back, and serves new requests. After MAX_CONSECUTIVE_STEP_FAILURES failed steps
   with no good step between (or if its bookkeeping did not come back whole) the engine is dead: requests
   end with ENGINE_DIED, new ones are refused, and the process stays up to report it (health 503).

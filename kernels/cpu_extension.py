@@ -16,6 +16,17 @@ installation (version and path) too: torch keeps one build per name and rebuilds
 own include paths differ, so two checkouts with different sources, or two virtual environments, would
 otherwise rebuild over each other every time the other one ran.
 
+Build lock. torch's builder takes a `lock` file in the build directory (created exclusively, removed when
+the build ends) and waits without end while another process's is there; a build killed midway leaves it
+behind, and every later start would hang on it. So each build (or load from the cache) runs under an
+OS-level exclusive lock of our own, `build_lock`: a flock on BUILD_LOCK in the same directory, which the
+kernel releases when its holder dies. While we hold it no other builder of this directory is alive, so
+a torch `lock` found then is a leftover and is removed at once. Two processes starting together: one
+builds, the other waits on the flock and then loads the cached build. The wait has a limit,
+LADDER_KERNEL_BUILD_TIMEOUT seconds (default 900; a cold build takes about 65 s on two cores), past which
+`KernelBuildTimeout` says, in one line, which lock file and what to do. The protocol's tag is in the
+extension's name, so a build directory is only ever shared by builders that take the flock.
+
 Switch. LADDER_CPU_KERNELS=0, read once when this module is imported, leaves the extension unloaded:
 every op then runs its torch reference.
 
@@ -37,16 +48,29 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: torch's own lock only
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("LADDER_CPU_KERNELS", "1") != "0"
 CSRC = Path(__file__).with_name("csrc")
+
+LOCK_PROTOCOL = "flock-1"  # in the build's name: see "Build lock" above
+BUILD_LOCK = "ladder_build.flock"  # our flock, beside torch's `lock` in the build directory
+TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton
+TIMEOUT_ENV = "LADDER_KERNEL_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT_S = 900.0  # far past a cold build (about 65 s on two busy cores)
+WAIT_NOTICE_S = 5.0  # say that we wait once the wait is this long
 
 
 def cpu_kernels_enabled() -> bool:
@@ -76,9 +100,83 @@ def cpu_build_key() -> str:
 
 def build_name(name: str, source: str) -> str:
     """The module (and cache directory) name: `name`, this CPU's feature digest, and the digest of the
-    source text and the torch installation it builds against."""
-    digest = hashlib.sha256(f"{torch.__version__}\n{torch.__file__}\n{source}".encode()).hexdigest()[:8]
+    source text, the torch installation it builds against and the build lock's protocol (a directory is
+    shared only by builders that take `build_lock`)."""
+    key = f"{LOCK_PROTOCOL}\n{torch.__version__}\n{torch.__file__}\n{source}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     return f"{name}_{cpu_build_key()}_{digest}"
+
+
+class KernelBuildTimeout(TimeoutError):
+    """Another live process held the extension's build lock past LADDER_KERNEL_BUILD_TIMEOUT; one line."""
+
+
+def build_timeout() -> float:
+    """Seconds to wait for another process's build: LADDER_KERNEL_BUILD_TIMEOUT, default 900."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUILD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds >= 0")
+    return value
+
+
+def _holder(path: Path) -> str:
+    """The pid the lock's holder wrote into it, as words for a message."""
+    try:
+        pid = path.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        pid = ""
+    return f"pid {pid}" if pid.isdigit() else "another process"
+
+
+@contextmanager
+def build_lock(directory: Path, timeout: float) -> Iterator[None]:
+    """Hold the build directory's flock (BUILD_LOCK) for the block, waiting at most `timeout` seconds for
+    another process to release it (KernelBuildTimeout past that). Once held, no other builder is alive,
+    so torch's `lock` left by a killed build is removed. The flock goes with this process if it dies.
+    The lock file itself is never removed (a waiter may hold it open: removing it would let a third
+    process lock another file of the same name)."""
+    if fcntl is None:
+        yield
+        return
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / BUILD_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        start = time.monotonic()
+        noticed = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= timeout:
+                    raise KernelBuildTimeout(
+                        f"waited {waited:.0f} s for the C++ CPU kernels' build lock {path}, held by "
+                        f"{_holder(path)} (a build still running or hung): let it finish or stop it, or raise "
+                        f"{TIMEOUT_ENV} (seconds), or set LADDER_CPU_KERNELS=0 to run the torch references"
+                    ) from None
+                if not noticed and waited >= WAIT_NOTICE_S:
+                    noticed = True
+                    log.warning("waiting for %s's build of the C++ CPU kernels (lock %s, up to %.0f s)",
+                                _holder(path), path, timeout)
+                time.sleep(min(0.1, max(timeout - waited, 0.0)))
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        leftover = directory / TORCH_LOCK
+        if leftover.exists():
+            log.warning("removing %s, left by a build of the C++ CPU kernels that did not finish", leftover)
+            leftover.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 class CpuExtension:
@@ -104,22 +202,25 @@ class CpuExtension:
             return self._module
         with self._lock:
             if self._module is None and not self._failed:
+                timeout = build_timeout()
                 try:
                     from torch.utils.cpp_extension import _get_build_directory, load
 
                     name = self.build_name()
-                    remove_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-                    load(
-                        name=name,
-                        sources=[str(p) for p in self.sources()],
-                        # -fopenmp: at::parallel_for is OpenMP in the headers; without it loops run on one thread.
-                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"],
-                        is_python_module=False,
-                        verbose=False,
-                    )
+                    with build_lock(Path(_get_build_directory(name, verbose=False)), timeout):
+                        load(
+                            name=name,
+                            sources=[str(p) for p in self.sources()],
+                            # -fopenmp: at::parallel_for is OpenMP in the headers; without it loops run on one thread.
+                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"],
+                            is_python_module=False,
+                            verbose=False,
+                        )
                     self._module = torch.ops.ladder_cpu
-                except Exception as error:  # no compiler, no ninja, an unsupported platform
+                except KernelBuildTimeout:
+                    raise  # another builder holds the lock: say so (a later call waits again), not run slow refs
+                except Exception as error:  # noqa: BLE001  (no compiler, no ninja, an unsupported platform)
                     self._failed = True
                     log.warning("the C++ CPU kernels are unavailable, using the torch references: %s",
                                 " ".join(str(error).split())[:300])
@@ -127,20 +228,6 @@ class CpuExtension:
 
 
 EXTENSION = CpuExtension()
-STALE_LOCK_S = 900  # far past a build's length on two busy cores
-
-
-def remove_stale_lock(lock: Path) -> None:
-    """torch's builder holds a lock file in the build directory while it compiles and waits, without end,
-    for any other process's lock to go; a build killed midway leaves its lock behind. A lock older than any
-    build takes is such a leftover: remove it, so this process builds instead of waiting forever."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-        lock.unlink(missing_ok=True)
 
 
 def load() -> Any:

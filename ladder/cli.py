@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ArtifactError, ModelLoadError, TensorParallelError, ValueError) as error:
+    except (ArtifactError, ModelLoadError, TensorParallelError, ValueError, TimeoutError) as error:
         print(f"ladder {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -6,6 +6,11 @@ report) and how fast it ran (the benchmark figures), and the sha256 and size of 
 directory. Loading refuses a newer format, a missing or changed file, and a device the artifact was
 not built for, each with one line that names the problem. `compile/manifest.py` writes it.
 
+Every file name a manifest gives (`files`, `package.file`) is relative to the artifact's directory and
+stays inside it: a name that is absolute, has a `..` part, or resolves (through symlinks) outside the
+directory is refused when the manifest is read, before any loader opens it; so is a symlink anywhere in
+the directory that leads outside it (a loader opens some files by their fixed names).
+
 Format 2 added `package`: a CPU torch-compile artifact's step compiled ahead of time (AOTInductor), with
 the torch and CPU it was built for (`engine/backends/aoti_runtime.py` checks them). Format 1 artifacts,
 without it, still load: their step is compiled at start-up.
@@ -15,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -62,6 +68,62 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def _resolved(path: Path) -> Path | None:
+    """`path` with every symlink followed (None for a symlink loop)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return None
+
+
+def artifact_file(directory: Path, name: object, where: Path) -> Path:
+    """`directory / name` for a file name the manifest at `where` gives; ArtifactError (one line) for a
+    name that could reach outside the directory: absolute, with a `..` part, or resolving there."""
+    if not isinstance(name, str) or not name.strip() or "\0" in name:
+        raise ArtifactError(f"{where}: {name!r} is not a file name")
+    reason = None
+    if os.path.isabs(name) or PurePosixPath(name).is_absolute():
+        reason = "an absolute path"
+    elif ".." in PurePosixPath(name).parts:
+        reason = "a '..' part"
+    else:
+        root = _resolved(Path(directory))
+        target = _resolved(Path(directory) / name)
+        if root is None or target is None:
+            reason = "a symlink loop"
+        elif target == root or not target.is_relative_to(root):
+            reason = f"it resolves to {target}"
+    if reason:
+        raise ArtifactError(f"{where}: file {name!r} is outside the artifact directory ({reason}); "
+                            "a manifest names only files inside it")
+    return Path(directory) / name
+
+
+def check_file_names(directory: Path, manifest: Manifest, where: Path) -> None:
+    """Refuse a manifest whose `files` or `package` is malformed, or names a file outside `directory`."""
+    if not isinstance(manifest.files, dict) or not isinstance(manifest.package, dict):
+        raise ArtifactError(f"{where}: `files` and `package` must be JSON objects")
+    for name, entry in manifest.files.items():
+        artifact_file(directory, name, where)
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str)):
+            raise ArtifactError(f"{where}: file {name!r} has no integer `bytes` and string `sha256`")
+    if manifest.package:
+        artifact_file(directory, manifest.package.get("file"), where)
+
+
+def check_no_links_out(directory: Path) -> None:
+    """Refuse a symlink anywhere in the artifact directory that leads outside it (loaders open some files
+    by fixed names, listed in the manifest or not)."""
+    root = _resolved(Path(directory))
+    for entry in Path(directory).rglob("*"):  # symlinked directories are listed, not entered
+        if entry.is_symlink():
+            target = _resolved(entry)
+            if root is None or target is None or not target.is_relative_to(root):
+                raise ArtifactError(f"{entry}: a symlink out of the artifact directory (to "
+                                    f"{target or 'a loop'}); an artifact's files must be inside it")
+
+
 def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
     """The checked manifest of an artifact directory, or ArtifactError saying what is wrong."""
     directory = Path(directory)
@@ -85,7 +147,9 @@ def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
         raise ArtifactError(f"{path}: unexpected fields: {exc}") from exc
     if manifest.backend not in BACKENDS or manifest.precision not in COMPILE_PRECISIONS:
         raise ArtifactError(f"{path}: unknown backend {manifest.backend!r} or precision {manifest.precision!r}")
+    check_file_names(directory, manifest, path)
     if verify_files:
+        check_no_links_out(directory)
         for name, entry in manifest.files.items():
             file = directory / name
             if not file.is_file():

@@ -49,17 +49,3 @@ def test_switched_off_cpu_kernels_run_the_torch_references():
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "switched off" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-
-def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
-    from kernels.cpu_extension import STALE_LOCK_S, remove_stale_lock
-
-    fresh, stale = tmp_path / "fresh" / "lock", tmp_path / "stale" / "lock"
-    for lock in (fresh, stale):
-        lock.parent.mkdir()
-        lock.touch()
-    old = stale.stat().st_mtime - STALE_LOCK_S - 60
-    os.utime(stale, (old, old))
-    remove_stale_lock(fresh)  # a build may be running: its lock stays
-    remove_stale_lock(stale)
-    remove_stale_lock(tmp_path / "none" / "lock")  # no lock: nothing to do
-    assert fresh.exists() and not stale.exists()
