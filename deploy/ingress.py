@@ -5,11 +5,16 @@ The ingress holds no model. It answers /health and /metrics (the router's counts
 route, /ready included, is the replicas' `ladder serve` app. A replica that dies before answering gets
 the request once more on another replica (nothing was sent back yet); one that dies mid-stream ends the
 stream with an error event, as an engine failure does in `ladder serve`.
+
+With an API key, a request for anything but the public pages and probes (`is_public`) must carry it as
+`Authorization: Bearer KEY`: one without it is answered 401 before its body is read, so it costs a header
+comparison and nothing more. The replicas check the key again.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -23,19 +28,41 @@ from server.errors import error_response, sse_error
 
 log = logging.getLogger("ladder.ingress")
 REPLICA_GONE = "the replica serving this request stopped; retry"
+# What `ladder serve` answers without a key (server/app.py's routes without its `authorize` dependency:
+# tests/deploy/test_ingress_auth.py checks the two lists agree). Everything else needs the key here,
+# unknown paths too: a new route of the server is protected at the ingress until it is listed.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/dashboard", "/stats", "/docs",
+                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+PUBLIC_PREFIXES = ("/static/",)
 
 
 class BodyTooLarge(Exception):
     pass
 
 
+def is_public(method: str, path: str) -> bool:
+    """Whether `ladder serve` answers this request without the API key: reading its pages and probes."""
+    return method in ("GET", "HEAD") and (path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES))
+
+
 class LadderIngress:
-    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 4 << 20) -> None:
+    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 4 << 20,
+                 api_key: str | None = None) -> None:
         # _by_reference=False: each streamed item goes straight to this process over the replica's gRPC
         # server instead of through Ray's object store and the owner's reports, which costs both this
         # process and the replica's Serve threads less CPU per streamed token.
         self.replicas = replicas.options(method_name="forward", stream=True, _by_reference=False)
         self.max_body_bytes = max_body_bytes
+        if api_key is not None and not api_key:
+            raise ValueError("the API key is empty: give a key, or None to serve without one")
+        self.api_key = api_key.encode() if api_key is not None else None
+
+    def authorized(self, request: Request) -> bool:
+        """The bearer key check of `ladder serve` (server/app.py), on the headers alone."""
+        if self.api_key is None or is_public(request.method, request.url.path):
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), self.api_key)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -43,6 +70,8 @@ class LadderIngress:
             return JSONResponse({"status": "ok"})
         if path == "/metrics":
             return Response(STATS.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if not self.authorized(request):  # before the body is read: a request without the key costs nothing
+            return error_response(401, "missing or invalid API key", code="invalid_api_key")
         try:
             body = await self.read_body(request)
         except BodyTooLarge:

@@ -5,6 +5,12 @@ The ingress has no tokenizer, so blocks are counted in characters: `BLOCK_CHARS`
 tokens of English, one KV block of the engine's default size. Hash i covers blocks 0..i (each hash chains
 the one before), so two prompts share hash i exactly when they share their first i + 1 blocks, which is
 what decides how much of the second one the first one's replica finds in its prefix cache.
+
+The ingress parses the body on its event loop, which relays every stream of every replica, and json.loads
+holds the GIL however it is called (a worker thread stalls the loop about as long). So only bodies up to
+`MAX_PARSE_BYTES` are parsed: a few milliseconds at most even for a body built of tiny values, where a
+4 MiB one costs a quarter of a second. A larger body routes by load alone (no prefix), and the text taken
+from a parsed body stops once it covers the `MAX_BLOCKS` blocks that are hashed.
 """
 
 from __future__ import annotations
@@ -14,16 +20,20 @@ import json
 
 BLOCK_CHARS = 64
 MAX_BLOCKS = 64  # 4096 characters: past that a longer match changes nothing about where to route
+MAX_TEXT_CHARS = BLOCK_CHARS * MAX_BLOCKS  # the most routing text that is ever hashed
+# About 11 ms of json.loads for 256 KiB of tiny values on one core, a fraction of a millisecond for text;
+# 256 KiB is about 64k tokens of prompt, past the context of the models served here.
+MAX_PARSE_BYTES = 256 << 10
 
 
 def routing_text(path: str, body: bytes) -> str | None:
     """The text whose prefix decides the replica: the prompt of /v1/completions, the messages of
     /v1/chat/completions. None for other routes and for bodies the replica will refuse anyway."""
-    if not path.endswith(("/completions", "/chat/completions")):
+    if not path.endswith(("/completions", "/chat/completions")) or len(body) > MAX_PARSE_BYTES:
         return None
     try:
         payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting deeper than Python's limit
         return None
     if not isinstance(payload, dict):
         return None
@@ -39,7 +49,8 @@ def prompt_text(prompt: object) -> str | None:
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, int):  # token ids: their decimal text keeps the prefix property
-            return ",".join(str(token) for token in prompt)
+            # Each id adds at least two characters ("7,"): the first MAX_TEXT_CHARS ids give all that is hashed.
+            return ",".join(str(token) for token in prompt[:MAX_TEXT_CHARS])
         return prompt_text(first)
     return None
 
@@ -47,14 +58,18 @@ def prompt_text(prompt: object) -> str | None:
 def messages_text(messages: object) -> str | None:
     if not isinstance(messages, list):
         return None
-    parts = []
+    parts, size = [], 0
     for message in messages:
         if not isinstance(message, dict):
             return None
         content = message.get("content")
         if isinstance(content, list):  # content parts: their text, in order
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            content = "".join(part["text"] for part in content
+                              if isinstance(part, dict) and isinstance(part.get("text"), str))
         parts.append(f"{message.get('role')}\x00{content if isinstance(content, str) else ''}\x00")
+        size += len(parts[-1])
+        if size >= MAX_TEXT_CHARS:  # the rest is never hashed (a later malformed message routes as it is)
+            break
     return "".join(parts) or None
 
 

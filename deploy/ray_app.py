@@ -5,11 +5,17 @@
 `app_builder` takes flat arguments (from `serve run key=value` or a Serve config file's `args:`): the
 application's own settings below, and any field of the engine's EngineConfig or the server's
 ServerSettings by name.
+
+API key: the `api_key` argument, or else $LADDER_API_KEY where the application is built, as `ladder
+serve` reads it (deploy/k8s/rayservice.yaml sets it on every Ray pod from a Secret, so the key never
+appears in the Serve config). The ingress checks it before reading a request's body, and every replica's
+server checks it again. An empty key is refused rather than taken as none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -26,6 +32,7 @@ from server.app import ServerSettings
 QUIET = {"enable_access_log": False}
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerSettings) if f.name != "created"}
+API_KEY_ENV = "LADDER_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,9 @@ class RayAppConfig:
             unknown = sorted(set(given) - set(known))
             if unknown:
                 raise ValueError(f"unknown {name} settings: {', '.join(unknown)}")
+        if self.server.get("api_key") == "":  # `ladder serve` would take "" as a key that "Bearer " matches
+            raise ValueError("api_key is empty: give a key, or leave it (and $LADDER_API_KEY) unset to serve "
+                             "without one")
         ServerSettings(**self.server)  # its own checks, here rather than on every replica
 
     @property
@@ -80,6 +90,10 @@ class RayAppConfig:
     @property
     def max_body_bytes(self) -> int:
         return int(self.server.get("max_body_bytes", SERVER_FIELDS["max_body_bytes"].default))
+
+    @property
+    def api_key(self) -> str | None:
+        return self.server.get("api_key")
 
     def autoscaling(self) -> AutoscalingConfig | None:
         if self.max_replicas is None:
@@ -98,6 +112,8 @@ class RayAppConfig:
                 values[key] = coerce(key, value, own[key].type)
             elif key in ENGINE_FIELDS:
                 values["engine"][key] = coerce(key, value, ENGINE_FIELDS[key].type)
+            elif key == "api_key":  # taken as given: coerce() would turn "", "none" or "null" into no key at all
+                values["server"][key] = value
             elif key in SERVER_FIELDS:
                 values["server"][key] = coerce(key, value, SERVER_FIELDS[key].type)
             else:
@@ -155,9 +171,17 @@ def build_app(config: RayAppConfig) -> Application:
         name="LadderIngress", num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config=QUIET,
         max_ongoing_requests=config.max_queue * (config.max_replicas or config.replicas) + 64,
     )
-    return ingress.bind(build_replicas(config), config.max_body_bytes)
+    return ingress.bind(build_replicas(config), config.max_body_bytes, config.api_key)
+
+
+def with_api_key_from_env(args: dict, environ=os.environ) -> dict:
+    """`args`, with $LADDER_API_KEY as its `api_key` when it gives none and the variable is set."""
+    if "api_key" not in args and API_KEY_ENV in environ:
+        return {**args, "api_key": environ[API_KEY_ENV]}
+    return args
 
 
 def app_builder(args: dict) -> Application:
-    """Serve's application builder: `serve run deploy.ray_app:app_builder key=value ...`."""
-    return build_app(RayAppConfig.from_args(args))
+    """Serve's application builder: `serve run deploy.ray_app:app_builder key=value ...` (Serve calls it
+    with the arguments alone). Without an `api_key` argument the key is $LADDER_API_KEY, when set."""
+    return build_app(RayAppConfig.from_args(with_api_key_from_env(args)))

@@ -73,8 +73,8 @@ class RoutingStats:
                       "# TYPE ladder_router_replica_requests_total counter"]
             lines += [f'ladder_router_replica_requests_total{{replica="{replica}"}} {count}'
                       for replica, count in sorted(self.per_replica.items())]
-            lines += ["# HELP ladder_router_replica_in_flight Requests the router sent to each replica and saw "
-                      "no completion of: the load it balances on",
+            lines += [("# HELP ladder_router_replica_in_flight Requests the router sent to each replica and saw "
+                       "no completion of: the load it balances on"),
                       "# TYPE ladder_router_replica_in_flight gauge"]
             lines += [f'ladder_router_replica_in_flight{{replica="{replica}"}} {count}'
                       for replica, count in sorted(self.in_flight.items())]

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict, server_kwargs: dict) -> i
                                                                   route_prefix=None))
             log.info("serving from %d replica(s) on Ray Serve at http://%s:%d (this process routes)", args.replicas,
                      args.host, args.port)
-            serve_http(ingress_asgi_app(LadderIngress(replicas_handle, config.max_body_bytes)), args.host, args.port)
+            ingress = LadderIngress(replicas_handle, config.max_body_bytes, config.api_key)
+            serve_http(ingress_asgi_app(ingress), args.host, args.port)
         else:
             serve.start(http_options={"host": args.host, "port": args.port})
             deploy_or_explain(lambda: serve.run(build_app(config), name="ladder", route_prefix="/"))

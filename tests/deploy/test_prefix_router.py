@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'ladder[ray]')")
-from deploy.forwarding import ForwardedRequest  # noqa: E402
-from deploy.prefix_key import block_hashes  # noqa: E402
-from deploy.prefix_router import PrefixAffinityRouter  # noqa: E402
-from deploy.routing_stats import RoutingStats  # noqa: E402
+from deploy.forwarding import ForwardedRequest
+from deploy.prefix_key import block_hashes
+from deploy.prefix_router import PrefixAffinityRouter
+from deploy.routing_stats import RoutingStats
 
 REPLICAS = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in ("a", "b")]
 BY_NAME = {r.replica_id.unique_id: r for r in REPLICAS}

@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'ladder[ray]')")
-from ray import serve  # noqa: E402
+from ray import serve
+from server_process import free_port
+from waiting import wait_until
 
-from deploy.ray_app import RayAppConfig, build_app  # noqa: E402
-from server_process import free_port  # noqa: E402
-from waiting import wait_until  # noqa: E402
+from deploy.ray_app import RayAppConfig, build_app
 
 APP = "ladder"
 GROUPS = [f"Group {g}: you are assistant number {g} and you answer every question about topic {g} at length. "
@@ -105,6 +105,23 @@ def test_the_openai_client_answers_through_ray(front):
         client.completions.create(model="another", prompt="Hi", max_tokens=5)
     assert httpx.get(ray_app + "/ready", timeout=10).json() == {"status": "ready"}
     assert httpx.get(ray_app + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_an_ingress_with_a_key_refuses_requests_without_it(ray_app):
+    """The key check over the real replicas' handle (tests/deploy/test_ingress_auth.py has the cases)."""
+    from starlette.testclient import TestClient
+
+    from deploy.ingress import LadderIngress, ingress_asgi_app
+
+    handle = serve.get_deployment_handle("LadderReplica", app_name=APP)
+    # Not as a context manager: the app answers http only (no lifespan), as uvicorn runs it.
+    client = TestClient(ingress_asgi_app(LadderIngress(handle, api_key="the-key")))
+    body = {"prompt": "Hello", "max_tokens": 2}
+    refused = client.post("/v1/completions", json=body)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    served = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer the-key"})
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    assert client.get("/ready").json() == {"status": "ready"}  # probes need no key
 
 
 def test_prefix_routing_shows_in_metrics(front):
