@@ -6,15 +6,15 @@ route, /ready included, is the replicas' `ladder serve` app. A replica that dies
 the request once more on another replica (nothing was sent back yet); one that dies mid-stream ends the
 stream with an error event, as an engine failure does in `ladder serve`.
 
-With an API key, a request for anything but the public pages and probes (`is_public`) must carry it as
-`Authorization: Bearer KEY`: one without it is answered 401 before its body is read, so it costs a header
-comparison and nothing more. The replicas check the key again.
+With an API key, a request for anything but the public pages and probes (server/access.py `is_public`,
+the same list `ladder serve` uses; /metrics needs the key here, its router counts include prefix hits)
+must carry it as `Authorization: Bearer KEY`: one without it is answered 401 before its body is read, so
+it costs a header comparison and nothing more. The replicas check the key again.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -24,25 +24,13 @@ from starlette.responses import JSONResponse, Response
 from deploy.forwarding import ForwardedRequest
 from deploy.prefix_key import request_prefix
 from deploy.routing_stats import STATS
+from server.access import INVALID_KEY, bearer_matches, check_key, is_public
 from server.errors import error_response, sse_error
 
 log = logging.getLogger("ladder.ingress")
 REPLICA_GONE = "the replica serving this request stopped; retry"
-# What `ladder serve` answers without a key (server/app.py's routes without its `authorize` dependency:
-# tests/deploy/test_ingress_auth.py checks the two lists agree). Everything else needs the key here,
-# unknown paths too: a new route of the server is protected at the ingress until it is listed.
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/dashboard", "/stats", "/docs",
-                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-PUBLIC_PREFIXES = ("/static/",)
-
-
 class BodyTooLarge(Exception):
     pass
-
-
-def is_public(method: str, path: str) -> bool:
-    """Whether `ladder serve` answers this request without the API key: reading its pages and probes."""
-    return method in ("GET", "HEAD") and (path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES))
 
 
 class LadderIngress:
@@ -53,25 +41,23 @@ class LadderIngress:
         # process and the replica's Serve threads less CPU per streamed token.
         self.replicas = replicas.options(method_name="forward", stream=True, _by_reference=False)
         self.max_body_bytes = max_body_bytes
-        if api_key is not None and not api_key:
-            raise ValueError("the API key is empty: give a key, or None to serve without one")
-        self.api_key = api_key.encode() if api_key is not None else None
+        self.api_key = check_key(api_key)
 
     def authorized(self, request: Request) -> bool:
         """The bearer key check of `ladder serve` (server/app.py), on the headers alone."""
-        if self.api_key is None or is_public(request.method, request.url.path):
+        # /metrics here is the router's counts, prefix hits among them: behind the key like the server's.
+        if self.api_key is None or is_public(request.method, request.url.path, metrics_need_key=True):
             return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), self.api_key)
+        return bearer_matches(request.headers.get("authorization", ""), self.api_key)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/health":
             return JSONResponse({"status": "ok"})
+        if not self.authorized(request):  # before the body is read: a request without the key costs nothing
+            return error_response(401, INVALID_KEY, code="invalid_api_key")
         if path == "/metrics":
             return Response(STATS.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-        if not self.authorized(request):  # before the body is read: a request without the key costs nothing
-            return error_response(401, "missing or invalid API key", code="invalid_api_key")
         try:
             body = await self.read_body(request)
         except BodyTooLarge:

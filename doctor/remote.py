@@ -46,9 +46,9 @@ def fetch(url: str, api_key: str | None = None) -> bytes:
         raise ValueError(f"cannot reach {url}: {reason}") from None
 
 
-def read_stats(root: str) -> dict:
+def read_stats(root: str, api_key: str | None = None) -> dict:
     try:
-        stats = json.loads(fetch(root + "/stats"))
+        stats = json.loads(fetch(root + "/stats", api_key))
     except json.JSONDecodeError:
         raise ValueError(f"{root}/stats is not JSON: is this a ladder server?") from None
     if not stats.get("model") or not stats["model"].get("config"):
@@ -79,14 +79,14 @@ def run_remote(config: DoctorConfig, on_progress: Callable[[str], None] = lambda
 
     root = api_root(config.base_url)
     on_progress(f"reading {root}/stats")
-    stats = read_stats(root)
+    stats = read_stats(root, config.api_key)  # a server with a key may protect /stats and /metrics
     served = stats["model"]
     model_config = ModelConfig.from_dict(served["config"])
     precision = served["precision"] or "fp32"
     kv_dtype = PRECISIONS[precision].dtype if precision in PRECISIONS else torch.float32  # int8 forms: an fp32 cache
     cost = ModelCost(model_config, precision, kv_dtype.itemsize)
     num_requests = config.load_requests
-    before = parse_prometheus(fetch(root + "/metrics").decode())
+    before = parse_prometheus(fetch(root + "/metrics", config.api_key).decode())
     on_progress(f"load: {num_requests} requests of ~{config.input_len} + {config.output_len} tokens at once")
     load_config = LoadTestConfig(
         base_url=root, model=None, api_key=config.api_key, endpoint="completions",
@@ -100,7 +100,7 @@ def run_remote(config: DoctorConfig, on_progress: Callable[[str], None] = lambda
     if point.summary.num_ok == 0:
         first = next(r for r in point.run.records if not r.ok)
         raise ValueError(f"no request of the load succeeded; the first: {first.error_kind}: {first.error}")
-    moved = delta(before, parse_prometheus(fetch(root + "/metrics").decode()))
+    moved = delta(before, parse_prometheus(fetch(root + "/metrics", config.api_key).decode()))
     steps = by_label(moved, "ladder_engine_step_seconds_total", "phase")
     num_steps = int(total(moved, "ladder_engine_steps_total") or 0)
     prompt_tokens = total(moved, "ladder_prompt_tokens_total") or 0.0

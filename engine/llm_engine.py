@@ -16,7 +16,7 @@ from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
 from engine.model_runner import ModelInputs, ModelRunner
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
-from engine.sampler import Sampler
+from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import EngineStats
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # The errors a request ends with when its own part of a step fails; the other requests of the step go on.
 PREPARE_FAILED = "building this request's step inputs failed"
 OUTPUT_FAILED = "turning this request's next token into text failed"
+REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED})
 
 
 class LLMEngine:

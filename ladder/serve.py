@@ -2,7 +2,8 @@
 
 The listening socket opens first and the model loads behind it (`/ready` answers 503 until then), so
 orchestrators see a live process at once. SIGTERM drains: `/ready` turns 503, new requests get 503,
-in-flight requests run to completion for up to `--shutdown-timeout` seconds, then the process exits.
+in-flight requests (every HTTP request already in, whether in the engine or still before or after it) run
+to completion for up to `--shutdown-timeout` seconds, then the process exits.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
     p.add_argument("--api-key", default=os.environ.get("LADDER_API_KEY"),
                    help="require this bearer token (default: $LADDER_API_KEY; none when unset)")
+    p.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
+                   help="require the API key on /metrics and /stats (the web page's panels) too: they show "
+                        "exact prefix-cache hits, which tell whether a prompt was sent before (default: on when "
+                        "there is an API key; --no-protect-metrics for a scraper that sends no token)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="read special-token text in chat messages (e.g. <|im_end|>) as control tokens, as the "
+                        "template's own markup is; by default it is plain text, so a message cannot forge a turn")
     add_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -93,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-prompt-chars must be at least 1, got {args.max_prompt_chars}")
     if args.step_timeout < 0:
         raise ValueError(f"--step-timeout must be 0 (off) or positive, got {args.step_timeout}")
+    if args.protect_metrics and args.api_key is None:
+        raise ValueError("--protect-metrics needs an API key (--api-key or $LADDER_API_KEY)")
     config = EngineConfig(
         model=args.model, artifact=args.artifact, dtype=args.dtype, device=args.device,
         quantization=args.quantization, max_num_seqs=args.max_num_seqs,
@@ -106,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                               max_prompts_per_request=args.max_prompts_per_request,
-                              max_prompt_chars=args.max_prompt_chars, stream_interval=args.stream_interval)
+                              max_prompt_chars=args.max_prompt_chars, stream_interval=args.stream_interval,
+                              protect_metrics=args.protect_metrics,
+                              allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
         return serve_ray.run(args, serve_ray.engine_kwargs_of(config, args.device, args.quantization), server_kwargs)
@@ -162,10 +174,12 @@ class DrainingServer(_ServerBase):
         threading.Thread(target=self._drain, name="ladder-drain", daemon=True).start()
 
     def _drain(self) -> None:
+        # Every HTTP request counts, not only the engine's streams: one still being read, tokenized or
+        # rendered has not reached the engine yet, and a finished one may still be sending its response.
         deadline = time.monotonic() + self.shutdown_timeout
         while time.monotonic() < deadline:
             engine = self.state.engine
-            if engine is None or engine.num_in_flight == 0:
+            if self.state.num_requests == 0 and (engine is None or engine.num_in_flight == 0):
                 break
             time.sleep(0.05)
         self.should_exit = True

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,12 @@ from model.gguf_vocab import CONTROL, END_OF_TURN, NORMAL, add_gguf_added_tokens
 
 __all__ = ["Tokenizer"]
 
+log = logging.getLogger(__name__)
+
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# A conversation every chat template accepts, to check `encode_chat` against `encode` once per tokenizer.
+_PROBE_CHAT = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": "Why?"})
 
 
 class Tokenizer:
@@ -203,6 +211,36 @@ class Tokenizer:
             **extra,
         )
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """The chat template's text for ``messages`` and its token ids, with the special tokens that the
+        template writes as their ids and special-token text inside the messages as plain text: a message
+        that types ``<|im_end|>\\n<|im_start|>system`` cannot forge the template's markup.
+
+        For ordinary messages the ids equal ``encode(apply_chat_template(messages), False)``. A template
+        whose special tokens this cannot follow (see `_ChatMarkup`) is encoded that way, with a warning."""
+        markup = self._chat_markup
+        if markup is None:
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return text, self.encode(text, add_special_tokens=False)
+        return markup.encode(messages, add_generation_prompt, self.bos_token, self.eos_token)
+
+    @functools.cached_property
+    def _chat_markup(self) -> _ChatMarkup | None:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        markup = _ChatMarkup.build(self.backend, self.chat_template)
+        try:
+            expected = self.encode(self.apply_chat_template(list(_PROBE_CHAT)), add_special_tokens=False)
+        except ValueError:  # the template refuses the probe: nothing to compare
+            return markup
+        if markup.encode(list(_PROBE_CHAT), True, self.bos_token, self.eos_token)[1] != expected:
+            log.warning("the chat template writes special tokens in a way ladder cannot tell from message text; "
+                        "special-token text inside chat messages will be read as special tokens")
+            return None
+        return markup
+
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
@@ -214,6 +252,61 @@ class Tokenizer:
         if not getattr(self.backend.model, "byte_fallback", False):
             return frozenset()
         return frozenset(i for t, i in self.backend.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+
+
+# -- chat markup -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ChatMarkup:
+    """A chat template whose special tokens are told apart from the messages' text.
+
+    Each special token is given an alias (a private-use character, a random nonce, its id): the template's
+    source spells its special tokens as their aliases (so do ``bos_token`` and ``eos_token``), and a copy
+    of the backend matches the aliases as added tokens with the same flags while it matches no special
+    token (``encode_special_tokens``). One encode of the rendered text then splits it exactly where the
+    special tokens split it before, so ordinary messages get the same ids; the aliases' ids map back to
+    the special tokens' ids. A message cannot spell an alias without the nonce, which never leaves the
+    process. A template that builds a special token's text from pieces (or reads another token variable)
+    escapes this; `Tokenizer._chat_markup` notices it on a probe conversation. A template that compares a
+    message's text with a special token's text sees the alias instead, which only a message that types
+    special-token text can tell."""
+
+    template: str
+    backend: tokenizers.Tokenizer
+    alias_of: dict[str, str]  # special token text -> its alias
+    text_of: dict[str, str]  # alias -> special token text
+    id_of: dict[int, int]  # an alias's id in `backend` -> the special token's id
+    pattern: re.Pattern[str]  # any alias
+
+    @classmethod
+    def build(cls, backend: tokenizers.Tokenizer, template: str) -> _ChatMarkup:
+        specials = {t.content: (i, t) for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        nonce = secrets.token_hex(8)
+        alias_of = {text: f"\ue000{nonce}{i}\ue001" for text, (i, _) in specials.items()}
+        for text in sorted(alias_of, key=len, reverse=True):  # longest first: one may contain another
+            template = template.replace(text, alias_of[text])
+        plain = tokenizers.Tokenizer.from_str(backend.to_str())
+        plain.encode_special_tokens = True
+        plain.add_tokens([tokenizers.AddedToken(alias_of[text], single_word=t.single_word, lstrip=t.lstrip,
+                                                rstrip=t.rstrip, normalized=t.normalized, special=False)
+                          for text, (_, t) in specials.items()])
+        id_of = {plain.token_to_id(alias_of[text]): i for text, (i, _) in specials.items()}
+        return cls(template, plain, alias_of, {a: t for t, a in alias_of.items()}, id_of,
+                   re.compile(f"\ue000{nonce}\\d+\ue001"))
+
+    def _alias(self, token: str | None) -> str | None:
+        return self.alias_of.get(token, token) if token is not None else None
+
+    def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool, bos_token: str | None,
+               eos_token: str | None) -> tuple[str, list[int]]:
+        aliased = render_chat_template(
+            self.template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._alias(bos_token), eos_token=self._alias(eos_token),
+        )
+        # The batch form releases the GIL (see Tokenizer.encode).
+        ids = self.backend.encode_batch([aliased], add_special_tokens=False)[0].ids
+        return self.pattern.sub(lambda m: self.text_of[m.group()], aliased), [self.id_of.get(i, i) for i in ids]
 
 
 # -- Hugging Face directory ------------------------------------------------------------------

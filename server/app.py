@@ -1,32 +1,46 @@
 """The FastAPI application: OpenAI-compatible endpoints over the async engine.
 
 The app starts answering before the model is loaded (`/ready` is 503 until it is), refuses work while
-draining for shutdown, and turns every failure into an OpenAI-shaped error.
+draining for shutdown, and turns every failure into an OpenAI-shaped error. A route validates and prepares
+its job, then returns at once: the generation runs while the response is sent, so the parsed request body
+is not held through it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import SampleDelta
 from server import protocol as p
+from server.access import INVALID_KEY, KeyGate, bearer_matches, check_key
 from server.admission import Admission, Reservation
 from server.dashboard import install_dashboard
 from server.errors import APIError, error_response, install_error_handlers
-from server.prompts import check_chars, check_prompts, render_chat, to_prompts
-from server.generation import (Collected, Job, Prompt, chat_response, check_length, collect,
-                               completion_response, new_id, sampling_params, stream_events)
+from server.generation import (
+    Collected,
+    Job,
+    Prompt,
+    chat_response,
+    check_length,
+    collect,
+    completion_response,
+    new_id,
+    sampling_params,
+    stream_events,
+)
 from server.metrics import ServerMetrics
+from server.middleware import BodyLimit, InFlight
+from server.prompts import check_chars, check_prompts, render_chat, to_prompts
 
 # Text longer than this many characters per token of context is refused before it is tokenized: real
 # tokenizers average 3 to 5 characters a token, and tokenizing megabytes costs seconds of CPU.
@@ -47,6 +61,12 @@ class ServerSettings:
     max_prompts_per_request: int = 64
     max_prompt_chars: int | None = None  # default: CHARS_PER_TOKEN_BOUND x max_model_len
     stream_interval: int = 1  # tokens per streamed event (a sample's first and last go at once)
+    # /metrics and /stats (the page's panels) need the API key too. They show exact prefix-cache hit counts,
+    # which tell a watcher whether a prompt was seen before. Default (None): when there is an API key, since
+    # a server that has one is not meant to be open; False keeps them open for scrapers that send no token.
+    protect_metrics: bool | None = None
+    # Special-token text in chat messages becomes control tokens (the template's markup) instead of text.
+    allow_special_tokens_in_content: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -55,6 +75,13 @@ class ServerSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be at least 1, got {self.max_prompt_chars}")
+        check_key(self.api_key)
+        if self.protect_metrics and self.api_key is None:
+            raise ValueError("protect_metrics needs an api_key: without one there is no key to ask for")
+
+    @property
+    def metrics_need_key(self) -> bool:
+        return self.api_key is not None and self.protect_metrics is not False
 
     def prompt_char_limit(self, max_model_len: int) -> int:
         return self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_model_len
@@ -68,6 +95,7 @@ class ServerState:
         self.engine: AsyncLLMEngine | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.num_requests = 0  # HTTP requests in flight (server/middleware.py InFlight), for the drain
         self.admission = Admission(settings.max_queue)
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
 
@@ -97,18 +125,28 @@ def create_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible completions and chat completions over ladder's engine.")
     app.state.ladder = state
     install_error_handlers(app)
-    install_dashboard(app, state)
 
+    # The last added is the outermost: every request is counted, the refused ones too; the key is checked
+    # before the body is read.
     app.add_middleware(BodyLimit, limit=state.settings.max_body_bytes)
+    app.add_middleware(KeyGate, settings=state.settings)
+    app.add_middleware(InFlight, state=state)
 
-    def authorize(request: Request) -> None:
-        key = state.settings.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
-            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+    # Async, so FastAPI calls them on the event loop: a sync dependency is a worker-thread hop, during which
+    # other requests get parsed, so that many parsed bodies would be alive at once.
+    key = check_key(state.settings.api_key)
+
+    async def authorize(request: Request) -> None:
+        """The routes' own key check, behind KeyGate's (which refuses before the body is read): a route
+        that needs the key keeps needing it whatever the gate's lists say."""
+        if key is not None and not bearer_matches(request.headers.get("authorization", ""), key):
+            raise APIError(401, INVALID_KEY, code="invalid_api_key")
+
+    async def authorize_metrics(request: Request) -> None:
+        if state.settings.metrics_need_key:
+            await authorize(request)
+
+    install_dashboard(app, state, authorize_metrics)
 
     def admit(body: p._Request) -> AsyncLLMEngine:
         engine = state.ready_engine()
@@ -117,22 +155,30 @@ def create_app(state: ServerState) -> FastAPI:
                            param="model", code="model_not_found")
         return engine
 
-    async def respond(engine: AsyncLLMEngine, job: Job, body: p._Request, request: Request, chat: bool,
-                      build: Callable[[Collected], BaseModel], reservation: Reservation):
-        """Stream the job as server-sent events, or collect it and `build` the response body (on a worker
-        thread: logprobs detokenize every token). The reservation ends with the job's sequences."""
+    def respond(engine: AsyncLLMEngine, job: Job, reply: Reply, request: Request, chat: bool,
+                build: Callable[[Collected], BaseModel], reservation: Reservation) -> Response:
+        """A response that runs the job as it is sent: server-sent events, or the collected job's body from
+        `build` (on a worker thread: logprobs detokenize every token). The reservation ends with the job's
+        sequences, or when the response is dropped unsent."""
+        forget_body(request)
         on_delta = itl_observer(state)
-        if body.stream:
-            events = held(stream_events(engine, job, engine.info.tokenizer, chat=chat,
-                                        echo=getattr(body, "echo", False), include_usage=body.include_usage,
-                                        on_delta=on_delta, interval=state.settings.stream_interval), reservation)
+        if reply.stream:
+            events = held(stream_events(engine, job, engine.info.tokenizer, chat=chat, echo=reply.echo,
+                                        include_usage=reply.include_usage, on_delta=on_delta,
+                                        interval=state.settings.stream_interval), reservation)
             reservation.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            result = await until_disconnected(request, collect(engine, job, on_delta))
-        finally:
-            reservation.release()
-        return await asyncio.to_thread(build, result)
+
+        async def answer() -> BaseModel:
+            try:
+                result = await until_disconnected(request, collect(engine, job, on_delta))
+            finally:
+                reservation.release()
+            return await asyncio.to_thread(build, result)
+
+        response = JSONWhenSent(answer)
+        reservation.release_with(response)
+        return response
 
     @app.get("/health", responses=ERRORS)
     async def health() -> JSONResponse:
@@ -145,7 +191,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.ready_engine()
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, responses=ERRORS, dependencies=[Depends(authorize_metrics)])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -175,8 +221,10 @@ def create_app(state: ServerState) -> FastAPI:
                 check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
             job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs), state.model_name,
                       body.logprobs)
-            return await respond(engine, job, body, request, chat=False, reservation=reservation,
-                                 build=lambda result: completion_response(job, result, tokenizer, body.echo))
+            echo = body.echo
+            return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,
+                           reservation=reservation,
+                           build=lambda result: completion_response(job, result, tokenizer, echo))
         except BaseException:
             reservation.release()
             raise
@@ -194,15 +242,17 @@ def create_app(state: ServerState) -> FastAPI:
                     "messages")
         reservation = state.admission.reserve(body.n)
         try:
-            text, ids = await asyncio.to_thread(render_chat, tokenizer, messages)
+            _, ids = await asyncio.to_thread(render_chat, tokenizer, messages,
+                                             state.settings.allow_special_tokens_in_content)
             requested = body.max_completion_tokens or body.max_tokens
             max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
             check_length(len(ids), max_tokens, info.max_model_len, "messages")
             num_top = (body.top_logprobs or 0) if body.logprobs else None
-            job = Job(new_id("chatcmpl"), [Prompt(ids, text)], sampling_params(body, max_tokens, num_top),
+            # A chat prompt's text is never echoed: only its ids are kept.
+            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], sampling_params(body, max_tokens, num_top),
                       state.model_name, num_top)
-            return await respond(engine, job, body, request, chat=True, reservation=reservation,
-                                 build=lambda result: chat_response(job, result, tokenizer))
+            return respond(engine, job, Reply(body.stream, body.include_usage, echo=False), request, chat=True,
+                           reservation=reservation, build=lambda result: chat_response(job, result, tokenizer))
         except BaseException:
             reservation.release()
             raise
@@ -210,32 +260,35 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-class BodyLimit:
-    """Pure ASGI middleware: 413 for a body over `limit` bytes, declared or streamed."""
+@dataclass(frozen=True)
+class Reply:
+    """How a request wants its answer: the only fields of its body kept once its job is prepared."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    stream: bool
+    include_usage: bool
+    echo: bool
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        too_large = APIError(413, f"request body larger than {self.limit} bytes")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            response = error_response(413, too_large.message)
-            return await response(scope, receive, send)
-        received = 0
 
-        async def counted_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise too_large  # handled by the app's APIError handler: it runs inside the route
-            return message
+class JSONWhenSent(Response):
+    """A JSON response whose body `produce` computes when the response is sent, not in the route, so that
+    FastAPI has dropped the parsed request before the generation. An APIError from `produce` still
+    becomes its error response (the app's handlers wrap the sending too)."""
 
-        await self.app(scope, counted_receive, send)
+    def __init__(self, produce: Callable[[], Awaitable[BaseModel]]) -> None:
+        super().__init__(media_type="application/json")
+        self.produce = produce
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self.produce()
+        await Response(body.model_dump_json(), media_type="application/json")(scope, receive, send)
+
+
+def forget_body(request: Request) -> None:
+    """Drops the body Starlette keeps on the request for the request's whole life, its bytes and its parsed
+    JSON (up to --max-body-bytes of each, often more as objects), once the route has taken what it needs
+    from it: a request waiting for a long generation would hold them to the end."""
+    for cached in ("_body", "_json"):
+        request.__dict__.pop(cached, None)
 
 
 async def held(events: AsyncIterator[str], reservation: Reservation) -> AsyncIterator[str]:

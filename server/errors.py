@@ -38,9 +38,18 @@ def sse_error(status: int, message: str) -> str:
     return f"data: {json.dumps(error_body(status, message))}\n\n"
 
 
+def _is_union_label(part: object) -> bool:
+    """Pydantic names each member of a union in an error's location (`str`, `list[TextPart]`,
+    `function-before[...]`); no field of the API is named like that."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or any(c in part for c in "[(-"))
+
+
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    first = error.errors()[0] if error.errors() else {}
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    errors = error.errors()
+    # A union reports an error per member; the one that got deepest into the value says what is wrong
+    # (a bad part of a content list, rather than "the content is not a string").
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    location = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_label(p)]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(location) or None

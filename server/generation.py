@@ -7,11 +7,18 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
-from engine.async_engine import (ENGINE_DIED, ENGINE_HUNG, ENGINE_WORKER_LOST, STEP_FAILED, AsyncLLMEngine,
-                                 EngineDeadError)
+from engine.async_engine import (
+    ENGINE_DIED,
+    ENGINE_HUNG,
+    ENGINE_WORKER_LOST,
+    STEP_FAILED,
+    AsyncLLMEngine,
+    EngineDeadError,
+)
+from engine.llm_engine import REQUEST_FAILURES
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -154,6 +161,13 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatL
     ])
 
 
+def logprobs_payload(tokenizer: Tokenizer, entries: list[TokenLogprobs], chat: bool, offset: int) -> dict:
+    """A streamed event's `logprobs` object. CPU-heavy (it detokenizes): run it off the event loop."""
+    if chat:
+        return chat_logprobs(tokenizer, entries).model_dump()
+    return completion_logprobs(tokenizer, entries, offset).model_dump()
+
+
 def request_error(delta: SampleDelta) -> APIError:
     """A sample that ended in error: the engine's failure is a 500 without details, an engine that hung or
     had already stopped is a 503; a request the engine refused (it can never fit, say) is a 400 with the
@@ -162,6 +176,8 @@ def request_error(delta: SampleDelta) -> APIError:
         return APIError(503, delta.error)
     if delta.error is None or delta.error in (ENGINE_DIED, STEP_FAILED, ENGINE_FAILED):
         return APIError(500, ENGINE_FAILED)
+    if delta.error in REQUEST_FAILURES:  # this request's own part of a step failed; the others went on
+        return APIError(500, delta.error)
     return APIError(400, delta.error)
 
 
@@ -257,10 +273,10 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
                 text = job.prompts[index // job.params.n].text + text
         logprobs = None
         if job.num_top_logprobs is not None and delta.logprobs:
-            if chat:
-                logprobs = chat_logprobs(tokenizer, delta.logprobs).model_dump()
-            else:
-                logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets.get(index, 0)).model_dump()
+            # Detokenizing each token and its alternatives is CPU work for the event loop's other streams
+            # to wait on: a worker thread does it, awaited here, so the events keep their order.
+            logprobs = await asyncio.to_thread(logprobs_payload, tokenizer, delta.logprobs, chat,
+                                               offsets.get(index, 0))
         offsets[index] = offsets.get(index, 0) + len(text)
         if delta.finished:
             num_output_tokens += delta.num_output_tokens

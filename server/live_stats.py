@@ -1,4 +1,5 @@
 """GET /stats: the server's live figures as one JSON object, for the dashboard and `ladder doctor --base-url`.
+It names no filesystem path (a client needs the model's name and shape, not where its files are).
 
 Counters are totals since start; clients take differences between two reads for rates (tokens/s).
 Latency percentiles are estimated from the Prometheus histograms' buckets, over the server's life.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import Histogram
@@ -67,12 +69,13 @@ def live_stats(state: ServerState) -> dict:
     info = engine.info
     config = info.engine_config
     body["model"] = {
-        "name": state.model_name, "path": str(info.model_path), "precision": info.precision,
+        "name": state.model_name, "precision": info.precision,
         "config": info.model_config.to_dict() if info.model_config else None,
         "max_model_len": info.max_model_len, "num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size,
         "max_num_seqs": config.max_num_seqs if config else None,
         "max_num_batched_tokens": config.max_num_batched_tokens if config else None,
-        "device": config.device if config else None, "artifact": config.artifact if config else None,
+        "device": config.device if config else None,
+        "artifact": Path(config.artifact).name if config and config.artifact else None,
     }
     s = engine.stats.snapshot()
     body["engine"] = {

@@ -35,21 +35,29 @@ def check_chars(num_chars: int, limit: int, what: str) -> None:
 
 
 def to_prompts(items: list[str | list[int]], tokenizer: Tokenizer | None, echo: bool) -> list[Prompt]:
-    """Tokenize the texts (and, for echo, detokenize the id lists). CPU-heavy: run it off the event loop."""
+    """Tokenize the texts (and, for echo, detokenize the id lists). CPU-heavy: run it off the event loop.
+    A prompt keeps its text only for echo: a request holds what it keeps until it ends."""
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(Prompt(tokenizer.encode(item), item))
+            prompts.append(Prompt(tokenizer.encode(item), item if echo else ""))
         else:
             text = tokenizer.decode(item, skip_special_tokens=False) if echo and tokenizer else ""
             prompts.append(Prompt(list(item), text))
     return prompts
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
-    """The chat template's text and its token ids. CPU-heavy: run it off the event loop."""
+def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens: bool = False
+                ) -> tuple[str, list[int]]:
+    """The chat template's text and its token ids. CPU-heavy: run it off the event loop.
+
+    Special-token text inside the messages (`<|im_end|>` typed by a user) is tokenized as plain text, so a
+    message cannot close its own turn and open a system one; the template's own markup stays special.
+    `allow_special_tokens` reads it as control tokens instead (the behaviour of encoding the whole text)."""
     try:
-        text = tokenizer.apply_chat_template(messages)
+        if allow_special_tokens:
+            text = tokenizer.apply_chat_template(messages)
+            return text, tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode_chat(messages)
     except ValueError as error:
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)

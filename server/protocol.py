@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Strict,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from engine.sampling_params import MAX_LOGPROBS
 
@@ -14,9 +24,33 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # the stream holds back this much text, and scans it for every stop string each token
 MAX_MESSAGES = 1024
-MAX_CONTENT_PARTS = 1024
+MAX_CONTENT_PARTS = 1024  # in one message
+# In all of a request's messages: each part is a Python object while the body is parsed, so the per-message
+# bound alone would let a 4 MiB body of empty parts become 155,000 objects.
+MAX_TOTAL_CONTENT_PARTS = 2048
 MAX_TOKEN_ID = 2**31 - 1
 
+
+def _valid_unicode(value: object) -> object:
+    """Refuses a string holding a lone surrogate (JSON's `"\\ud800"` escape decodes to one): it has no
+    UTF-8 form, so tokenizing it, logging it or echoing it back would fail. ASCII, the usual case, is
+    known valid at once; other text is encoded once, which is faster than scanning it for surrogates."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"contains a lone surrogate (U+{ord(value[error.start]):04X}) at character "
+                             f"{error.start}; text must be valid Unicode") from None
+    return value
+
+
+# Every string of a request is checked first, before pydantic's own checks, which refuse such a string with a
+# less helpful message when the field has a length bound and pass it on when it has none. The bounds go
+# before the check (a bound after it would lose its string-specific message).
+CHECK_UNICODE = BeforeValidator(_valid_unicode)
+Text = Annotated[str, CHECK_UNICODE]
+NonEmptyText = Annotated[str, Field(min_length=1), CHECK_UNICODE]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), CHECK_UNICODE]
 
 # Numbers and booleans are strict: lax validation would read `"top_p": true` as 1.0 and `"n": 2.0` as 2,
 # accepting what the schema says is invalid.
@@ -30,15 +64,16 @@ class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI's API does, so newer clients keep working.
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
     min_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
-    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
+    stop: StopText | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), CHECK_UNICODE]],
+        Field(max_length=MAX_STOP_STRINGS)
     ] | None = None
     seed: Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1)] | None = None
     presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
@@ -48,7 +83,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Annotated[bool, Strict()] = False
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -85,12 +120,7 @@ def _prompt_shape(value) -> str:
 class CompletionRequest(_Request):
     # The shape is read off the value, so only one form is validated: trying each form in turn would collect
     # an error per element of every form that fails, a long stall of the event loop for a large id list.
-    prompt: Annotated[Union[
-        Annotated[Annotated[str, Field(min_length=1)], Tag("text")],
-        Annotated[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)], Tag("texts")],
-        Annotated[TokenIds, Tag("ids")],
-        Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag("id_lists")],
-    ], Discriminator(_prompt_shape)]
+    prompt: Annotated[Annotated[NonEmptyText, Tag("text")] | Annotated[Annotated[list[NonEmptyText], Field(min_length=1)], Tag("texts")] | Annotated[TokenIds, Tag("ids")] | Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag("id_lists")], Discriminator(_prompt_shape)]
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[bool, Strict()] = False
 
@@ -110,15 +140,15 @@ class CompletionRequest(_Request):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
+    name: Text | None = None
 
     @property
     def text(self) -> str:
@@ -130,6 +160,18 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     logprobs: Annotated[bool, Strict()] = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bound_content_parts(cls, value):
+        """Counts the parts on the parsed JSON, before any is built as an object. Past MAX_MESSAGES the
+        list's own bound refuses it."""
+        if isinstance(value, list) and len(value) <= MAX_MESSAGES:
+            num_parts = sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if num_parts > MAX_TOTAL_CONTENT_PARTS:
+                raise ValueError(f"{num_parts} content parts in all; this server takes at most "
+                                 f"{MAX_TOTAL_CONTENT_PARTS} per request")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):

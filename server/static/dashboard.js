@@ -1,6 +1,6 @@
 // The dashboard: a streaming chat over /v1/chat/completions and live panels from GET /stats.
 // Plain browser JavaScript, no dependencies. The API key lives in the key field only: it is sent as a
-// bearer token with each chat request and never written anywhere.
+// bearer token with each chat request and each /stats read, and never written anywhere.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -27,11 +27,14 @@ function addMessage(role, text) {
   return body;
 }
 
-function headers() {
-  const result = { "Content-Type": "application/json" };
+// The key as a bearer token, for the chat and for /stats (which needs it when the server protects its metrics).
+function authorization() {
   const key = $("api-key").value.trim();
-  if (key) result.Authorization = `Bearer ${key}`;
-  return result;
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+function headers() {
+  return { "Content-Type": "application/json", ...authorization() };
 }
 
 async function errorText(response) {
@@ -215,7 +218,12 @@ function render(stats) {
 
 async function poll() {
   try {
-    const response = await fetch("/stats", { cache: "no-store" });
+    const response = await fetch("/stats", { cache: "no-store", headers: authorization() });
+    if (response.status === 401) { // the server protects its figures: the key field unlocks them
+      $("status").textContent = "enter the API key to see the server's figures";
+      $("status").className = "status down";
+      return;
+    }
     if (!response.ok) throw new Error(await errorText(response));
     render(await response.json());
   } catch (error) {

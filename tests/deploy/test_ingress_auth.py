@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'ladder[ray]')")
 
 from deploy import prefix_key
-from deploy.ingress import PUBLIC_PATHS, LadderIngress, ingress_asgi_app, is_public
+from deploy.ingress import LadderIngress, ingress_asgi_app
 from deploy.prefix_key import MAX_PARSE_BYTES, MAX_TEXT_CHARS, block_hashes, request_prefix
 from deploy.ray_app import RayAppConfig, build_app, with_api_key_from_env
 
@@ -108,30 +108,38 @@ def test_public_pages_and_probes_need_no_key_and_no_key_means_no_check():
     replicas = FakeReplicas()
     ingress = LadderIngress(replicas, api_key=KEY)
     assert call(ingress, "GET", "/health", {}) == (200, {"status": "ok"})  # answered by the ingress itself
-    for path in ("/ready", "/", "/stats", "/static/dashboard.js", "/openapi.json"):
+    for path in ("/ready", "/", "/static/dashboard.js", "/openapi.json"):
         assert call(ingress, "GET", path, {})[0] == 200, path
-    assert len(replicas.forwarded) == 5
+    assert len(replicas.forwarded) == 4
+    for path in ("/stats", "/metrics"):  # exact prefix-hit counts: behind the key, as `ladder serve` has them
+        assert call(ingress, "GET", path, {})[0] == 401, path
     open_ingress = LadderIngress(replicas)  # no key: everything goes on, as `ladder serve` without --api-key
     assert call(open_ingress, "POST", "/v1/completions", {}) == (200, {"ok": True})
 
 
-def test_the_public_list_is_what_the_server_answers_without_its_key():
-    """Every route of `ladder serve`'s app: the ingress asks for the key exactly where the server does."""
-    from fastapi.routing import APIRoute
+def test_the_server_asks_for_the_key_exactly_where_the_shared_list_says():
+    """Every route of `ladder serve`'s app, with a key and no token: 401 where server/access.py says the key
+    is needed (the list the ingress uses too), an answer other than 401 everywhere else."""
+    from fastapi.testclient import TestClient
 
+    from server.access import PUBLIC_PATHS, is_public
     from server.app import ServerSettings, ServerState, create_app
 
-    seen = set()
-    for route in create_app(ServerState(ServerSettings(api_key=KEY))).routes:
-        guarded = isinstance(route, APIRoute) and any(
-            dependency.call.__name__ == "authorize" for dependency in route.dependant.dependencies)
-        path = route.path.replace("{name}", "dashboard.js")
-        for method in route.methods:
-            assert is_public(method, path) is not guarded, (method, route.path)
-        seen.add(path)
-    assert PUBLIC_PATHS <= seen  # nothing listed that the server no longer has
-    assert not is_public("POST", "/health") and not is_public("GET", "/v1/models")
-    assert not is_public("GET", "/static") and not is_public("GET", "/unknown")
+    for protect in (True, False):
+        app = create_app(ServerState(ServerSettings(api_key=KEY, protect_metrics=protect)))
+        seen = set()
+        with TestClient(app) as client:
+            for route in app.routes:
+                path = route.path.replace("{name}", "dashboard.js")
+                for method in route.methods - {"HEAD"}:
+                    status = client.request(method, path).status_code
+                    assert (status == 401) is not is_public(method, path, metrics_need_key=protect), (method, path)
+                seen.add(path)
+            assert client.post("/v1/completions", content=b"{not json").status_code == 401  # before parsing
+            assert client.get("/unknown").status_code == 401
+        assert PUBLIC_PATHS <= seen  # nothing listed that the server no longer has
+    assert not is_public("POST", "/health", True) and not is_public("GET", "/v1/models", False)
+    assert not is_public("GET", "/static", False) and not is_public("GET", "/metrics", True)
 
 
 def test_an_empty_key_is_refused_and_the_key_reaches_ingress_and_replicas():
@@ -196,4 +204,4 @@ def test_serve_ray_refuses_an_empty_key_in_one_line_before_starting_ray(tiny_dir
 
     monkeypatch.setenv("LADDER_API_KEY", "")  # set, but to nothing: not a way to serve without a key
     assert main(["serve", "--ray", "--model", str(tiny_dir)]) == 1
-    assert "api_key is empty" in capsys.readouterr().err
+    assert "API key is empty" in capsys.readouterr().err

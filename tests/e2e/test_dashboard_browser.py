@@ -88,6 +88,7 @@ def test_the_chat_box_streams_the_answer_and_asks_for_the_key(page):
 
 
 def test_the_tokens_per_second_panel_moves_under_load(page, server, tmp_path):
+    page.fill("#api-key", API_KEY)  # a server with a key protects /stats, which the panels read
     page.wait_for_function("document.getElementById('status').textContent === 'ready'")
     page.wait_for_function("document.getElementById('tokens-per-s').textContent !== '–'")  # two polls in
     idle = float(page.inner_text("#tokens-per-s"))

@@ -182,8 +182,12 @@ def test_auth_model_size_and_open_endpoints(server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     big = post(server, "/v1/completions", {"prompt": "x" * 100_000})
     assert big.status_code == 413
-    for path in ("/health", "/ready", "/metrics"):
+    for path in ("/health", "/ready"):
         assert httpx.get(server.url + path, timeout=10).status_code == 200
+    # With a key, the metrics need it too (by default): they count prefix-cache hits exactly.
+    for path in ("/metrics", "/stats"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 401
+        assert httpx.get(server.url + path, headers={"authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
 
 
 def test_disconnect_frees_blocks(server):

@@ -27,10 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
-    """(status, body) of a GET; an HTTP error status is returned, not raised."""
+def http_get(url: str, timeout: float = 10.0, api_key: str | None = None) -> tuple[int, bytes]:
+    """(status, body) of a GET, with `api_key` as a bearer token if given; an HTTP error status is
+    returned, not raised."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with _OPENER.open(url, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
@@ -106,13 +108,15 @@ class LadderServer(ServerProcess):
 
     def __init__(self, *args: str, log: Path | None = None, timeout: float = 120.0) -> None:
         port = free_port()
+        # With a key the server protects /metrics by default: `metrics` sends it.
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         env = {k: v for k, v in os.environ.items() if k != "LADDER_API_KEY"}
         super().__init__([sys.executable, "-m", "ladder.cli", "serve", "--port", str(port), *args], port=port,
                          ready_path="/ready", log=log, timeout=timeout, env=env)
 
     def metrics(self) -> dict[str, float]:
         """The Prometheus samples of /metrics by their full name (labels included)."""
-        status, body = http_get(self.url + "/metrics", timeout=5)
+        status, body = http_get(self.url + "/metrics", timeout=5, api_key=self.api_key)
         assert status == 200, status
         values = {}
         for line in body.decode().splitlines():
