@@ -1,7 +1,10 @@
 """The batched sampler against the full-sort sampler it replaced, in one run.
 
     .venv/bin/python benchmarks/sampler_bench.py [--batches 1,8,32] [--vocab 49152] [--reps 15] [--threads T]
-                                                 [--out benchmarks/results/sampler.json]
+                                                 [--against REV] [--out benchmarks/results/sampler.json]
+
+--against REV also times engine/sampler.py as it was at git revision REV, in the same run and on the same
+logits (its tokens must match too): what a change to the sampler costs.
 
 Logits are Gaussian with a spread of 2.8, which at temperature 0.7 gives a next-token entropy near three
 nats, as a chat model's typically is; "flat" rows (spread 0.3) put the top-p nucleus at thousands of
@@ -14,7 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
+import types
 
 import torch
 
@@ -40,43 +46,64 @@ def timed(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> tu
     return time.perf_counter() - start, out.token_ids
 
 
+def sampler_at(revision: str) -> type[Sampler]:
+    """The Sampler class of engine/sampler.py at a git revision, loaded beside the working tree's."""
+    source = subprocess.run(["git", "show", f"{revision}:engine/sampler.py"], check=True, capture_output=True,
+                            text=True).stdout
+    name = f"sampler_at_{revision.replace('~', '_').replace('^', '_')}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, f"{revision}:engine/sampler.py", "exec"), module.__dict__)
+    return module.Sampler
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--vocab", type=int, default=49_152)
     parser.add_argument("--reps", type=int, default=15, help="timed calls per sampler and case")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument("--against", default=None, metavar="REV", help="also time the sampler at this git revision")
     parser.add_argument("--out", default="benchmarks/results/sampler.json")
     args = parser.parse_args()
+    earlier = sampler_at(args.against) if args.against else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
     gen = torch.Generator().manual_seed(0)
     rows = []
     header = f"{'batch':>5} {'scenario':<30} | {'full sort ms':>12} {'ours ms':>8} | {'speed-up':>8}"
+    if earlier is not None:
+        header += f" | {args.against + ' ms':>14} {'ours / it':>9}"
     print(f"threads {torch.get_num_threads()}, vocab {args.vocab}, load average {os.getloadavg()[0]:.2f}")
     print(header)
     print("-" * len(header))
     for batch in [int(v) for v in args.batches.split(",")]:
         for name, (params, spread) in SCENARIOS.items():
             requests = [Request(f"r{i}", [0], SamplingParams(**params, seed=i)) for i in range(batch)]
-            ours, reference = Sampler(), FullSortSampler()
-            times: dict[str, list[float]] = {"full_sort": [], "ours": []}
+            samplers = {"full_sort": FullSortSampler(), "ours": Sampler()}
+            if earlier is not None:
+                samplers["earlier"] = earlier()
+            times: dict[str, list[float]] = {k: [] for k in samplers}
             for rep in range(args.reps + 2):
                 logits = torch.randn(batch, args.vocab, generator=gen) * spread
-                t_ref, tokens_ref = timed(reference, logits, requests)
-                t_ours, tokens_ours = timed(ours, logits, requests)
-                if tokens_ours != tokens_ref:
-                    raise SystemExit(f"{name}, batch {batch}: tokens differ: {tokens_ours} vs {tokens_ref}")
-                if rep >= 2:  # two warm-up calls
-                    times["full_sort"].append(t_ref)
-                    times["ours"].append(t_ours)
+                tokens = {}
+                for key, sampler in samplers.items():
+                    seconds, tokens[key] = timed(sampler, logits, requests)
+                    if rep >= 2:  # two warm-up calls
+                        times[key].append(seconds)
+                for key, got in tokens.items():
+                    if got != tokens["full_sort"]:
+                        raise SystemExit(f"{name}, batch {batch}: {key}'s tokens differ: {got} vs {tokens['full_sort']}")
             medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             speedup = medians["full_sort"] / medians["ours"]
             rows.append({"batch": batch, "scenario": name, "params": params, "logit_spread": spread,
                          "median_ms": medians, "speedup": speedup, "load_average_1min": os.getloadavg()[0]})
-            print(f"{batch:>5} {name:<30} | {medians['full_sort']:>12.2f} {medians['ours']:>8.2f} | {speedup:>8.2f}")
-    write_report(args.out, rows, vocab=args.vocab, reps=args.reps)
+            line = f"{batch:>5} {name:<30} | {medians['full_sort']:>12.2f} {medians['ours']:>8.2f} | {speedup:>8.2f}"
+            if earlier is not None:
+                line += f" | {medians['earlier']:>14.3f} {medians['ours'] / medians['earlier']:>9.2f}"
+            print(line)
+    write_report(args.out, rows, vocab=args.vocab, reps=args.reps, against=args.against)
 
 
 if __name__ == "__main__":

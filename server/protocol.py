@@ -120,7 +120,13 @@ def _prompt_shape(value) -> str:
 class CompletionRequest(_Request):
     # The shape is read off the value, so only one form is validated: trying each form in turn would collect
     # an error per element of every form that fails, a long stall of the event loop for a large id list.
-    prompt: Annotated[Annotated[NonEmptyText, Tag("text")] | Annotated[Annotated[list[NonEmptyText], Field(min_length=1)], Tag("texts")] | Annotated[TokenIds, Tag("ids")] | Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag("id_lists")], Discriminator(_prompt_shape)]
+    prompt: Annotated[
+        Annotated[NonEmptyText, Tag("text")]
+        | Annotated[Annotated[list[NonEmptyText], Field(min_length=1)], Tag("texts")]
+        | Annotated[TokenIds, Tag("ids")]
+        | Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag("id_lists")],
+        Discriminator(_prompt_shape),
+    ]
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[bool, Strict()] = False
 
@@ -167,7 +173,8 @@ class ChatCompletionRequest(_Request):
         """Counts the parts on the parsed JSON, before any is built as an object. Past MAX_MESSAGES the
         list's own bound refuses it."""
         if isinstance(value, list) and len(value) <= MAX_MESSAGES:
-            num_parts = sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), list))
+            num_parts = sum(len(m["content"]) for m in value
+                            if isinstance(m, dict) and isinstance(m.get("content"), list))
             if num_parts > MAX_TOTAL_CONTENT_PARTS:
                 raise ValueError(f"{num_parts} content parts in all; this server takes at most "
                                  f"{MAX_TOTAL_CONTENT_PARTS} per request")
