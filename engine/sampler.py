@@ -78,24 +78,11 @@ class Sampler:
         # Every row draws first, greedy ones too, so each generator's stream does not depend on the batch,
         # and a row sampled again alone (below) uses the number it drew here.
         uniform = torch.stack([self._uniform(r) for r in requests]).to(logits.device)  # [B]
-        # A NaN anywhere in a row makes its sum NaN: one cheap pass (0.2 ms at 32 x 49,152) finds the rows
-        # the model failed; an infinite logit is clamped like the ones penalties make.
-        broken = [i for i in (~logits.sum(dim=-1).isfinite()).nonzero()[:, 0].tolist() if logits[i].isnan().any()]
-        if broken:
-            logits = logits.clone()
-            logits[broken] = 0.0
         try:
-            out = self._sample(logits, requests, uniform)
+            return self._sample(logits, requests, uniform)
         except Exception:
             log.exception("sampling a batch of %d rows failed; sampling each row alone", len(requests))
-            out = self._sample_alone(logits, requests, uniform)
-        if broken:
-            errors = out.errors or [None] * len(requests)
-            for i in broken:
-                errors[i] = NON_FINITE_LOGITS
-            out = SamplerOutput(out.token_ids, [None if i in broken else lp for i, lp in enumerate(out.logprobs)],
-                                errors)
-        return out
+            return self._sample_alone(logits, requests, uniform)
 
     def _sample_alone(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor) -> SamplerOutput:
         token_ids: list[int] = []
@@ -106,7 +93,7 @@ class Sampler:
                 one = self._sample(logits[i:i + 1], [request], uniform[i:i + 1])
                 token_ids.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
-                errors.append(None)
+                errors.append(one.error(0))
             except Exception:
                 log.exception("sampling request %s failed; it ends with an error", request.request_id)
                 token_ids.append(0)
@@ -133,8 +120,15 @@ class Sampler:
         if suppress:
             self._suppress_stop_tokens(logits, requests)
         if all_greedy:  # no filter changes an argmax
-            token_ids = argmax_rows(logits).tolist()
-            return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
+            chosen = argmax_rows(logits)
+            # argmax takes a NaN for the maximum: a row the model failed shows in its chosen value, free.
+            broken = logits.gather(1, chosen[:, None])[:, 0].isnan().nonzero()[:, 0].tolist()
+            return finish(raw_logits, chosen.tolist(), params, broken)
+        # A row with a NaN (the model's, kept by the edits above) is its request's failure; its maximum shows
+        # it in one pass (the clamp above just read the row, so it is in cache).
+        broken = logits.amax(dim=-1).isnan().nonzero()[:, 0].tolist()
+        if broken:
+            logits[broken] = 0.0  # so the rest of the batch samples as usual
         # Filters run on the sampled rows that use them (a greedy row's argmax survives every filter).
         vocab = logits.shape[1]
         top_k_rows = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k < vocab]
@@ -153,8 +147,7 @@ class Sampler:
         if any(p.is_greedy for p in params):
             greedy = torch.tensor([p.is_greedy for p in params], device=device)
             sampled = torch.where(greedy, argmax_rows(logits), sampled)
-        token_ids = sampled.tolist()
-        return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, [p.logprobs for p in params]))
+        return finish(raw_logits, sampled.tolist(), params, broken)
 
     def _uniform(self, request: Request) -> torch.Tensor:
         seed = request.params.seed
@@ -176,6 +169,13 @@ class Sampler:
                     stops |= request.eos_token_ids
                 if stops:
                     logits[row, list(stops)] = float("-inf")
+
+
+def finish(raw_logits: torch.Tensor, token_ids: list[int], params: list, broken: list[int]) -> SamplerOutput:
+    """The step's output: tokens and logprobs, and NON_FINITE_LOGITS for the `broken` rows."""
+    num_top = [None if i in broken else p.logprobs for i, p in enumerate(params)]
+    errors = [NON_FINITE_LOGITS if i in broken else None for i in range(len(params))] if broken else []
+    return SamplerOutput(token_ids, compute_logprobs(raw_logits, token_ids, num_top), errors)
 
 
 def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -133,12 +134,16 @@ def test_a_row_that_fails_alone_ends_alone():
     assert out.logprobs[2] == solo[1].logprobs[0]
 
 
-def test_a_row_of_nan_logits_is_its_requests_failure():
-    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("temperature", [0.0, 0.8])  # the greedy fast path and the sampled path
+def test_a_row_of_nan_logits_is_its_requests_failure(temperature):
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
     logits[1, 17] = float("nan")
     logits[2, 4] = float("inf")  # infinite but not NaN: clamped and sampled
-    requests = [make_request(i, SamplingParams(temperature=0.0, logprobs=1), [1], []) for i in range(3)]
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=temperature, logprobs=1),
+              SamplingParams(temperature=temperature, seed=1, logprobs=1), SamplingParams(temperature=0.0)]
+    requests = [make_request(i, p, [1], []) for i, p in enumerate(params)]
     out = Sampler()(logits, requests)
-    assert out.errors == [None, NON_FINITE_LOGITS, None]
+    assert out.errors == [None, NON_FINITE_LOGITS, None, None]
     assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[2] == 4
+    assert out.token_ids[3] == int(logits[3].argmax())
     assert out.logprobs[1] is None and math.isfinite(out.logprobs[2].logprob)
