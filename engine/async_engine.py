@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.guide import GuideCompiler
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class EngineInfo:
     model_config: ModelConfig | None = None
     engine_config: EngineConfig | None = None
     precision: str | None = None  # the artifact's precision, or the eager weights' dtype (fp32, bf16, fp16)
+    # Compiles structured-output guides (thread-safe, cached; None without a tokenizer): the server compiles
+    # a request's guide off its event loop to refuse a bad one, and the engine finds it in the cache.
+    guides: GuideCompiler | None = None
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -105,7 +109,7 @@ class AsyncLLMEngine:
         self.info = EngineInfo(engine.model.name, engine.model.path, engine.tokenizer, engine.model.config.vocab_size,
                                engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size,
                                model_config=engine.model.config, engine_config=engine.config,
-                               precision=weight_precision(engine))
+                               precision=weight_precision(engine), guides=engine.guides)
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         self.commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         # request id -> (the caller's loop, its queue, n)

@@ -13,6 +13,8 @@ import time
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
+from engine.guide import GuideCompiler
+from engine.guide_masks import GUIDE_FAILED, GuideMasker
 from engine.model_runner import ModelInputs, ModelRunner
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 # The errors a request ends with when its own part of a step fails; the other requests of the step go on.
 PREPARE_FAILED = "building this request's step inputs failed"
 OUTPUT_FAILED = "turning this request's next token into text failed"
-REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED})
+REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED, GUIDE_FAILED})
 
 
 class LLMEngine:
@@ -72,6 +74,9 @@ class LLMEngine:
         self.runner = ModelRunner(module, num_blocks)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
+        vocab = self.model.config.vocab_size
+        self.guides = GuideCompiler(self.tokenizer, vocab) if self.tokenizer is not None else None
+        self.masker = GuideMasker(vocab)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples
         self.streams: dict[Request, TextStream] = {}
@@ -90,13 +95,21 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not all(0 <= t < vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        compiled = None
+        if params.guide is not None:
+            if self.guides is None:
+                raise ValueError("this model has no tokenizer, so its output cannot follow a grammar")
+            compiled = self.guides.compile(params.guide)  # cached: the server compiled it already
         streams = {}
         samples: list[Request] = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             sample = Request(f"{request_id}#{index}", list(prompt_token_ids), params.replace(seed=seed, n=1),
                              self.eos_token_ids, leader=samples[0] if samples else None,
-                             parent_id=request_id, index=index)
+                             parent_id=request_id, index=index,
+                             matcher=compiled.matcher() if compiled is not None else None)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples
@@ -119,6 +132,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the model's workers, if any; the engine runs no more steps after."""
+        self.masker.close()
         self.runner.module.close()
 
     # -- the step ------------------------------------------------------------------------------
@@ -135,9 +149,12 @@ class LLMEngine:
         inputs = self._prepare(batch) if not batch.is_empty else None
         if inputs is not None:
             prepared_at = time.perf_counter()
+            # The guided rows' masks are computed while the model runs (engine/guide_masks.py).
+            pending_masks = self.masker.start([r.matcher for r in inputs.sample_requests])
             logits = self.runner.forward(inputs)
             forward_at = time.perf_counter()
-            sampled = self.sampler(logits, inputs.sample_requests) if inputs.sample_requests else None
+            masks = pending_masks.result() if pending_masks is not None else None
+            sampled = self.sampler(logits, inputs.sample_requests, masks) if inputs.sample_requests else None
             sampled_at = time.perf_counter()
             self.stats.record_step(batch, len(inputs.sample_requests), scheduled_at - started,
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
@@ -145,7 +162,7 @@ class LLMEngine:
             self.scheduler.finish_step(batch)
             if sampled is not None:
                 for i, request in enumerate(inputs.sample_requests):
-                    error = sampled.error(i)
+                    error = sampled.error(i) or (masks.errors.get(i) if masks is not None else None)
                     if error is None:
                         try:
                             deltas.extend(self._append_token(request, sampled.token_ids[i], sampled.logprobs[i]))
@@ -189,7 +206,12 @@ class LLMEngine:
         text = stream.push(token_id)
         params = request.params
         reason = None
-        if stream.stopped:
+        guide_done = False
+        if request.matcher is not None:
+            if not request.matcher.consume_token(token_id):
+                raise RuntimeError(f"the guide refused token {token_id}: {request.matcher.get_error()}")
+            guide_done = request.matcher.is_stopped()  # complete: nothing but a stop token could follow
+        if stream.stopped or guide_done:
             reason = FinishReason.STOP
         elif token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
             reason = FinishReason.STOP

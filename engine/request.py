@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -67,6 +68,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # A guided sample's llguidance matcher (engine/guide.py): which tokens may come next, advanced by each
+    # token appended. Kept through preemption: the output tokens it has seen are kept too.
+    matcher: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

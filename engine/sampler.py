@@ -18,7 +18,9 @@ token id in range and finite logprobs. The arithmetic that makes it so:
   penalty of 1e-300 is 0 in float32, and a positive logit divided by it is +inf) is clamped to the
   largest finite float, so the softmax (which subtracts the row's maximum) never sees inf - inf. Tokens
   pushed to the same bound share the top of the distribution, the limit of what the penalty asks.
-- Stop tokens forbidden before `min_tokens` are set to -inf after that clamp, so no clamp revives them.
+- A logit bias is added first; stop tokens forbidden before `min_tokens` and the tokens a guided row's
+  grammar forbids are set to -inf after that clamp, so no clamp revives them. A grammar that allows only
+  stop tokens wins over `min_tokens` (the row would have no token left otherwise).
 - Top-p always keeps the most likely token (a nucleus of 1e-50 is the argmax, not an empty set), top-k
   keeps at least one, min-p at most 1 keeps the maximum.
 - The draw lands strictly below the row's total mass, so it never falls on a zero-mass tail token.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.guide_masks import StepMasks
 from engine.request import Request, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -73,24 +76,26 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits [B, V] float32, one row per request, in order."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request], masks: StepMasks | None = None) -> SamplerOutput:
+        """logits [B, V] float32, one row per request, in order; `masks` the allowed tokens of the guided
+        rows (engine/guide_masks.py)."""
         # Every row draws first, greedy ones too, so each generator's stream does not depend on the batch,
         # and a row sampled again alone (below) uses the number it drew here.
         uniform = torch.stack([self._uniform(r) for r in requests]).to(logits.device)  # [B]
         try:
-            return self._sample(logits, requests, uniform)
+            return self._sample(logits, requests, uniform, masks)
         except Exception:
             log.exception("sampling a batch of %d rows failed; sampling each row alone", len(requests))
-            return self._sample_alone(logits, requests, uniform)
+            return self._sample_alone(logits, requests, uniform, masks)
 
-    def _sample_alone(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor) -> SamplerOutput:
+    def _sample_alone(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor,
+                      masks: StepMasks | None) -> SamplerOutput:
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         errors: list[str | None] = []
         for i, request in enumerate(requests):
             try:
-                one = self._sample(logits[i:i + 1], [request], uniform[i:i + 1])
+                one = self._sample(logits[i:i + 1], [request], uniform[i:i + 1], row_masks(masks, i))
                 token_ids.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
                 errors.append(one.error(0))
@@ -101,24 +106,33 @@ class Sampler:
                 errors.append(SAMPLING_FAILED)
         return SamplerOutput(token_ids, logprobs, errors)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor,
+                masks: StepMasks | None = None) -> SamplerOutput:
         raw_logits = logits
         device = logits.device
         params = [r.params for r in requests]
         all_greedy = all(p.is_greedy for p in params)
         suppress = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
         penalties = any(p.has_penalties for p in params)
-        if suppress or penalties or not all_greedy:  # edited in place below; a plain argmax reads it as is
+        biased = any(p.logit_bias for p in params)
+        if suppress or penalties or biased or masks is not None or not all_greedy:
+            # Edited in place below; a plain argmax reads it as is.
             logits = logits.clone()  # [B, V]: 6 MB at batch 32 of a 49K vocabulary, a millisecond to copy
+        if biased:
+            apply_logit_bias(logits, params)
         if penalties:
             apply_penalties(logits, requests)
         if not all_greedy:
             temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
             logits.div_(temperature[:, None])
-        if penalties or not all_greedy:
+        if penalties or biased or not all_greedy:
             logits.clamp_(-FLOAT32_MAX, FLOAT32_MAX)  # +-inf from the edits above; see the module's notes
+        if masks is not None:
+            unsuppressed = logits[masks.rows] if suppress else None  # [R, V]
         if suppress:
             self._suppress_stop_tokens(logits, requests)
+        if masks is not None:
+            apply_masks_(logits, masks, unsuppressed)
         if all_greedy:  # no filter changes an argmax
             chosen = argmax_rows(logits)
             # argmax takes a NaN for the maximum: a row the model failed shows in its chosen value, free.
@@ -169,6 +183,35 @@ class Sampler:
                     stops |= request.eos_token_ids
                 if stops:
                     logits[row, list(stops)] = float("-inf")
+
+
+def row_masks(masks: StepMasks | None, row: int) -> StepMasks | None:
+    """The masks of one row sampled alone (as row 0), or None if it is not guided."""
+    if masks is None or row not in masks.rows:
+        return None
+    j = masks.rows.index(row)
+    return StepMasks([0], masks.allowed[j:j + 1])
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list) -> None:
+    """In place on logits [B, V]: each row's (token id, bias) pairs added."""
+    rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+    ids = [token for p in params for token, _ in p.logit_bias]
+    bias = torch.tensor([b for p in params for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+    logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)), bias,
+                      accumulate=True)
+
+
+def apply_masks_(logits: torch.Tensor, masks: StepMasks, unsuppressed: torch.Tensor | None) -> None:
+    """In place on logits [B, V]: a guided row's forbidden tokens at -inf. `unsuppressed` [R, V]: the guided
+    rows before min_tokens took their stop tokens away, for a row whose grammar allows nothing else."""
+    forbidden = ~masks.allowed.to(logits.device)  # [R, V]
+    sub = logits[masks.rows].masked_fill_(forbidden, float("-inf"))
+    if unsuppressed is not None:
+        empty = sub.isneginf().all(dim=1).nonzero()[:, 0]
+        if len(empty):
+            sub[empty] = unsuppressed[empty].masked_fill_(forbidden[empty], float("-inf"))
+    logits[masks.rows] = sub
 
 
 def finish(raw_logits: torch.Tensor, token_ids: list[int], params: list, broken: list[int]) -> SamplerOutput:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.guide import Guide
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW = 1e-5
 
 
@@ -15,7 +19,10 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
     Penalties follow the OpenAI API (presence, frequency: over generated tokens) and the CTRL paper
-    (repetition: over prompt and generated tokens; 1 disables it).
+    (repetition: over prompt and generated tokens; 1 disables it). `logit_bias` adds to a token's logit
+    before everything else (OpenAI's -100 bans a token, +100 all but forces it); `guide` constrains the
+    output to a JSON schema, regex, choice or grammar (engine/guide.py), and the request stops when it is
+    complete.
     """
 
     n: int = 1
@@ -34,12 +41,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k best tokens'
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; a mapping is accepted
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -59,6 +70,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
+             f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must not be negative"),
         ]
         for ok, message in checks:
             if not ok:

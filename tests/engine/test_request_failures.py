@@ -73,10 +73,10 @@ def test_a_row_whose_sampling_raises_ends_alone(loaded, solo, monkeypatch):
     engine = make_engine(loaded)
     real = engine.sampler._sample
 
-    def fails_for_request_2(logits, requests, uniform):
+    def fails_for_request_2(logits, requests, uniform, masks=None):
         if any(r.parent_id == "2" for r in requests):
             raise RuntimeError("injected sampling fault")
-        return real(logits, requests, uniform)
+        return real(logits, requests, uniform, masks)
 
     monkeypatch.setattr(engine.sampler, "_sample", fails_for_request_2)
     results = run(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})

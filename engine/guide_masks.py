@@ -1,0 +1,62 @@
+"""The token masks of a step's guided rows, computed beside the forward pass.
+
+Before the forward pass starts, the engine hands the rows to sample that carry a matcher to `GuideMasker`,
+which computes their masks on a worker thread (llguidance's mask code runs without the GIL, and the forward
+pass spends most of its time in torch ops that release it too); the sampler waits for them only after the
+forward pass. A mask is computed from the tokens already chosen, so it depends on nothing the forward
+pass produces.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import llguidance
+import torch
+
+GUIDE_FAILED = "the output constraint of this request failed"
+
+
+@dataclass(frozen=True)
+class StepMasks:
+    """rows: the step's sample rows (ascending) that are guided; allowed [len(rows), V] bool, True where the
+    token may come next; errors: row -> why its matcher failed (that request ends with an error)."""
+
+    rows: list[int]
+    allowed: torch.Tensor
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class GuideMasker:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # llguidance writes 32 tokens per int32 word
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladder-guide")
+        # One Rust thread per row is wasted on a small batch; two suit the 2-core hosts this serves on and
+        # larger machines keep one core for it beside the model's.
+        self._executor = llguidance.LLExecutor(num_threads=2)
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def start(self, matchers: list[llguidance.LLMatcher | None]) -> Future[StepMasks] | None:
+        """Start computing the masks of the rows whose matcher is not None; None when no row is guided."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        return self._pool.submit(self._compute, rows, [matchers[i] for i in rows])
+
+    def _compute(self, rows: list[int], matchers: list[llguidance.LLMatcher]) -> StepMasks:
+        bitmask = torch.zeros(len(rows), self.words, dtype=torch.int32)  # [R, W], bit j of word w: token 32w + j
+        self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               self.words * 4, len(rows))
+        allowed = ((bitmask[:, :, None] >> self._bits) & 1).bool().reshape(len(rows), -1)[:, :self.vocab_size]
+        errors = {}
+        for j, m in enumerate(matchers):
+            # A matcher in error (it never should be: tokens come from its own masks) allows nothing.
+            if m.is_error() or not allowed[j].any():
+                errors[rows[j]] = GUIDE_FAILED
+                allowed[j] = True  # so the row samples like the others; its request ends with the error
+        return StepMasks(rows, allowed, errors)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
