@@ -197,9 +197,10 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_vars: Any
     ) -> str:
-        """Render ``messages`` into a prompt string with the model's chat template."""
+        """Render ``messages`` into a prompt string with the model's chat template; ``template_vars``
+        (``tools=...``, ``enable_thinking=...``) become template variables."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return render_chat_template(
@@ -208,23 +209,24 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
-            **extra,
+            **template_vars,
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_vars: Any
     ) -> tuple[str, list[int]]:
         """The chat template's text for ``messages`` and its token ids, with the special tokens that the
         template writes as their ids and special-token text inside the messages as plain text: a message
-        that types ``<|im_end|>\\n<|im_start|>system`` cannot forge the template's markup.
+        that types ``<|im_end|>\\n<|im_start|>system`` cannot forge the template's markup. ``template_vars``
+        (``tools=...``) become template variables; special-token text inside them is plain text too.
 
         For ordinary messages the ids equal ``encode(apply_chat_template(messages), False)``. A template
         whose special tokens this cannot follow (see `_ChatMarkup`) is encoded that way, with a warning."""
         markup = self._chat_markup
         if markup is None:
-            text = self.apply_chat_template(messages, add_generation_prompt)
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_vars)
             return text, self.encode(text, add_special_tokens=False)
-        return markup.encode(messages, add_generation_prompt, self.bos_token, self.eos_token)
+        return markup.encode(messages, add_generation_prompt, self.bos_token, self.eos_token, **template_vars)
 
     @functools.cached_property
     def _chat_markup(self) -> _ChatMarkup | None:
@@ -299,10 +301,10 @@ class _ChatMarkup:
         return self.alias_of.get(token, token) if token is not None else None
 
     def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool, bos_token: str | None,
-               eos_token: str | None) -> tuple[str, list[int]]:
+               eos_token: str | None, **template_vars: Any) -> tuple[str, list[int]]:
         aliased = render_chat_template(
             self.template, messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._alias(bos_token), eos_token=self._alias(eos_token),
+            bos_token=self._alias(bos_token), eos_token=self._alias(eos_token), **template_vars,
         )
         # The batch form releases the GIL (see Tokenizer.encode).
         ids = self.backend.encode_batch([aliased], add_special_tokens=False)[0].ids

@@ -40,7 +40,10 @@ from server.generation import (
 )
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
-from server.prompts import check_chars, check_prompts, render_chat, to_prompts
+from server.guides import compile_guide, request_guide
+from server.prompts import check_chars, check_prompts, check_token_fields, render_chat, to_prompts
+from server.tool_calls import ToolFormat, prepare_chat, tool_format
+from server.tool_use import ToolUse
 
 # Text longer than this many characters per token of context is refused before it is tokenized: real
 # tokenizers average 3 to 5 characters a token, and tokenizing megabytes costs seconds of CPU.
@@ -165,7 +168,7 @@ def create_app(state: ServerState) -> FastAPI:
         if reply.stream:
             events = held(stream_events(engine, job, engine.info.tokenizer, chat=chat, echo=reply.echo,
                                         include_usage=reply.include_usage, on_delta=on_delta,
-                                        interval=state.settings.stream_interval), reservation)
+                                        interval=state.settings.stream_interval, tools=reply.tools), reservation)
             reservation.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream")
 
@@ -214,13 +217,17 @@ def create_app(state: ServerState) -> FastAPI:
         # Sizes first, before anything is tokenized.
         check_prompts(items, max_tokens, info, settings.max_prompts_per_request,
                       settings.prompt_char_limit(info.max_model_len))
+        check_token_fields(body, info.vocab_size)
+        guide, guide_field = request_guide(body)
         reservation = state.admission.reserve(len(items) * body.n)
         try:
             prompts = await asyncio.to_thread(to_prompts, items, tokenizer, body.echo)
             for prompt in prompts:
                 check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
-            job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs), state.model_name,
-                      body.logprobs)
+            if guide is not None:
+                await asyncio.to_thread(compile_guide, info, guide, guide_field)
+            job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs, guide),
+                      state.model_name, body.logprobs)
             echo = body.echo
             return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,
                            reservation=reservation,
@@ -237,22 +244,37 @@ def create_app(state: ServerState) -> FastAPI:
         tokenizer = info.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in body.messages]
-        check_chars(sum(len(m["content"]) for m in messages), state.settings.prompt_char_limit(info.max_model_len),
+        check_chars(sum(len(m.text) for m in body.messages), state.settings.prompt_char_limit(info.max_model_len),
                     "messages")
+        check_token_fields(body, info.vocab_size)
+        guide, guide_field = request_guide(body)
+        tools = ToolUse.of(body, tokenizer.chat_template)
+        if tools is not None and tools.forced:
+            if guide is not None:  # the forced call's grammar is the output's constraint
+                raise APIError(400, f"{guide_field} cannot be combined with a forced tool call (tool_choice "
+                                    f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'})",
+                               param=guide_field)
+            guide, guide_field = tools.guide(), "tool_choice"
         reservation = state.admission.reserve(body.n)
         try:
+            messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
+                                                   tools.definitions if tools is not None else None,
+                                                   tool_format(tokenizer.chat_template))
             _, ids = await asyncio.to_thread(render_chat, tokenizer, messages,
-                                             state.settings.allow_special_tokens_in_content)
+                                             state.settings.allow_special_tokens_in_content, template_vars)
             requested = body.max_completion_tokens or body.max_tokens
             max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
             check_length(len(ids), max_tokens, info.max_model_len, "messages")
+            if guide is not None:
+                await asyncio.to_thread(compile_guide, info, guide, guide_field)
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
-            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], sampling_params(body, max_tokens, num_top),
+            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], sampling_params(body, max_tokens, num_top, guide),
                       state.model_name, num_top)
-            return respond(engine, job, Reply(body.stream, body.include_usage, echo=False), request, chat=True,
-                           reservation=reservation, build=lambda result: chat_response(job, result, tokenizer))
+            fmt = tools.format if tools is not None else None
+            return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=fmt), request,
+                           chat=True, reservation=reservation,
+                           build=lambda result: chat_response(job, result, tokenizer, fmt))
         except BaseException:
             reservation.release()
             raise
@@ -267,6 +289,7 @@ class Reply:
     stream: bool
     include_usage: bool
     echo: bool
+    tools: ToolFormat | None = None  # the reply's text is parsed for tool calls in this format
 
 
 class JSONWhenSent(Response):

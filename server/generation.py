@@ -18,6 +18,7 @@ from engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
 )
+from engine.guide import Guide
 from engine.llm_engine import REQUEST_FAILURES
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, TokenLogprobs
@@ -25,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from model.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import APIError, sse_error
+from server.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls
 
 ENGINE_FAILED = "the engine failed while running this request"
 ENGINE_STOPPED = "the engine has stopped after an internal error"  # it died before this request started
@@ -55,7 +57,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None, guide: Guide | None = None
+                    ) -> SamplingParams:
     try:
         return SamplingParams(
             n=body.n, max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
@@ -65,7 +68,9 @@ def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None) -> 
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             seed=None if body.seed is None else body.seed % 2**63, stop=body.stop_list,
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()}, guide=guide,
         )
     except ValueError as error:
         raise APIError(400, str(error)) from None
@@ -232,15 +237,39 @@ def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo:
                                 usage=usage(job, result.num_output_tokens))
 
 
-def chat_response(job: Job, result: Collected, tokenizer: Tokenizer) -> p.ChatCompletionResponse:
-    choices = [
-        p.ChatChoice(index=i, message=p.AssistantMessage(content=text), finish_reason=result.finish[i],
-                     logprobs=chat_logprobs(tokenizer, result.logprobs[i]) if job.num_top_logprobs is not None
-                     else None)
-        for i, text in enumerate(result.text)
-    ]
+def assistant_message(text: str, finish: str | None, tools: ToolFormat | None) -> tuple[p.AssistantMessage, str | None]:
+    """The reply's message and finish reason: with tools, the calls the text holds are parsed out of it
+    (`finish_reason` "tool_calls" when the model stopped after making some)."""
+    if tools is None:
+        return p.AssistantMessage(content=text), finish
+    content, calls = parse_tool_calls(text, tools)
+    if not calls:
+        return p.AssistantMessage(content=text), finish
+    message = p.AssistantMessage(content=content, tool_calls=[p.ToolCall(**call.to_openai()) for call in calls])
+    return message, "tool_calls" if finish == "stop" else finish
+
+
+def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolFormat | None = None
+                  ) -> p.ChatCompletionResponse:
+    choices = []
+    for i, text in enumerate(result.text):
+        message, finish = assistant_message(text, result.finish[i], tools)
+        choices.append(p.ChatChoice(index=i, message=message, finish_reason=finish,
+                                    logprobs=chat_logprobs(tokenizer, result.logprobs[i])
+                                    if job.num_top_logprobs is not None else None))
     return p.ChatCompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
                                     usage=usage(job, result.num_output_tokens))
+
+
+def tool_stream_piece(stream: ToolCallStream, text: str, finished: bool, first_index: int) -> tuple[str, list[dict]]:
+    """The content and the `delta.tool_calls` entries (numbered from `first_index`) that a choice's new
+    text releases; at the end, everything held back."""
+    piece = stream.push(text)
+    content, calls = piece.content, list(piece.calls)
+    if finished:
+        rest = stream.finish()
+        content, calls = content + rest.content, calls + list(rest.calls)
+    return content, [{"index": first_index + k, **call.to_openai()} for k, call in enumerate(calls)]
 
 
 def sse(payload: dict) -> str:
@@ -248,14 +277,19 @@ def sse(payload: dict) -> str:
 
 
 async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, chat: bool, echo: bool,
-                        include_usage: bool, on_delta=None, interval: int = 1) -> AsyncIterator[str]:
+                        include_usage: bool, on_delta=None, interval: int = 1, tools: ToolFormat | None = None
+                        ) -> AsyncIterator[str]:
     """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`; an event
-    carries up to `interval` tokens of a sample (see `run_job`)."""
+    carries up to `interval` tokens of a sample (see `run_job`). With `tools`, a chat choice's text goes
+    through a ToolCallStream: what may begin a tool call is held back until it is decided, and each call
+    goes out whole, as one `delta.tool_calls` entry, once its text is complete."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": job.request_id, "object": kind, "created": created, "model": job.model_name}
     started: set[int] = set()
     offsets: dict[int, int] = {}
+    tool_streams: dict[int, ToolCallStream] = {}
+    num_calls: dict[int, int] = {}  # choice -> tool calls sent
     num_output_tokens = 0
     async for index, delta in run_job(engine, job, on_delta, interval):
         if delta.finish_reason is FinishReason.ERROR:
@@ -280,14 +314,22 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         offsets[index] = offsets.get(index, 0) + len(text)
         if delta.finished:
             num_output_tokens += delta.num_output_tokens
-        if not text and not delta.finished and logprobs is None:
+        calls: list[dict] = []
+        if chat and tools is not None:
+            text, calls = tool_stream_piece(tool_streams.setdefault(index, ToolCallStream(tools)), text,
+                                            delta.finished, num_calls.get(index, 0))
+            num_calls[index] = num_calls.get(index, 0) + len(calls)
+        if not text and not calls and not delta.finished and logprobs is None:
             continue
         if chat:
             choice["delta"] = {"content": text} if text else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = finish_reason(delta) if delta.finished else None
+        reason = finish_reason(delta) if delta.finished else None
+        choice["finish_reason"] = "tool_calls" if reason == "stop" and num_calls.get(index) else reason
         yield sse({**base, "choices": [choice]})
     else:
         if include_usage:

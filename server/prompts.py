@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.async_engine import EngineInfo
 from model.tokenizer import Tokenizer
+from server import protocol as p
 from server.errors import APIError
 from server.generation import Prompt, check_length
 
@@ -28,6 +29,16 @@ def check_prompts(items: list[str | list[int]], max_tokens: int, info: EngineInf
                                param="prompt")
 
 
+def check_token_fields(body: p._Request, vocab_size: int) -> None:
+    """logit_bias and stop_token_ids name tokens of the vocabulary."""
+    for token in body.logit_bias or ():
+        if int(token) >= vocab_size:
+            raise APIError(400, f"logit_bias names token {token}; the vocabulary has {vocab_size} tokens",
+                           param="logit_bias")
+    if any(t < 0 or t >= vocab_size for t in body.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be in [0, {vocab_size}), the vocabulary", param="stop_token_ids")
+
+
 def check_chars(num_chars: int, limit: int, what: str) -> None:
     if num_chars > limit:
         raise APIError(400, f"the {what} has {num_chars} characters; this server tokenizes at most {limit} "
@@ -47,17 +58,19 @@ def to_prompts(items: list[str | list[int]], tokenizer: Tokenizer | None, echo: 
     return prompts
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens: bool = False
-                ) -> tuple[str, list[int]]:
+def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens: bool = False,
+                template_vars: dict | None = None) -> tuple[str, list[int]]:
     """The chat template's text and its token ids. CPU-heavy: run it off the event loop.
 
     Special-token text inside the messages (`<|im_end|>` typed by a user) is tokenized as plain text, so a
     message cannot close its own turn and open a system one; the template's own markup stays special.
-    `allow_special_tokens` reads it as control tokens instead (the behaviour of encoding the whole text)."""
+    `allow_special_tokens` reads it as control tokens instead (the behaviour of encoding the whole text).
+    `template_vars`: more variables for the template (`tools`)."""
+    template_vars = template_vars or {}
     try:
         if allow_special_tokens:
-            text = tokenizer.apply_chat_template(messages)
+            text = tokenizer.apply_chat_template(messages, **template_vars)
             return text, tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, **template_vars)
     except ValueError as error:
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,53 @@ MAX_CONTENT_PARTS = 1024  # in one message
 # bound alone would let a 4 MiB body of empty parts become 155,000 objects.
 MAX_TOTAL_CONTENT_PARTS = 2048
 MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 128
+
+# Fields of OpenAI's, vLLM's or llama.cpp's APIs that would change the output and that this server does not
+# implement: a request naming one is refused (400, naming it) rather than answered as if it were absent.
+# Fields not listed that change nothing (`user`, `metadata`, `store`, `cache_prompt`...) are ignored.
+UNSUPPORTED_FIELDS = {
+    "best_of": "sample n and return them all instead",
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "beam search is not implemented",
+    "early_stopping": "beam search is not implemented",
+    "allowed_token_ids": "use logit_bias, or a guided_choice or guided_regex",
+    "bad_words": "use logit_bias with -100 for their tokens",
+    "prompt_logprobs": "prompt log-probabilities are not computed",
+    "truncate_prompt_tokens": "prompts are refused when too long, never truncated",
+    "include_stop_str_in_output": "stop strings are always left out",
+    "spaces_between_special_tokens": "not implemented",
+    "guided_whitespace_pattern": "JSON is generated without whitespace",
+    "typical_p": "not implemented",
+    "top_a": "not implemented",
+    "tfs_z": "not implemented",
+    "mirostat": "not implemented",
+    "mirostat_tau": "not implemented",
+    "mirostat_eta": "not implemented",
+    "dynatemp_range": "not implemented",
+    "dry_multiplier": "not implemented; use repetition_penalty",
+    "xtc_probability": "not implemented",
+    "repeat_penalty": "this server calls it repetition_penalty",
+    "n_predict": "this server calls it max_tokens",
+    "n_probs": "use logprobs",
+    "samplers": "the sampler order is fixed",
+    "suffix": "insertion (fill-in-the-middle) is not implemented",
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "audio": "audio output is not implemented",
+    "modalities": "text is the only output",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "this model has no reasoning setting",
+    "web_search_options": "web search is not implemented",
+    "chat_template": "the model's own chat template is used",
+    "chat_template_kwargs": "chat template arguments are not implemented",
+    "add_generation_prompt": "the assistant's turn is always opened",
+    "continue_final_message": "not implemented",
+    "documents": "not implemented",
+    "logits_processors": "not implemented",
+}
 
 
 def _valid_unicode(value: object) -> object:
@@ -55,13 +102,52 @@ StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), CHECK_UNICODE]
 # Numbers and booleans are strict: lax validation would read `"top_p": true` as 1.0 and `"n": 2.0` as 2,
 # accepting what the schema says is invalid.
 
+# The id range is in the schema but checked by the server at the vocabulary size (server/prompts.py): a
+# constraint on each element costs more than twice as much to validate, on the event loop, as the list.
+TokenId = Annotated[int, Strict(), WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
 
 class StreamOptions(BaseModel):
     include_usage: Annotated[bool, Strict()] = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64), CHECK_UNICODE] = "response"
+    description: Text | None = None
+    # An empty schema (or none) allows any JSON value.
+    schema_: Annotated[dict[str, Any] | bool, Field(alias="schema")] = True
+    strict: Annotated[bool, Strict()] | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response format needs its json_schema object")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: Text | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: NonEmptyText | None = None
+    json_object: Annotated[bool, Strict()] | None = None
+
+
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI's API does, so newer clients keep working.
+    # Unknown fields are ignored, as OpenAI's API does, so newer clients keep working; the ones that would
+    # change the output and are not implemented are refused by name (UNSUPPORTED_FIELDS).
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
@@ -84,6 +170,38 @@ class _Request(BaseModel):
     ignore_eos: Annotated[bool, Strict()] = False
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     user: Text | None = None
+    skip_special_tokens: Annotated[bool, Strict()] = True
+    # Token ids as strings (JSON keys), as OpenAI's API has it; ids are checked against the vocabulary.
+    logit_bias: Annotated[dict[str, Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs object,
+    # llama.cpp's grammar (GBNF) and json_schema. At most one per request (server/guides.py).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | NonEmptyText | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
+    structured_outputs: StructuredOutputs | None = None
+    grammar: NonEmptyText | None = None
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value):
+        if isinstance(value, dict):
+            for name, why in UNSUPPORTED_FIELDS.items():
+                if value.get(name) is not None:
+                    raise ValueError(f"{name} is not supported by this server ({why})")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_ids(cls, value):
+        for key in value or ():
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -101,12 +219,6 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-# The id range is in the schema but checked by the server at the vocabulary size (server/prompts.py): a
-# constraint on each element costs more than twice as much to validate, on the event loop, as the list.
-TokenId = Annotated[int, Strict(), WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 def _prompt_shape(value) -> str:
@@ -149,16 +261,73 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    name: NonEmptyText
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # None only for an assistant message that made tool calls.
+    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_by_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def to_template(self) -> dict:
+        """The message as a chat template reads it: plain text content, `developer` as `system`."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": None if self.content is None else self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: Annotated[bool, Strict()] | None = None  # the arguments always follow the schema when forced
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: NonEmptyText
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -166,6 +335,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     logprobs: Annotated[bool, Strict()] = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Annotated[bool, Strict()] = True
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -185,6 +357,23 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: every function needs its own name")
+        if self.tool_choice in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             "among the tools")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the reply may hold tool calls (tools sent, and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -236,13 +425,14 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

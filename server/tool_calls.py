@@ -1,0 +1,389 @@
+"""OpenAI tool calling in a model's own format: which format a chat template speaks, the messages and
+template variables that show it the tools, the calls parsed out of its reply (whole or streamed), and a
+grammar that forces a call.
+
+Three formats cover the families ladder serves (docs/tool_calling.md):
+
+- HERMES (Qwen 2/2.5/3, Hermes): the template renders tools, calls and results itself; a call is
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+- LLAMA3 (Llama 3.1/3.2/3.3): the template renders them itself; a call is the bare JSON object
+  ``{"name": ..., "parameters": {...}}``, perhaps after ``<|python_tag|>``, several joined by ``;``.
+- DEFAULT (any other template, e.g. SmolLM2's plain ChatML): ladder lists the tools in a system message
+  and asks for HERMES's wire format; calls and results become plain text turns.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import secrets
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ToolFormat", "ToolCall", "StreamPiece", "ToolCallStream", "tool_format", "prepare_chat",
+           "default_tool_prompt", "parse_tool_calls", "tool_call_grammar", "new_call_id"]
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+PYTHON_TAG = "<|python_tag|>"
+NO_PARAMETERS = {"type": "object", "properties": {}}
+# A call (or several) that the tagged formats write; an unclosed last call counts when its JSON is whole
+# (a reply cut at the stop token, or a model that omits the closing tag).
+_TAGGED_CALL = re.compile(f"{CALL_OPEN}(.*?){CALL_CLOSE}|{CALL_OPEN}(.*)", re.DOTALL)
+_SPACE, _SEMICOLON = re.compile(r"\s*"), re.compile(r"\s*;\s*")  # before Llama 3's first call, between calls
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+class ToolFormat(enum.Enum):
+    HERMES = "hermes"
+    LLAMA3 = "llama3"
+    DEFAULT = "default"
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+    @classmethod
+    def new(cls, name: str, arguments: str) -> ToolCall:
+        return cls(new_call_id(), name, arguments)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def tool_format(chat_template: str | None) -> ToolFormat:
+    """The format a chat template speaks. A template that renders tools some other way (Mistral's
+    ``[TOOL_CALLS]``...) gets DEFAULT too: ladder's own prompt asks for a format that ladder parses."""
+    template = chat_template or ""
+    if CALL_OPEN in template:
+        return ToolFormat.HERMES
+    if PYTHON_TAG in template or "ipython" in template:  # "Environment: ipython" in 3.1, 3.2 and 3.3
+        return ToolFormat.LLAMA3
+    return ToolFormat.DEFAULT
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+
+def prepare_chat(messages: Sequence[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                 fmt: ToolFormat) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages to render and the extra template variables, for OpenAI-shaped ``messages`` and
+    ``tools``. Without tools and without tool turns the messages pass unchanged."""
+    tools = list(tools or ())
+    if not tools and not any(_is_tool_turn(m) for m in messages):
+        return list(messages), {}
+    if fmt is ToolFormat.DEFAULT:
+        return _default_messages(messages, tools), {}
+    return [_for_template(m) for m in messages], ({"tools": tools} if tools else {})
+
+
+def default_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The system text that shows the tools to a model whose template knows nothing of them."""
+    listed = "\n".join(json.dumps(_function_for_prompt(t), ensure_ascii=False) for t in tools)
+    return (
+        "You can call tools (functions) to help with the user's request. These are the tools, one JSON object "
+        f"a line:\n<tools>\n{listed}\n</tools>\n\n"
+        "To call a tool, reply with its name and its arguments as a JSON object inside <tool_call></tool_call> "
+        "tags, one block per call:\n"
+        f'{CALL_OPEN}\n{{"name": <tool name>, "arguments": <arguments as a JSON object>}}\n{CALL_CLOSE}\n'
+        f"Each result comes back to you inside {RESPONSE_OPEN}{RESPONSE_CLOSE} tags. "
+        "When no tool is needed, reply in plain text."
+    )
+
+
+def _is_tool_turn(message: Mapping[str, Any]) -> bool:
+    return message.get("role") == "tool" or bool(message.get("tool_calls"))
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message for a template that renders tool turns itself. Such templates write a call's arguments
+    with ``| tojson`` (Qwen 2.5, Llama 3.1), so they get the parsed object, not its JSON text: text would be
+    quoted a second time. Content None becomes "": some templates concatenate it."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**call, "function": {**call["function"], "arguments": _json_or_text(call["function"]["arguments"])}}
+             for call in message["tool_calls"]]
+    return {**message, "content": message.get("content") or "", "tool_calls": calls}
+
+
+def _default_messages(messages: Sequence[dict[str, Any]], tools: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Plain system/user/assistant turns with string content: the default template concatenates
+    ``message['content']`` and knows no other roles or keys."""
+    out: list[dict[str, Any]] = []
+    previous_was_tool = False
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "tool":
+            block = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+            if previous_was_tool:  # the results of one turn's calls answer together, as one user turn
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        elif message.get("tool_calls"):
+            blocks = [_tagged_call(call["function"]) for call in message["tool_calls"]]
+            text = "\n".join([content, *blocks] if content else blocks)
+            out.append({k: v for k, v in message.items() if k != "tool_calls"} | {"content": text})
+        else:
+            out.append({**message, "content": content})
+        previous_was_tool = role == "tool"
+    if tools:
+        prompt = default_tool_prompt(tools)
+        if out and out[0].get("role") == "system":
+            system = out[0]["content"]
+            out[0] = {**out[0], "content": f"{prompt}\n\n{system}" if system else prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _tagged_call(function: Mapping[str, Any]) -> str:
+    call = {"name": function["name"], "arguments": _json_or_text(function["arguments"])}
+    return f"{CALL_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CALL_CLOSE}"
+
+
+def _function_for_prompt(tool: Mapping[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    shown = {"name": function["name"]}
+    if function.get("description"):
+        shown["description"] = function["description"]
+    shown["parameters"] = function.get("parameters") or NO_PARAMETERS
+    return shown
+
+
+def _json_or_text(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text  # arguments that were never JSON are shown as the text they were
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]:
+    """The content outside the calls (None when only whitespace) and the calls of a finished reply. A
+    call that does not parse (bad JSON, no name, arguments not an object) stays in the content."""
+    content, calls = _parse_llama3(text) if fmt is ToolFormat.LLAMA3 else _parse_tagged(text)
+    return (content if content.strip() else None), calls
+
+
+def _parse_tagged(text: str) -> tuple[str, list[ToolCall]]:
+    kept, calls, start = [], [], 0
+    for match in _TAGGED_CALL.finditer(text):
+        body = match.group(1) if match.group(1) is not None else match.group(2)
+        call = _call_from_json(body, require_arguments=False)
+        if call is not None:
+            kept.append(text[start:match.start()])
+            calls.append(call)
+            start = match.end()
+    kept.append(text[start:])
+    return "".join(kept), calls
+
+
+def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
+    body = text.lstrip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):]
+    elif not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    calls: list[ToolCall] = []
+    end = 0  # where the last call's text ends
+    while True:
+        gap = (_SEMICOLON if calls else _SPACE).match(body, end)
+        if gap is None:
+            break
+        try:
+            value, after = decoder.raw_decode(body, gap.end())
+        except (ValueError, RecursionError):
+            break
+        # A bare JSON reply with a "name" key is not a call unless it has arguments too: Llama 3 always
+        # writes "parameters", and ordinary JSON answers are common in this format.
+        call = _call_from_value(value, require_arguments=True)
+        if call is None:
+            break
+        calls.append(call)
+        end = after
+    if not calls:
+        return text, []
+    return text[: len(text) - len(text.lstrip())] + body[end:], calls
+
+
+def _call_from_json(body: str, require_arguments: bool) -> ToolCall | None:
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        return None
+    return _call_from_value(value, require_arguments)
+
+
+def _call_from_value(value: Any, require_arguments: bool) -> ToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    key = "arguments" if "arguments" in value else "parameters"
+    if key not in value and require_arguments:
+        return None
+    arguments = value.get(key, {})
+    if isinstance(arguments, str):  # some models write the arguments as JSON text, as OpenAI sends them
+        arguments = _json_or_text(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall.new(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN and Infinity would be re-serialized as invalid JSON
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    content: str  # text safe to send now
+    calls: list[ToolCall] = field(default_factory=list)  # calls completed in this piece
+
+
+class ToolCallStream:
+    """Splits one choice's streamed text into content and tool calls. Text that may begin a call is
+    held back until it is decided, so what was sent is never taken back: the pieces' content joined is
+    ``parse_tool_calls(whole text)``'s content (or only whitespace where that is None), and their calls
+    are its calls.
+
+    Leading whitespace is held until some content follows: a reply made only of calls sends no content.
+    A reply without calls sends exactly its text. LLAMA3 decides on the reply's first character: if it
+    opens a call, the whole reply is held and parsed at the end."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self._pending = ""  # received, not yet sent nor parsed
+        self._searched = 0  # the close tag is not in _pending[:_searched] (a call held open)
+        self._space = ""  # leading whitespace not yet sent
+        self._has_content = False
+        self._made_calls = False
+        self._llama3_holds: bool | None = None  # LLAMA3: None while the reply's start is undecided
+
+    def push(self, text: str) -> StreamPiece:
+        self._pending += text
+        if self.fmt is ToolFormat.LLAMA3:
+            return self._push_llama3()
+        kept, calls = [], []
+        while True:
+            start = self._pending.find(CALL_OPEN)
+            if start < 0:
+                hold = _partial_suffix(self._pending, CALL_OPEN)
+                kept.append(self._pending[: len(self._pending) - hold])
+                self._pending = self._pending[len(self._pending) - hold:]
+                break
+            kept.append(self._pending[:start])
+            self._pending = self._pending[start:]
+            end = self._pending.find(CALL_CLOSE, max(len(CALL_OPEN), self._searched - len(CALL_CLOSE) + 1))
+            if end < 0:
+                self._searched = len(self._pending)
+                break
+            self._searched = 0
+            block_end = end + len(CALL_CLOSE)
+            call = _call_from_json(self._pending[len(CALL_OPEN):end], require_arguments=False)
+            if call is None:
+                kept.append(self._pending[:block_end])
+            else:
+                calls.append(call)
+            self._pending = self._pending[block_end:]
+        return self._piece("".join(kept), calls)
+
+    def finish(self) -> StreamPiece:
+        """Everything still held: an unclosed call (a call if its JSON is whole) or text."""
+        rest, self._pending = self._pending, ""
+        content, calls = _parse_llama3(rest) if self.fmt is ToolFormat.LLAMA3 else _parse_tagged(rest)
+        piece = self._piece(content, calls)
+        if self._made_calls or not self._space:
+            return piece
+        space, self._space = self._space, ""  # no calls at all: the reply was its text, whitespace too
+        return StreamPiece(piece.content + space, piece.calls)
+
+    def _push_llama3(self) -> StreamPiece:
+        if self._llama3_holds is None:
+            start = self._pending.lstrip()
+            if not start or PYTHON_TAG.startswith(start):
+                return StreamPiece("")
+            self._llama3_holds = start.startswith(("{", PYTHON_TAG))
+        if self._llama3_holds:
+            return StreamPiece("")
+        text, self._pending = self._pending, ""
+        return self._piece(text, [])
+
+    def _piece(self, text: str, calls: list[ToolCall]) -> StreamPiece:
+        self._made_calls = self._made_calls or bool(calls)
+        if text and not self._has_content:
+            self._space += text
+            if self._space.isspace():
+                text = ""
+            else:
+                text, self._space, self._has_content = self._space, "", True
+        return StreamPiece(text, calls)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (and is shorter than it)."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+# -- grammar -----------------------------------------------------------------------------------
+
+# JSON inside a forced call is written with json.dumps's separators and no other whitespace: a fixed
+# spelling leaves a small model no whitespace to loop on, and it is the spelling of the calls that the
+# templates (``| tojson``) and the default prompt show the model.
+_JSON_SPELLING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool,
+                      fmt: ToolFormat) -> str:
+    """A grammar in llguidance's Lark dialect for a reply that is one call (one or more when
+    ``parallel``) in ``fmt``, to one of ``tools`` (exactly ``name`` when given), with arguments valid
+    against that tool's parameters schema. Raises ValueError when no tool is named ``name``."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not functions:
+        raise ValueError(f"no tool is named {name!r}" if name is not None else "a forced tool call needs tools")
+    if fmt is ToolFormat.LLAMA3:
+        before, after, separator, key = "", "", ";", "parameters"
+    else:
+        before, after, separator, key = f"{CALL_OPEN}\n", f"\n{CALL_CLOSE}", "\n", "arguments"
+    lines = [f"start: call ({_lark_literal(separator)} call)*" if parallel else "start: call",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        # The name is a literal and only the arguments are a %json rule: the parameters schema stays the
+        # root of its own JSON schema, so its "$ref": "#/$defs/..." still resolve.
+        head = f'{before}{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "{key}": '
+        lines.append(f"call_{i}: {_lark_literal(head)} arguments_{i} {_lark_literal('}' + after)}")
+        lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"
+
+
+def _arguments_schema(function: Mapping[str, Any]) -> dict[str, Any]:
+    schema = dict(function.get("parameters") or NO_PARAMETERS)
+    schema.setdefault("type", "object")  # parse_tool_calls takes only an object as arguments
+    # A strict tool's schema must be followed exactly, so a keyword llguidance does not implement is an
+    # error; otherwise such a keyword is ignored and the rest of the schema still holds.
+    own = schema.get("x-guidance")
+    schema["x-guidance"] = {**(own if isinstance(own, dict) else {}), **_JSON_SPELLING,
+                            "lenient": not function.get("strict", False)}
+    return schema
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
