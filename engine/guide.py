@@ -58,8 +58,9 @@ class Guide:
                              f"compiles at most {MAX_GUIDE_CHARS}")
 
     @classmethod
-    def json_schema(cls, schema: dict | bool | str) -> Guide:
-        """A JSON schema, as an object or as JSON text; `True` or `{}` allow any JSON value."""
+    def json_schema(cls, schema: dict | bool | str, lenient: bool = False) -> Guide:
+        """A JSON schema, as an object or as JSON text; `True` or `{}` allow any JSON value. `lenient`: a
+        keyword llguidance does not implement is ignored (the rest still holds) instead of refused."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -71,6 +72,8 @@ class Guide:
         if depth > MAX_SCHEMA_DEPTH:
             raise GuideError(f"the JSON schema nests {depth} levels deep; this server compiles at most "
                              f"{MAX_SCHEMA_DEPTH}")
+        if lenient:
+            schema = {"x-guidance": {"lenient": True}, **schema} if isinstance(schema, dict) else schema
         # Key order kept: a schema's property order is the order the output writes them in.
         return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 

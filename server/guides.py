@@ -43,7 +43,9 @@ def _guide(name: str, value) -> Guide:
     if name == "response_format":
         if value.type == "json_object":
             return Guide.json_object()
-        return Guide.json_schema(value.json_schema.schema_)
+        # OpenAI's strict schemas must be followed exactly; without `strict` it is best effort, so a keyword
+        # llguidance does not implement is ignored rather than refused.
+        return Guide.json_schema(value.json_schema.schema_, lenient=value.json_schema.strict is not True)
     if name in ("guided_json", "json_schema"):
         return Guide.json_schema(value)
     if name == "guided_regex":
