@@ -4,6 +4,9 @@ xgrammar and outlines-core, to choose the engine for constrained decoding.
     .venv/bin/python benchmarks/grammar_engines.py [--json /tmp/grammar_bench/grammar_engines.json]
         [--cap-s 20] [--rss-cap-mb 6000] [--min-steps 600] [--batch 32] [--skip-pathological] [--skip-imports]
 
+ladder depends on llguidance only; install the other two first: `.venv/bin/pip install xgrammar==0.2.8
+outlines-core==0.2.14`.
+
 The tokenizer is SmolLM2-135M-Instruct's, read from the default GGUF (vocabulary 49,152, stop ids 0 and 2).
 Every engine writes the same bitmask (int32 words, bit i of word j is token 32j+i) into a CPU tensor, so
 mask times are comparable. JSON schemas compile in compact form (no whitespace, "," and ":"), the form
