@@ -66,6 +66,7 @@ FIRST = (
     "server/test_server.py",
     "parallel/test_tensor_parallel.py",
     "server/test_server_limits.py",
+    "server/test_structured_outputs.py",
     "doctor/test_doctor.py",
     "e2e/test_default_model.py",
     "model/test_model_parity.py",
