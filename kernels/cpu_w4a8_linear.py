@@ -22,8 +22,9 @@ Codes are packed once (`pack`) per 16 output channels and 32-block: 8-bit as [8 
 4-bit as [4, 16, 4] bytes whose low nibbles hold groups 0-3 and high nibbles groups 4-7 (a 64-byte
 load and two masks feed two instructions). A 4-bit weight moves 5/8 of the bytes of an int8 one
 (Q4_1: 20 bytes per 32 weights), which is what bounds a batch-1 decode step. d and m stay float16,
-[16] each per block, converted in registers. Threads split the blocks of output channels. A portable
-loop over the same layout is compiled where AVX-512 VNNI is missing (and can be asked for, for tests).
+[16] each per block, converted in registers. Threads split the blocks of output channels. Where AVX-512
+VNNI is missing, AVX2 tiles over the same layout compute the same exact integer sums (`vpmaddubsw`,
+`vpmaddwd`), and a portable loop is compiled where AVX2 is missing too (and can be asked for, for tests).
 `w4a8_linear` is the custom op ladder::w4a8_linear (kernels/csrc/w4a8_linear.cpp, kernels/cpu_extension.py):
 the C++ kernel on CPU tensors where the extension builds, the torch reference anywhere else or with
 LADDER_CPU_KERNELS=0.
@@ -41,7 +42,8 @@ GROUP_K = 4  # input channels summed by one vpdpbusd lane
 
 
 def has_vnni() -> bool:
-    """Whether the build has the AVX-512 VNNI tiles (else every call runs the portable loop)."""
+    """Whether the build has the AVX-512 VNNI tiles (else the AVX2 tiles where the CPU has AVX2, the
+    portable loop elsewhere)."""
     module = load()
     return module is not None and module.has_vnni()
 

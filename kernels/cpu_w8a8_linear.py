@@ -13,10 +13,11 @@ weight-only kernel spends three instructions per 16 weights widening them to flo
 
 Weights are packed once (`pack`) into blocks of 16 output channels by groups of 4 input channels,
 [ceil(N / 16), ceil(K / 4), 16, 4] int8, zero-padded: one 64-byte load feeds one `vpdpbusd` for 16
-channels. Threads split the blocks of output channels; a scalar loop over the same layout is compiled
-where AVX-512 VNNI is missing (kernels/csrc/w8a8_linear.cpp). Each function here is a custom op
-(kernels/cpu_extension.py): the C++ kernel on CPU tensors where the extension builds, the torch reference
-anywhere else or with LADDER_CPU_KERNELS=0.
+channels. Threads split the blocks of output channels. Where AVX-512 VNNI is missing, AVX2 tiles over the
+same layout take the signed q instead (`vpmaddubsw` of |w| by q with w's sign, then `vpmaddwd`: exact,
+no int16 saturation), and a scalar loop is compiled where AVX2 is missing too (kernels/csrc/w8a8_linear.cpp).
+Each function here is a custom op (kernels/cpu_extension.py): the C++ kernel on CPU tensors where the
+extension builds, the torch reference anywhere else or with LADDER_CPU_KERNELS=0.
 """
 
 from __future__ import annotations

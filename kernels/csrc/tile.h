@@ -6,7 +6,8 @@
 //   using Fn = ...;                                 the tile's function pointer type
 //   static constexpr int kMaxMr;                    the most rows one tile holds
 //   static constexpr int kMaxNb[kMaxMr + 1];        per row count, the widest group of blocks whose
-//                                                   accumulators fit the 32 vector registers
+//                                                   accumulators fit the vector registers (32 with
+//                                                   AVX-512, 16 with AVX2)
 //   template <int MR, int NB> static void tile(...);
 // Only the tiles the table allows are instantiated.
 #pragma once
@@ -15,17 +16,22 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-// The int8 kernels' dot products: vpdpbusd (AVX512-VNNI) with AVX512BW's byte arithmetic.
+// The int8 kernels' dot products: vpdpbusd (AVX512-VNNI) with AVX512BW's byte arithmetic; else, on AVX2,
+// vpmaddubsw (byte pairs into int16) and vpmaddwd (int16 pairs into int32), kept below int16's range so
+// that the sums stay exact (each kernel says why its operands cannot saturate).
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LADDER_VNNI 1
+#elif defined(__AVX2__)
+#define LADDER_AVX2_INT8 1
 #endif
 
 namespace ladder {
@@ -78,6 +84,36 @@ void for_each_tile(int64_t M, int64_t NBLK, int64_t work_per_block, int64_t min_
 // The lanes of a block of 16 output channels that exist: all 16 but in the last block.
 inline __mmask16 tail_mask(int64_t left) {
   return left >= BN ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+#endif
+
+#ifdef LADDER_AVX2_INT8
+// max |x[k]| over x [n], as the portable loops take it: the order of a maximum does not matter, and
+// _mm256_max_ps returns its second operand where one is NaN, so a NaN x is skipped as std::max(amax, NaN)
+// skips it.
+inline float max_abs(const float* x, int64_t n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + k), magnitude), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  for (; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+// The lanes of 8 output channels that exist (all 8 but at the end of the last block), for
+// _mm256_maskload_ps / _mm256_maskstore_ps.
+inline __m256i tail_mask8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The 8 int32 lanes of v, each known to lie in 0..255, as 8 bytes in lane order.
+inline __m128i bytes8(__m256i v) {
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  return _mm_packus_epi16(words, words);
 }
 #endif
 

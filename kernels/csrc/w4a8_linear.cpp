@@ -3,7 +3,8 @@
 // w = d[n, b] * u + m[n, b] (u an unsigned code, d and m float16); m is implied (m = -zero * d) when the
 // scales hold d only. Bit-equal to its torch reference: every product and sum in the reference's order.
 // Codes per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes, 4-bit as [4, 16, 4] bytes
-// whose low nibbles hold groups 0-3 and high nibbles groups 4-7.
+// whose low nibbles hold groups 0-3 and high nibbles groups 4-7. The integer sums run on AVX-512 VNNI's
+// vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the portable loop.
 #include <torch/library.h>
 
 #include <cmath>
@@ -57,7 +58,33 @@ void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, 
     xsum[b] = sum;
   }
 }
+#elif defined(LADDER_AVX2_INT8)
+// quantize_row_portable's arithmetic 8 lanes at a time: vcvtps2dq rounds in the current mode as nearbyint
+// does (half to even), the byte stored is the low byte of q as the int8 cast's, and the int32 sum does not
+// depend on its order.
+void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
+  const __m256i low = _mm256_set1_epi32(0xFF);
+  for (int64_t b = 0; b < KB; ++b) {
+    const float* xb = x + b * QK;
+    const float s = std::max(max_abs(xb, QK), 1e-12f) / 127.f;
+    const __m256 vs = _mm256_set1_ps(s);
+    __m256i total = _mm256_setzero_si256();
+    for (int t = 0; t < QK; t += 8) {
+      const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xb + t), vs));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(xq + b * QK + t), bytes8(_mm256_and_si256(q, low)));
+      total = _mm256_add_epi32(total, q);
+    }
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1)));
+    xs[b] = s;
+    xc[b] = s * static_cast<float>(sum);
+    xsum[b] = sum;
+  }
+}
+#endif
 
+#ifdef LADDER_VNNI
 template <bool FOUR>
 struct W4A8Tiles {
   using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
@@ -157,6 +184,120 @@ struct W4A8Tiles {
     }
   }
 };
+#elif defined(LADDER_AVX2_INT8)
+template <bool FOUR>
+struct W4A8Tiles {
+  using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
+                      const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
+  // A tile walks its 8-channel vectors one after the other: per row one integer block sum and one float32
+  // total, beside a group's codes and the broadcast activations, 4 rows in the 16 ymm registers.
+  static constexpr int kMaxMr = 4;
+  static constexpr int kMaxNb[kMaxMr + 1] = {0, 1, 1, 1, 1};
+
+  // MR rows times NB consecutive blocks of 16 output channels, over all KB blocks of 32 input channels, 8
+  // channels at a time: per 32-block the exact integer sum dot = sum_k u a of each row and channel, then
+  // portable_block's float arithmetic in its order. codes and scales as the VNNI tiles take them.
+  template <int MR, int NB>
+  static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict xs, const float* __restrict xc,
+                   const int32_t* __restrict xsum, int64_t KB, const uint8_t* __restrict codes,
+                   const uint16_t* __restrict scales, int S, int32_t zero,
+                   const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
+    constexpr int64_t CB = FOUR ? 256 : 512;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int v = 0; v < 2 * NB; ++v) {
+      const int64_t col = n0 + v * 8;
+      if (col >= N) break;
+      // Vector v's 32 bytes in each group's 64: channels 8(v % 2) .. + 7 of block v / 2, 4 inputs each.
+      const uint8_t* cv = codes + (v / 2) * KB * CB + (v % 2) * 32;
+      const uint16_t* sv = scales + (v / 2) * KB * S * BN + (v % 2) * 8;
+      __m256 y[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) y[i] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < KB; ++b) {
+        const uint8_t* cb = cv + b * CB;
+        const int8_t* xb = xq + b * QK;
+        auto four = [&](int i, int k) {  // activations k .. k + 3 of row i, in every lane
+          int32_t a;
+          std::memcpy(&a, xb + i * K + k, sizeof(a));
+          return _mm256_set1_epi32(a);
+        };
+        __m256i dot[MR];
+        if constexpr (FOUR) {
+          // vpmaddubsw of codes u <= 15 by any int8 a: a pair is at most 2 * 15 * 128 = 3840, and the 8
+          // pairs of a lane over the 32-block (4 groups, low and high nibbles) at most 30720 < 32767, so
+          // the block adds up in int16 without saturating; one vpmaddwd by ones then widens it.
+          const __m256i nibble = _mm256_set1_epi8(0x0F);
+          __m256i sum16[MR];
+          // Not unrolled: unrolled, GCC reorders the int16 additions and spills the products it gathers.
+#pragma GCC unroll 1
+          for (int l = 0; l < 4; ++l) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + l * 64));
+            const __m256i lo = _mm256_and_si256(raw, nibble);  // group l: inputs 4l .. 4l + 3
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, four(i, 4 * l)),
+                                                 _mm256_maddubs_epi16(hi, four(i, 16 + 4 * l)));
+              sum16[i] = l == 0 ? p : _mm256_add_epi16(sum16[i], p);
+            }
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) dot[i] = _mm256_madd_epi16(sum16[i], ones);
+        } else {
+          // 8-bit codes u = w + 128, w = u ^ 0x80 signed: vpmaddubsw takes |w| <= 128 and a with w's
+          // sign (vpsignb), |a| <= 127 (|x / s| <= 127 by construction; a NaN's code is 0), so a pair is
+          // at most 2 * 128 * 127 = 32512 < 32767; vpmaddwd by ones adds a channel's 4 inputs into its
+          // int32 lane. dot = sum w a + 128 sum a.
+          const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) dot[i] = _mm256_slli_epi32(_mm256_set1_epi32(xsum[i * KB + b]), 7);
+#pragma GCC unroll 1
+          for (int g = 0; g < 8; ++g) {
+            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64));
+            const __m256i w = _mm256_xor_si256(u, flip);
+            const __m256i wa = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i)
+              dot[i] = _mm256_add_epi32(
+                  dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(four(i, 4 * g), w)), ones));
+          }
+        }
+        const uint16_t* sc = sv + b * S * BN;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        if (S == 2) {  // w = d u + m
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BN)));
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m256 ds = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_set1_ps(xs[i * KB + b]));
+            const __m256 t = _mm256_mul_ps(ds, d);
+            const __m256 r = _mm256_mul_ps(m, _mm256_set1_ps(xc[i * KB + b]));
+            y[i] = _mm256_add_ps(_mm256_add_ps(y[i], t), r);
+          }
+        } else {  // w = d (u - zero): the offset leaves the integer sum exactly, sum (u - zero) a
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m256i q = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(zero * xsum[i * KB + b]));
+            const __m256 qs = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(xs[i * KB + b]));
+            y[i] = _mm256_add_ps(y[i], _mm256_mul_ps(qs, d));
+          }
+        }
+      }
+      const bool full = N - col >= 8;
+      const __m256i mask = tail_mask8(N - col);
+      const __m256 bv = !bias ? _mm256_setzero_ps()
+                        : full ? _mm256_loadu_ps(bias + col) : _mm256_maskload_ps(bias + col, mask);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 r = bias ? _mm256_add_ps(y[i], bv) : y[i];
+        if (full) {
+          _mm256_storeu_ps(out + i * ldo + col, r);
+        } else {
+          _mm256_maskstore_ps(out + i * ldo + col, mask, r);
+        }
+      }
+    }
+  }
+};
 #endif
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -198,7 +339,7 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
 
 // ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit, 512
 // for 8-bit); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d); bias [N] or none.
-// Returns [..., N] float32. portable: the portable loop even where the VNNI tiles exist (tests).
+// Returns [..., N] float32. portable: the portable loop even where the VNNI or AVX2 tiles exist (tests).
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias_in, int64_t N, int64_t zero, bool portable) {
   TORCH_CHECK(x_in.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
@@ -218,7 +359,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   const float* bp = optional_vector_data(bias, N, "bias");
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out.view(sizes_with_last(x_in, N));
-#ifndef LADDER_VNNI
+#if !defined(LADDER_VNNI) && !defined(LADDER_AVX2_INT8)
   portable = true;
 #endif
   std::vector<int8_t> xq(M * K);
@@ -228,7 +369,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       auto quantize = quantize_row_portable;
-#ifdef LADDER_VNNI
+#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
       if (!portable) quantize = quantize_row;
 #endif
       quantize(xp + m * K, KB, xq.data() + m * K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB);
@@ -249,7 +390,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
     });
     return out.view(sizes_with_last(x_in, N));
   }
-#ifdef LADDER_VNNI
+#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
   auto call = [&](auto tile, int64_t m, int64_t b) {
     tile(xq.data() + m * K, K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB, KB, cp + b * KB * CB,
          sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N);

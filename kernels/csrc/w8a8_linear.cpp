@@ -2,7 +2,8 @@
 // y [M, N] = (int32(q [M, K] @ w [N, K].T) * x_scale [M, 1]) * w_scale [N] (+ bias), each row of x
 // quantized symmetrically: x_scale = max(max|x_row|, 1e-12) / 127, q = round(x / x_scale) (half to even).
 // AVX-512 VNNI's vpdpbusd takes unsigned activations: rows are stored as q + 128 and 128 * sum_k w[n, k]
-// (`wsum`, computed at packing) is subtracted from the sums.
+// (`wsum`, computed at packing) is subtracted from the sums; the portable loop does the same. The AVX2
+// tiles take q itself, signed (see their vpmaddubsw's bound), and need no `wsum`.
 // Packed weight: [NBLK, KG, 16, 4] int8, 16 output channels by groups of 4 input channels per block.
 #include <torch/library.h>
 
@@ -19,18 +20,29 @@ namespace {
 
 constexpr int GK = 4;  // input channels per vpdpbusd lane
 
+// What a row's bytes hold: q + 128 for vpdpbusd and the portable loop, q (as its low byte) for the AVX2 tiles.
+#ifdef LADDER_AVX2_INT8
+constexpr int32_t kOffset = 0;
+#else
+constexpr int32_t kOffset = 128;
+#endif
+
 // A row's scale from its max |x|: the reference's clamp, then / 127.
 inline float row_scale(float amax) { return std::max(amax, 1e-12f) / 127.f; }
 
-// Row x [K] -> q + 128 as uint8 into xq [KP] (KP = K rounded up to GK, padded with 128, i.e. q = 0) and
-// its scale. The arithmetic is the reference's: amax, clamp, / 127, x / scale, round to even.
+// Row x [K] -> q + kOffset as uint8 into xq [KP] (KP = K rounded up to GK, padded with kOffset, i.e. q = 0)
+// and its scale. The arithmetic is the reference's: amax, clamp, / 127, x / scale, round to even.
 // `given_amax`: the row's max |x| taken over more columns than these K (a row-parallel rank's part).
 void quantize_row(const float* x, int64_t K, int64_t KP, uint8_t* xq, float* x_scale, const float* given_amax) {
   float amax = 0.f;
   if (given_amax) {
     amax = *given_amax;
   } else {
+#ifdef LADDER_AVX2_INT8
+    amax = max_abs(x, K);
+#else
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+#endif
   }
   const float s = row_scale(amax);
   *x_scale = s;
@@ -43,9 +55,18 @@ void quantize_row(const float* x, int64_t K, int64_t KP, uint8_t* xq, float* x_s
     __m512i q = _mm512_add_epi32(_mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), offset);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(q));
   }
+#elif defined(LADDER_AVX2_INT8)
+  // vcvtps2dq rounds in the current mode as nearbyint does (half to even); the low byte is the scalar
+  // loop's uint8 cast.
+  const __m256 vs = _mm256_set1_ps(s);
+  const __m256i low = _mm256_set1_epi32(0xFF);
+  for (; k + 8 <= K; k += 8) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + k), vs));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(xq + k), bytes8(_mm256_and_si256(q, low)));
+  }
 #endif
-  for (; k < K; ++k) xq[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / s)) + 128);
-  for (; k < KP; ++k) xq[k] = 128;
+  for (; k < K; ++k) xq[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / s)) + kOffset);
+  for (; k < KP; ++k) xq[k] = static_cast<uint8_t>(kOffset);
 }
 
 // RAW: `out` is int32 and takes the exact integer sums, sum_k q w, without the float epilogue.
@@ -53,8 +74,16 @@ template <bool RAW>
 struct W8A8Tiles {
   using Fn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*,
                       const float*, const float*, void*, int64_t, int64_t, int64_t);
+#ifdef LADDER_AVX2_INT8
+  // Two int32 accumulators per row and block (8 channels each) beside the block's two weight vectors and
+  // their magnitudes, the broadcast row and the ones: 4 rows of one block (8 + 4 + 2), or one row of two
+  // blocks, in the 16 ymm registers without spills.
+  static constexpr int kMaxMr = 4;
+  static constexpr int kMaxNb[kMaxMr + 1] = {0, 2, 1, 1, 1};
+#else
   static constexpr int kMaxMr = 8;
   static constexpr int kMaxNb[kMaxMr + 1] = {0, 8, 6, 4, 4, 4, 3, 3, 3};
+#endif
 
 #ifdef LADDER_VNNI
   // MR rows times NB consecutive blocks of 16 output channels, over all KG groups of 4 input channels.
@@ -103,6 +132,80 @@ struct W8A8Tiles {
                                                _mm512_set1_ps(xs[i])), s);
         if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, bias + col));
         _mm512_mask_storeu_ps(out + i * ldo + col, mask, y);
+      }
+    }
+  }
+#elif defined(LADDER_AVX2_INT8)
+  // MR rows times NB consecutive blocks of 16 output channels, over all KG groups of 4 input channels; a
+  // group's 64 bytes are two vectors of 8 channels by 4 inputs. vpmaddubsw multiplies unsigned by signed
+  // bytes, so it takes |w| and q with w's sign (vpsignb): |w| <= 128 (w = -128 included: vpabsb's 0x80
+  // read unsigned) and |q| <= 127 (|x / x_scale| <= 127, x_scale >= max |x| / 127) bound each int16
+  // pair sum by 2 * 128 * 127 = 32512 < 32767, so nothing saturates and the sums are exact. vpmaddwd by
+  // ones adds the two pairs of a channel's 4 inputs into its int32 lane, as one vpdpbusd lane does.
+  template <int MR, int NB>
+  static void tile(const uint8_t* __restrict xq, int64_t ldq, const int8_t* __restrict w, int64_t KG,
+                   const int32_t* __restrict, const float* __restrict xs, const float* __restrict scale,
+                   const float* __restrict bias, void* __restrict out_, int64_t ldo, int64_t n0, int64_t N) {
+    constexpr int V = 2 * NB;  // vectors of 8 output channels
+    __m256i acc[MR][V];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t bstride = KG * BN * GK;
+    for (int64_t g = 0; g < KG; ++g) {
+      __m256i wv[V], wa[V];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        const int8_t* wg = w + (v / 2) * bstride + g * BN * GK + (v % 2) * 32;
+        wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+        wa[v] = _mm256_abs_epi8(wv[v]);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, xq + i * ldq + g * GK, sizeof(four));
+        const __m256i xv = _mm256_set1_epi32(four);
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+          acc[i][v] = _mm256_add_epi32(
+              acc[i][v], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[v], _mm256_sign_epi8(xv, wv[v])), ones));
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const int64_t col = n0 + v * 8;
+      if (col >= N) break;
+      const bool full = N - col >= 8;
+      const __m256i mask = tail_mask8(N - col);
+      if constexpr (RAW) {
+        int32_t* out = static_cast<int32_t*>(out_);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          int32_t* o = out + i * ldo + col;
+          if (full) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), acc[i][v]);
+          } else {
+            _mm256_maskstore_epi32(o, mask, acc[i][v]);
+          }
+        }
+        continue;
+      }
+      float* out = static_cast<float*>(out_);
+      const __m256 s = full ? _mm256_loadu_ps(scale + col) : _mm256_maskload_ps(scale + col, mask);
+      const __m256 b = !bias ? _mm256_setzero_ps()
+                       : full ? _mm256_loadu_ps(bias + col) : _mm256_maskload_ps(bias + col, mask);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        // ((float)sum * x_scale) * w_scale (+ bias): the reference's order, no fused multiply-add.
+        __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v]), _mm256_set1_ps(xs[i])), s);
+        if (bias) y = _mm256_add_ps(y, b);
+        if (full) {
+          _mm256_storeu_ps(out + i * ldo + col, y);
+        } else {
+          _mm256_maskstore_ps(out + i * ldo + col, mask, y);
+        }
       }
     }
   }

@@ -53,6 +53,25 @@ def test_equals_the_reference_bit_for_bit(form, m, n, k):
     assert ((_reference(plain, w) - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("form", FORMATS)
+@pytest.mark.parametrize("m", [2, 3, 6, 7])
+@pytest.mark.parametrize("n", [8, 45])
+def test_vector_tiles_equal_the_portable_loop_at_their_edges(form, m, n):
+    """Rows past a multiple of the tiles' (4 on AVX2), a last block of 16 channels cut inside or past its
+    first 8, codes at both ends of their range (the 8-bit AVX2 tiles multiply |u - 128|, up to 128) and a
+    block whose quantization rounds halves (scale 1, a = round(x) half to even): the vector tiles (AVX-512
+    VNNI or AVX2) equal the portable loop and the reference, bit for bit."""
+    x, w, bias = _case(m, n, 96, form)
+    w.codes[0] = 0
+    w.codes[1] = (1 << w.bits) - 1
+    x[0, 64:] = torch.arange(32) % 9 - 3.5  # halves: -3.5 .. 4.5
+    x[0, 64] = 127.0  # max |x| of the block 127: its scale is 1
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    ref = _reference(x, w, bias)
+    for portable in (False, True):
+        assert torch.equal(kernel.w4a8_linear(x, codes, scales, bias, n, w.zero, portable=portable), ref), portable
+
+
 def test_rows_do_not_depend_on_the_batch_or_threads():
     """Batch invariance: a row's output is the same alone, in any batch, on one thread or two."""
     x, w, bias = _case(40, 300, 576, "q4_1")

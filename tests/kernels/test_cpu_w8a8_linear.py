@@ -38,6 +38,26 @@ def test_equals_the_reference_bit_for_bit(m, n, k, with_bias):
     assert out.dtype == torch.float32 and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 7])
+@pytest.mark.parametrize("n,k", [(45, 33), (29, 576), (8, 4)])
+def test_tile_edges_the_whole_int8_range_and_rounding_ties(m, n, k):
+    """The vector tiles' edges (rows past a multiple of the tile's 4 or 8, a last block of 16 channels cut
+    inside or past its first 8, K inside a group of 4), weights over all of int8 (-128 too: the AVX2 tiles
+    multiply |w|, up to 128, by q with w's sign) and a row whose quantization rounds halves (scale 1, q =
+    round(x) half to even): bit for bit the reference, the int32 sums too."""
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    q[0] = -128
+    scale = torch.rand(n, generator=gen) + 0.5
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    x[0] = torch.arange(k) % 9 - 3.5  # halves: -3.5 .. 4.5
+    x[0, 0] = -127.0  # max |x| 127: the row's scale is 1
+    packed, wsum = kernel.pack(q)
+    assert torch.equal(kernel.w8a8_linear(x, packed, wsum, scale, bias, n), kernel.w8a8_matmul_ref(x, q, scale) + bias)
+    assert torch.equal(kernel.w8a8_int32(x, packed, wsum, n), kernel.w8a8_int32_ref(x, q))
+
+
 @pytest.mark.parametrize("m", [1, 9, 33])
 @pytest.mark.parametrize("n,k", [(37, 101), (960, 577), (16, 1)])
 def test_integer_sums_are_exact_and_their_epilogue_is_the_linear(m, n, k):
