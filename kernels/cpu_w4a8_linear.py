@@ -48,6 +48,12 @@ def has_vnni() -> bool:
     return module is not None and module.has_vnni()
 
 
+def has_int8_tiles() -> bool:
+    """Whether the build has vector int8 tiles, AVX-512 VNNI or AVX2 (else the portable loop runs)."""
+    module = load()
+    return module is not None and module.has_int8_tiles()
+
+
 def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32 (K a multiple of 32) -> (a int8 [M, K], s [M, K / 32], s * sum(a) per block)."""
     m, k = x.shape

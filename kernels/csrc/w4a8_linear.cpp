@@ -414,9 +414,21 @@ bool has_vnni() {
 #endif
 }
 
+bool has_int8_tiles() {
+#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace ladder
 
 TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("w4a8_linear", &ladder::w4a8_linear); }
 
-// Whether this build has the AVX-512 VNNI tiles (compiled for this CPU's features).
-TORCH_LIBRARY_FRAGMENT(ladder_cpu, m) { m.def("has_vnni() -> bool", &ladder::has_vnni); }
+// Whether this build has the AVX-512 VNNI tiles, or any vector int8 tiles (VNNI or AVX2), compiled for
+// this CPU's features.
+TORCH_LIBRARY_FRAGMENT(ladder_cpu, m) {
+  m.def("has_vnni() -> bool", &ladder::has_vnni);
+  m.def("has_int8_tiles() -> bool", &ladder::has_int8_tiles);
+}
