@@ -242,6 +242,16 @@ class CompletionRequest(_Request):
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[bool, Strict()] = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_chat_fields(cls, value):
+        """Tools are a chat feature: sent to /v1/completions they would be ignored, not used."""
+        if isinstance(value, dict):
+            for name in ("tools", "tool_choice", "messages"):
+                if value.get(name) is not None:
+                    raise ValueError(f"{name} is not supported on /v1/completions; use /v1/chat/completions")
+        return value
+
     @model_validator(mode="after")
     def _echo_without_logprobs(self):
         if self.echo and self.logprobs is not None:
