@@ -9,11 +9,14 @@ pass produces.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
 import torch
+
+log = logging.getLogger(__name__)
 
 GUIDE_FAILED = "the output constraint of this request failed"
 
@@ -47,8 +50,13 @@ class GuideMasker:
 
     def _compute(self, rows: list[int], matchers: list[llguidance.LLMatcher]) -> StepMasks:
         bitmask = torch.zeros(len(rows), self.words, dtype=torch.int32)  # [R, W], bit j of word w: token 32w + j
-        self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
-                                               self.words * 4, len(rows))
+        try:
+            self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
+                                                   self.words * 4, len(rows))
+        except Exception:  # the guided requests fail, not the step (the unguided rows never wait on this)
+            log.exception("computing the token masks of %d guided rows failed", len(rows))
+            return StepMasks(rows, torch.ones(len(rows), self.vocab_size, dtype=torch.bool),
+                             {row: GUIDE_FAILED for row in rows})
         allowed = ((bitmask[:, :, None] >> self._bits) & 1).bool().reshape(len(rows), -1)[:, :self.vocab_size]
         errors = {}
         for j, m in enumerate(matchers):

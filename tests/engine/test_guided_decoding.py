@@ -134,3 +134,17 @@ def test_pathological_guides_are_refused_quickly(llm):
     assert time.perf_counter() - started < 2
     # The engine serves on.
     assert run(llm, ["Hello"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+
+
+def test_a_failing_mask_ends_the_guided_requests_alone(llm, monkeypatch):
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    alone = run(llm, ["Hello"], plain)[0].token_ids
+
+    def broken(*args):
+        raise RuntimeError("injected mask fault")
+
+    monkeypatch.setattr(llm.engine.masker, "_executor", type("Broken", (), {"unsafe_compute_mask_ptr": broken})())
+    guided = SamplingParams(temperature=0, max_tokens=6, guide=Guide.regex("[a-z]+"))
+    outs = run(llm, ["Hello", "Hi"], [plain, guided])
+    assert outs[0].token_ids == alone
+    assert outs[1].finish_reason.value == "error" and outs[1].error == "the output constraint of this request failed"
