@@ -248,7 +248,8 @@ def create_app(state: ServerState) -> FastAPI:
                     "messages")
         check_token_fields(body, info.vocab_size)
         guide, guide_field = request_guide(body)
-        tools = ToolUse.of(body, tokenizer.chat_template)
+        fmt = tool_format(tokenizer.chat_template)
+        tools = ToolUse.of(body, fmt)
         if tools is not None and tools.forced:
             if guide is not None:  # the forced call's grammar is the output's constraint
                 raise APIError(400, f"{guide_field} cannot be combined with a forced tool call (tool_choice "
@@ -258,8 +259,7 @@ def create_app(state: ServerState) -> FastAPI:
         reservation = state.admission.reserve(body.n)
         try:
             messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
-                                                   tools.definitions if tools is not None else None,
-                                                   tool_format(tokenizer.chat_template))
+                                                   tools.definitions if tools is not None else None, fmt)
             _, ids = await asyncio.to_thread(render_chat, tokenizer, messages,
                                              state.settings.allow_special_tokens_in_content, template_vars)
             requested = body.max_completion_tokens or body.max_tokens
@@ -271,10 +271,10 @@ def create_app(state: ServerState) -> FastAPI:
             # A chat prompt's text is never echoed: only its ids are kept.
             job = Job(new_id("chatcmpl"), [Prompt(ids, "")], sampling_params(body, max_tokens, num_top, guide),
                       state.model_name, num_top)
-            fmt = tools.format if tools is not None else None
-            return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=fmt), request,
+            parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
+            return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
                            chat=True, reservation=reservation,
-                           build=lambda result: chat_response(job, result, tokenizer, fmt))
+                           build=lambda result: chat_response(job, result, tokenizer, parsed))
         except BaseException:
             reservation.release()
             raise

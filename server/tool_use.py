@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.guide import Guide
 from server import protocol as p
-from server.tool_calls import ToolFormat, tool_call_grammar, tool_format
+from server.tool_calls import ToolFormat, tool_call_grammar
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,14 @@ class ToolUse:
     parallel: bool
 
     @classmethod
-    def of(cls, body: p.ChatCompletionRequest, chat_template: str) -> ToolUse | None:
-        """None when the reply cannot hold tool calls (no tools, or tool_choice "none")."""
+    def of(cls, body: p.ChatCompletionRequest, fmt: ToolFormat) -> ToolUse | None:
+        """None when the reply cannot hold tool calls (no tools, or tool_choice "none"). `fmt`: the format of
+        the model's chat template (`tool_format`)."""
         if not body.uses_tools:
             return None
         choice = body.tool_choice
         name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
-        return cls([t.model_dump(exclude_none=True) for t in body.tools], tool_format(chat_template),
+        return cls([t.model_dump(exclude_none=True) for t in body.tools], fmt,
                    required=choice == "required", name=name, parallel=body.parallel_tool_calls)
 
     @property
