@@ -23,6 +23,7 @@ Faults, as designed:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -39,6 +40,7 @@ from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from model.config import ModelConfig
+from model.lora import LoRAAdapter
 from model.precision import precision_of_dtype
 from model.tokenizer import Tokenizer
 
@@ -62,6 +64,16 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: str | None = None
+
+
+@dataclass(frozen=True)
+class _ChangeLoRA:
+    """Add an adapter (read off the engine thread) or remove one by name, between steps."""
+
+    adapter: LoRAAdapter | None
+    name: str
+    done: concurrent.futures.Future
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class EngineInfo:
     # Compiles structured-output guides (thread-safe, cached; None without a tokenizer): the server compiles
     # a request's guide off its event loop to refuse a bad one, and the engine finds it in the cache.
     guides: GuideCompiler | None = None
+    lora_enabled: bool = False  # the engine has LoRA slots: adapters may be loaded at run time
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -109,9 +122,12 @@ class AsyncLLMEngine:
         self.info = EngineInfo(engine.model.name, engine.model.path, engine.tokenizer, engine.model.config.vocab_size,
                                engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size,
                                model_config=engine.model.config, engine_config=engine.config,
-                               precision=weight_precision(engine), guides=engine.guides)
+                               precision=weight_precision(engine), guides=engine.guides,
+                               lora_enabled=engine.lora is not None)
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
-        self.commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        # The adapters served, name -> where it was read from; replaced whole by the engine thread.
+        self.loras: dict[str, Path] = self._lora_paths()
+        self.commands: queue.SimpleQueue[_Add | _Abort | _ChangeLoRA | None] = queue.SimpleQueue()
         # request id -> (the caller's loop, its queue, n)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self.dead_reason: str | None = None
@@ -138,9 +154,11 @@ class AsyncLLMEngine:
         return f"req-{next(self._ids)}"
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[SampleDelta]:
-        """Stream the request's deltas until all its samples finish. Leaving early aborts it."""
+        """Stream the request's deltas until all its samples finish. Leaving early aborts it. `lora`: the
+        adapter to run it with (None: the base model)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
         request_id = request_id or self.new_request_id()
@@ -149,7 +167,7 @@ class AsyncLLMEngine:
         if not self.is_alive:  # died while this request registered: it may have missed the death notice
             self.streams.pop(request_id, None)
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
-        self.commands.put(_Add(request_id, list(prompt_token_ids), params))
+        self.commands.put(_Add(request_id, list(prompt_token_ids), params, lora))
         finished: set[int] = set()
         try:
             while len(finished) < params.n:
@@ -166,6 +184,26 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.commands.put(_Abort(request_id))
+
+    async def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve another adapter from the next step on; ValueError as `LLMEngine.add_lora`."""
+        await self._change_lora(adapter, adapter.name)
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter; KeyError when unknown, LoRAInUseError while requests (queued ones too)
+        use it."""
+        await self._change_lora(None, name)
+
+    async def _change_lora(self, adapter: LoRAAdapter | None, name: str) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is stopped")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.commands.put(_ChangeLoRA(adapter, name, done))
+        await asyncio.wrap_future(done)
+
+    def _lora_paths(self) -> dict[str, Path]:
+        manager = self.engine.lora
+        return {name: a.path for name, a in manager.adapters.items()} if manager is not None else {}
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -254,15 +292,30 @@ class AsyncLLMEngine:
         while command is not None:
             if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            command.lora)
                 except ValueError as error:
                     self._fail_request(command.request_id, command.params.n, str(error))
+            elif isinstance(command, _ChangeLoRA):
+                self._change_lora_now(command)
             else:
                 self.engine.abort(command.request_id)
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _change_lora_now(self, command: _ChangeLoRA) -> None:
+        try:
+            if command.adapter is not None:
+                self.engine.add_lora(command.adapter)
+            else:
+                self.engine.remove_lora(command.name)
+        except (ValueError, KeyError) as error:  # LoRAInUseError is a ValueError
+            command.done.set_exception(error)
+            return
+        self.loras = self._lora_paths()
+        command.done.set_result(None)
 
     def _dispatch(self, deltas: list[SampleDelta]) -> None:
         for delta in deltas:

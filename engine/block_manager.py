@@ -3,7 +3,8 @@
 A block holds `block_size` consecutive tokens of one sequence. Blocks are reference counted so that
 requests with a common prefix share them. A full block whose tokens are computed is registered under a
 chained sha256 of its tokens (the hash of the block before it, then its token ids), so equal hashes mean
-equal whole prefixes. When its last reference goes, a registered block stays in the cache, free but
+equal whole prefixes. The chain starts from the request's `cache_salt`, its LoRA adapter's, so blocks
+computed with one adapter are never found by a request with another (or with none). When its last reference goes, a registered block stays in the cache, free but
 reusable, until the allocator needs it: free blocks are handed out least recently freed first.
 
 The blocks may be split into equal pools (`num_pools`): pool p holds ids [p * n, (p + 1) * n). A request
@@ -153,5 +154,5 @@ class KVBlockManager:
         hashes = request.block_hashes
         for index in range(len(hashes), len(tokens) // self.block_size):
             chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hashlib.sha256(parent + array("q", chunk).tobytes()).digest())

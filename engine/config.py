@@ -47,6 +47,17 @@ class EngineConfig:
     # CPU (ahead at batch 32 and on a prefill-heavy batch in benchmarks/RESULTS.md, "Stop 16"), by heads
     # on CUDA (where the sequence split has not run yet).
     tensor_parallel_attention: str = "heads"
+    # LoRA adapters served beside the base model (model/lora.py), each request choosing one by name:
+    # (name, PEFT directory or GGUF adapter) pairs read at start; enable_lora makes the slots without any,
+    # for adapters loaded at run time. max_loras adapters are resident at once, of rank up to max_lora_rank.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device, self.artifact))
@@ -78,6 +89,24 @@ class EngineConfig:
             object.__setattr__(self, "tensor_parallel_attention", split)
         if self.tensor_parallel_size > 1 and self.artifact is not None:
             raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        modules = self.lora_modules
+        pairs = tuple(modules.items()) if isinstance(modules, dict) else tuple(tuple(pair) for pair in modules)
+        object.__setattr__(self, "lora_modules", pairs)
+        names = [name for name, _ in pairs]
+        if any(not name or not isinstance(name, str) for name in names):
+            raise ValueError("every LoRA module needs a name (name=path)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must be unique, got {names}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.lora_enabled and self.artifact is not None:
+            raise ValueError("LoRA adapters apply to a model, not to a compiled artifact")
+        if self.lora_enabled and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run in one process (--tensor-parallel-size 1)")
 
 
 def fit_to_artifact(config: EngineConfig, shapes: dict[str, int]) -> EngineConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Sequence
 
 from engine.config import EngineConfig
@@ -13,9 +14,17 @@ from model.loader import LoadedModel
 
 
 class LLM:
-    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **config) -> None:
+    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, lora: str | None = None,
+                 **config) -> None:
         """`model`: HF directory, GGUF file, or None for the embedded default (or `loaded`, a model already
-        loaded with `model.load`); `config`: EngineConfig fields."""
+        loaded with `model.load`); `lora`: a LoRA adapter (PEFT directory or GGUF) every prompt runs with
+        unless `generate` names another; `config`: EngineConfig fields (`lora_modules` for several)."""
+        self.default_lora = None
+        if lora is not None:
+            self.default_lora = Path(lora).stem if Path(lora).suffix.lower() == ".gguf" else Path(lora).name
+            modules = config.get("lora_modules", ())
+            modules = tuple(modules.items()) if isinstance(modules, dict) else tuple(modules)
+            config["lora_modules"] = (*modules, (self.default_lora, str(lora)))
         self.engine = LLMEngine(EngineConfig(model=model, **config), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -24,10 +33,13 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the prompts' order.
 
-        A prompt is text (encoded as is, BOS added if the model wants it) or a list of token ids.
+        A prompt is text (encoded as is, BOS added if the model wants it) or a list of token ids. `lora`: an
+        adapter's name for every prompt, or one per prompt (None: the base model); by default the `lora`
+        the LLM was made with.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -35,12 +47,16 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        lora = self.default_lora if lora is None else lora
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA adapters")
         results: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, adapter in zip(prompts, params_list, loras):
             token_ids = self._encode(prompt)
             request_id = str(next(self._ids))
             results[request_id] = RequestOutput(request_id, token_ids, [CompletionOutput(i) for i in range(p.n)])
-            self.engine.add_request(request_id, token_ids, p)
+            self.engine.add_request(request_id, token_ids, p, lora=adapter)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 results[delta.request_id].outputs[delta.index].add(delta)

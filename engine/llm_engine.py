@@ -15,6 +15,7 @@ from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
+from engine.lora_manager import LoRAInUseError, LoRAManager
 from engine.model_runner import ModelInputs, ModelRunner
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
@@ -23,7 +24,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
+from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
+from model.lora import LoRAAdapter, load_adapter
+from model.lora_slots import LoRASlots
 from parallel import tensor_parallel_model
 
 log = logging.getLogger(__name__)
@@ -70,8 +74,9 @@ class LLMEngine:
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                            prefill_bound)
-        self.scheduler = Scheduler(scheduler_config, self.blocks)
-        self.runner = ModelRunner(module, num_blocks)
+        lora_slots = self._set_up_lora(config)
+        self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora)
+        self.runner = ModelRunner(module, num_blocks, lora_slots)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
         vocab = self.model.config.vocab_size
@@ -84,12 +89,53 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stats.observe_queue(self.scheduler, self.blocks)
 
+    def _set_up_lora(self, config: EngineConfig) -> LoRASlots | None:
+        """The LoRA slots on the model and the adapters named at start (None, and `lora` None, without)."""
+        self.lora: LoRAManager | None = None
+        if not config.lora_enabled:
+            return None
+        module = self.model.module
+        if not isinstance(module, LlamaForCausalLM):
+            raise ValueError(f"LoRA adapters run on the eager model in one process, not on {type(module).__name__}")
+        adapters = [load_adapter(path, self.model.config, name) for name, path in config.lora_modules]
+        slots = LoRASlots.attach(module, config.max_loras, config.max_lora_rank)
+        self.lora = LoRAManager(slots)
+        for adapter in adapters:
+            self.lora.add(adapter)
+        return slots
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve another adapter (read with `model.lora.load_adapter` for this model); ValueError when the
+        engine has no LoRA slots, the name is taken, or its rank is over max_lora_rank."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora or --lora-modules)")
+        self.lora.add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter; KeyError when unknown, LoRAInUseError while requests use it."""
+        if self.lora is None or name not in self.lora.adapters:
+            raise KeyError(name)
+        users = sum(1 for samples in self.requests.values() for s in samples if s.lora == name and not s.is_finished)
+        if users:
+            raise LoRAInUseError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
+        self.lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return list(self.lora.adapters) if self.lora is not None else []
+
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; its n samples share the prompt's KV blocks through the prefix cache."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    lora: str | None = None) -> None:
+        """Queue a request; its n samples share the prompt's KV blocks through the prefix cache. `lora`: the
+        name of a loaded adapter to run it with (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora is not None and (self.lora is None or lora not in self.lora.adapters):
+            raise ValueError(f"unknown LoRA adapter {lora!r}" if self.lora is not None else
+                             "this engine serves no LoRA adapters (start it with --enable-lora or --lora-modules)")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -109,7 +155,8 @@ class LLMEngine:
             sample = Request(f"{request_id}#{index}", list(prompt_token_ids), params.replace(seed=seed, n=1),
                              self.eos_token_ids, leader=samples[0] if samples else None,
                              parent_id=request_id, index=index,
-                             matcher=compiled.matcher() if compiled is not None else None)
+                             matcher=compiled.matcher() if compiled is not None else None,
+                             lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"")
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples

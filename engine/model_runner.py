@@ -8,6 +8,7 @@ import torch
 
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+from model.lora_slots import LoRASlots
 from model.step import SeqChunk, StepInputs, StepModel, build_step, run_step
 
 
@@ -18,8 +19,9 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, module: StepModel, num_blocks: int) -> None:
+    def __init__(self, module: StepModel, num_blocks: int, lora: LoRASlots | None = None) -> None:
         self.module = module
+        self.lora = lora  # the model's LoRA slots, told each step's rows
         self.kv_caches = module.allocate_kv_caches(num_blocks)
         # A cache split into pools (one per rank, tensor parallelism by sequences): the step's sequences go
         # pool by pool, so each rank's rows are one contiguous run of the batch (a view, not a gather).
@@ -41,11 +43,18 @@ class ModelRunner:
             end = start + item.num_new_tokens
             # Only a chunk that reaches the request's last known token gives the next token.
             is_sampled = end == request.num_tokens
-            chunks.append(SeqChunk(request.all_token_ids[start:end], start, request.block_ids, int(is_sampled)))
+            chunks.append(SeqChunk(request.all_token_ids[start:end], start, request.block_ids, int(is_sampled),
+                                   request.lora_slot))
             if is_sampled:
                 sample_requests.append(request)
         return ModelInputs(build_step(chunks, self.module.block_size, self.module.device), sample_requests)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [B, vocab] float32 for the rows to sample (B may be 0 when only prefill chunks ran)."""
-        return run_step(self.module, inputs.step, self.kv_caches)
+        if self.lora is None:
+            return run_step(self.module, inputs.step, self.kv_caches)
+        self.lora.rows = inputs.step.adapters
+        try:
+            return run_step(self.module, inputs.step, self.kv_caches)
+        finally:
+            self.lora.rows = None

@@ -71,6 +71,11 @@ class Request:
     # A guided sample's llguidance matcher (engine/guide.py): which tokens may come next, advanced by each
     # token appended. Kept through preemption: the output tokens it has seen are kept too.
     matcher: Any = None
+    # The LoRA adapter the request runs with (None: the base model), the slot it holds while admitted
+    # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
+    lora: str | None = None
+    lora_slot: int = -1
+    cache_salt: bytes = b""
 
     @property
     def num_prompt_tokens(self) -> int:

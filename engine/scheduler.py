@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import CachedPrefix, KVBlockManager
+from engine.lora_manager import LoRAManager
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -65,9 +66,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
+                 adapters: LoRAManager | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        self.adapters = adapters  # LoRA slots, taken at admission and given back at preemption or the end
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -125,6 +128,7 @@ class Scheduler:
                 continue
             break
         # Admissions wait while anything is being preempted: the freed blocks go to older requests.
+        no_slot: list[Request] = []  # waiting for a LoRA slot: the requests behind them go first
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs
                and not out.preempted):
             request = self.waiting[0]
@@ -136,8 +140,12 @@ class Scheduler:
                 continue
             if request.leader is not None and not (request.leader.is_prefill_done or request.leader.is_finished):
                 break  # first come, first served: nothing overtakes a waiting sample
+            if not self._take_adapter(request):
+                no_slot.append(self.waiting.popleft())
+                continue
             admitted = self._allocate_admission(request, min(budget, prefill_budget))
             if admitted is None:
+                self._give_back_adapter(request)
                 break
             prefix, num_new = admitted
             self.waiting.popleft()
@@ -150,6 +158,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             prefill_budget -= num_new
+        self.waiting.extendleft(reversed(no_slot))
         return out
 
     def finish_step(self, output: SchedulerOutput) -> None:
@@ -167,6 +176,7 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
             for request in finished:
                 self.blocks.release(request)
+                self._give_back_adapter(request)
         return finished
 
     def _allocate_admission(self, request: Request, limit: int) -> tuple[CachedPrefix, int] | None:
@@ -201,7 +211,23 @@ class Scheduler:
                 return self.running.pop(index)
         raise RuntimeError(f"no running request holds blocks of pool {pool}")
 
+    def _take_adapter(self, request: Request) -> bool:
+        """Pin a LoRA slot holding the request's adapter (True for a request without one)."""
+        if request.lora is None or request.lora_slot >= 0:
+            return True
+        slot = self.adapters.acquire(request.lora) if self.adapters is not None else None
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _give_back_adapter(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = -1
+
     def _preempt(self, request: Request) -> None:
+        self._give_back_adapter(request)
         self.blocks.release(request)
         request.preempt()
         self.num_preemptions += 1

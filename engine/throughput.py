@@ -45,6 +45,11 @@ class BenchConfig:
     quantization: str = "none"  # the engine's (EngineConfig.quantization); transformers runs unquantized
     tensor_parallel_size: int = 1  # the engine's (EngineConfig.tensor_parallel_size)
     tensor_parallel_attention: str = "heads"  # the engine's (EngineConfig.tensor_parallel_attention)
+    # LoRA adapters (name, path): the prompts run a second time, prompt i with adapter i mod len, and the
+    # table compares that run with the base model's in the same engine (the "ladder+lora" row).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -79,12 +84,12 @@ def make_workload(config: BenchConfig, vocab_size: int, special_ids: frozenset[i
     return Workload(prompts, [length(config.output_len) for _ in range(config.num_prompts)])
 
 
-def run_engine(engine: LLMEngine, work: Workload) -> float:
-    """Seconds to finish every request."""
+def run_engine(engine: LLMEngine, work: Workload, loras: list[str] | None = None, tag: str = "bench") -> float:
+    """Seconds to finish every request (request i with adapter loras[i % len(loras)] when given)."""
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(work.prompts, work.output_lens)):
         params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        engine.add_request(f"bench-{i}", prompt, params)
+        engine.add_request(f"{tag}-{i}", prompt, params, lora=loras[i % len(loras)] if loras else None)
     produced = 0
     while engine.has_unfinished():
         produced += sum(len(d.token_ids) for d in engine.step())
@@ -127,6 +132,8 @@ def run_bench(config: BenchConfig) -> dict:
                                  kv_cache_memory_gib=config.kv_cache_memory_gib,
                                  tensor_parallel_size=config.tensor_parallel_size,
                                  tensor_parallel_attention=config.tensor_parallel_attention,
+                                 lora_modules=config.lora_modules, max_loras=config.max_loras,
+                                 max_lora_rank=config.max_lora_rank,
                                  max_model_len=int((config.input_len + config.output_len)
                                                    * (1 + config.range_ratio)) + 1)
     start = time.perf_counter()
@@ -140,6 +147,10 @@ def run_bench(config: BenchConfig) -> dict:
         run_engine(engine, Workload(work.prompts[:2], [4, 4]))
         warm = engine.stats.snapshot()
         engine_seconds = run_engine(engine, work)
+        lora_names = [name for name, _ in config.lora_modules]
+        if lora_names:  # warmed too: the first steps with adapters load them into their slots
+            run_engine(engine, Workload(work.prompts[:2], [4, 4]), lora_names, tag="warm-lora")
+            lora_seconds = run_engine(engine, work, lora_names, tag="lora")
     finally:
         engine.close()
     stats = engine.stats
@@ -147,6 +158,9 @@ def run_bench(config: BenchConfig) -> dict:
     communication = {op: s - warm["communication"].get(op, 0.0) for op, s in stats.communication.items()}
     step_seconds = {phase: s - warm["seconds"].get(phase, 0.0) for phase, s in stats.seconds.items()}
     rows = {"ladder": summarize(work, engine_seconds, load_seconds)}
+    if config.lora_modules:
+        rows["ladder+lora"] = summarize(work, lora_seconds, load_seconds)
+        rows["ladder+lora"]["vs_base"] = engine_seconds / lora_seconds
     manifest = engine.model.manifest if isinstance(engine.model, LoadedArtifact) else None
     if not config.skip_hf:
         pad = tokenizer.eos_token_id if tokenizer and tokenizer.eos_token_id is not None else 0
@@ -154,7 +168,7 @@ def run_bench(config: BenchConfig) -> dict:
             hf_path, hf_dtype = Path(manifest.model["source"]), torch.float32
         else:
             hf_path, hf_dtype = engine.model.path, engine.model.module.kv_cache_dtype
-        if config.hf_dtype is not None:
+        if config.hf_dtype is not None:  # (transformers runs the base model; no adapters)
             hf_dtype = parse_dtype(config.hf_dtype)
         hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad, engine.model.module.device)
         rows["transformers"] = summarize(work, hf_seconds, hf_load)
@@ -201,6 +215,11 @@ def format_table(report: dict) -> str:
                      f"{row['output_tokens_per_s']:>12.1f}{row['total_tokens_per_s']:>13.1f}{shown:>17}")
     if "transformers" in report["results"]:
         lines.append(f"transformers ran in {report['results']['transformers']['dtype']}")
+    if "ladder+lora" in report["results"]:
+        lora = report["config"]["lora_modules"]
+        lines.append(f"ladder+lora: the same prompts spread over {len(lora)} LoRA adapters, "
+                     f"{report['results']['ladder+lora']['vs_base']:.2f}x the base model's output tok/s "
+                     f"(same engine, same run)")
     steps = report["engine_step_seconds"]
     total = sum(steps.values()) or 1.0
     split = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.throughput import BenchConfig, format_table, run_bench, write_report
 from ladder.device import add_device_argument
+from ladder.lora import add_lora_arguments, lora_config
 from ladder.precision import add_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
 
@@ -37,6 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_device_argument(p)
     add_quantization_argument(p)
     add_tensor_parallel_argument(p)
+    add_lora_arguments(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON report path")
     p.set_defaults(run=run)
 
@@ -51,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype, device=args.device,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         tensor_parallel_attention=args.tensor_parallel_attention,
+        **{k: v for k, v in lora_config(args).items() if k != "enable_lora"},
     )
     report = run_bench(config)
     print(format_table(report))

@@ -33,6 +33,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_device_argument(p)
     add_quantization_argument(p)
     add_tensor_parallel_argument(p)
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA adapter to run the model with: a PEFT directory or a GGUF adapter")
     p.set_defaults(run=run)
 
 
@@ -47,6 +49,15 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model, dtype=args.dtype, device=device,
                   quantization=resolve_quantization(args.quantization, args.dtype, device, args.model,
                                                     args.tensor_parallel_size))
+    if args.lora is not None:
+        if args.tensor_parallel_size != 1:
+            raise ValueError("--lora runs in one process (--tensor-parallel-size 1)")
+        from model.lora import load_adapter
+        from model.lora_slots import LoRASlots
+
+        adapter = load_adapter(args.lora, loaded.config)
+        LoRASlots.with_one(loaded.module, adapter)
+        loaded.name = f"{loaded.name} + {adapter.name}"
     if args.tensor_parallel_size != 1:
         # One sequence: split by sequences, one rank would run all its attention.
         attention = "heads" if args.tensor_parallel_attention == "auto" else args.tensor_parallel_attention

@@ -19,6 +19,7 @@ import time
 from engine.config import EngineConfig
 from ladder import serve_ray
 from ladder.device import add_device_argument
+from ladder.lora import add_lora_arguments, lora_config
 from ladder.precision import add_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
@@ -71,6 +72,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_device_argument(p)
     add_quantization_argument(p)
     add_tensor_parallel_argument(p)
+    add_lora_arguments(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
+        **lora_config(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,

@@ -64,6 +64,7 @@ class SeqChunk:
     num_cached: int  # tokens of the sequence already in the cache before them
     block_table: list[int]  # the sequence's blocks, enough for num_cached + len(token_ids) tokens
     num_sampled: int = 1  # how many of the new tokens, counted from the last, give logits
+    adapter: int = -1  # the LoRA slot its tokens run with (model/lora_slots.py); -1: the base model
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [B] int64 rows of the flat batch whose logits are returned
+    adapters: torch.Tensor | None = None  # [T] int64 LoRA slot of each row (-1: none); None when no row has one
 
 
 @torch.inference_mode()
@@ -83,6 +85,7 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
+    adapters: list[int] = []
     for chunk in chunks:
         if not chunk.token_ids:
             continue
@@ -93,10 +96,12 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         seq_lens.append(end)
         tables.append(chunk.block_table)
         sample_rows.extend(range(len(input_ids) - chunk.num_sampled, len(input_ids)))
+        adapters.extend([chunk.adapter] * len(chunk.token_ids))
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
     as_long = {"dtype": torch.long, "device": device}
+    rows = torch.tensor(adapters, **as_long) if any(a >= 0 for a in adapters) else None
     return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
-                      torch.tensor(sample_rows, **as_long))
+                      torch.tensor(sample_rows, **as_long), rows)
 
 
 @torch.inference_mode()

@@ -41,6 +41,7 @@ from server.generation import (
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
 from server.guides import compile_guide, request_guide
+from server.lora_routes import install_lora_routes
 from server.prompts import check_chars, check_prompts, check_token_fields, render_chat, to_prompts
 from server.tool_calls import ToolFormat, prepare_chat, tool_format
 from server.tool_use import ToolUse
@@ -150,13 +151,18 @@ def create_app(state: ServerState) -> FastAPI:
             await authorize(request)
 
     install_dashboard(app, state, authorize_metrics)
+    install_lora_routes(app, state, authorize)
 
-    def admit(body: p._Request) -> AsyncLLMEngine:
+    def admit(body: p._Request) -> tuple[AsyncLLMEngine, str | None]:
+        """The engine, and the LoRA adapter the request's `model` names (None: the base model)."""
         engine = state.ready_engine()
-        if body.model is not None and body.model != state.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")
-        return engine
+        if body.model is None or body.model == state.model_name:
+            return engine, None
+        if body.model in engine.loras:
+            return engine, body.model
+        served = ", ".join(repr(name) for name in (state.model_name, *engine.loras))
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     def respond(engine: AsyncLLMEngine, job: Job, reply: Reply, request: Request, chat: bool,
                 build: Callable[[Collected], BaseModel], reservation: Reservation) -> Response:
@@ -201,14 +207,16 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models", response_model=p.ModelList, responses=ERRORS, dependencies=[Depends(authorize)])
     async def models() -> p.ModelList:
         engine = state.ready_engine()
-        card = p.ModelCard(id=state.model_name, created=state.settings.created,
-                           max_model_len=engine.info.max_model_len)
-        return p.ModelList(data=[card])
+        created, max_model_len = state.settings.created, engine.info.max_model_len
+        cards = [p.ModelCard(id=state.model_name, created=created, max_model_len=max_model_len)]
+        cards += [p.ModelCard(id=name, created=created, max_model_len=max_model_len, root=str(path),
+                              parent=state.model_name) for name, path in engine.loras.items()]
+        return p.ModelList(data=cards)
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def completions(body: p.CompletionRequest, request: Request):
-        engine = admit(body)
+        engine, lora = admit(body)
         info = engine.info
         tokenizer = info.tokenizer
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -227,7 +235,7 @@ def create_app(state: ServerState) -> FastAPI:
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
             job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs, guide),
-                      state.model_name, body.logprobs)
+                      lora or state.model_name, body.logprobs, lora)
             echo = body.echo
             return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,
                            reservation=reservation,
@@ -239,7 +247,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        engine = admit(body)
+        engine, lora = admit(body)
         info = engine.info
         tokenizer = info.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
@@ -270,7 +278,7 @@ def create_app(state: ServerState) -> FastAPI:
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
             job = Job(new_id("chatcmpl"), [Prompt(ids, "")], sampling_params(body, max_tokens, num_top, guide),
-                      state.model_name, num_top)
+                      lora or state.model_name, num_top, lora)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
                            chat=True, reservation=reservation,

@@ -47,6 +47,7 @@ class Job:
     params: SamplingParams
     model_name: str
     num_top_logprobs: int | None  # None: no logprobs in the response
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,7 +109,8 @@ async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDe
         held: dict[int, SampleDelta] = {}  # sample index -> tokens not yet passed on
         started: set[int] = set()
         try:
-            async for delta in engine.generate(prompt.token_ids, job.params, f"{job.request_id}-{prompt_index}"):
+            async for delta in engine.generate(prompt.token_ids, job.params, f"{job.request_id}-{prompt_index}",
+                                             job.lora):
                 if on_delta is not None:
                     on_delta(delta)
                 delta = joined(held.pop(delta.index, None), delta)

@@ -460,6 +460,28 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ladder"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter: the file or directory it was read from
+    parent: str | None = None  # a LoRA adapter: the model it runs on
+
+
+# A LoRA adapter's name, as requests give it in `model`: no whitespace, and short.
+LoRAName = Annotated[str, Strict(), Field(min_length=1, max_length=256, pattern=r"^\S+$")]
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's route and fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: LoRAName
+    lora_path: Annotated[str, Strict(), Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: LoRAName
+    lora_int_id: Annotated[int, Strict()] | None = None  # vLLM's; names alone identify adapters here
 
 
 class ModelList(BaseModel):
