@@ -62,3 +62,34 @@ def test_same_template_and_greedy_tokens(ours, reference, chat):
     # The answers are real text, not noise: the capital question is answered.
     if "France" in chat[-1]["content"]:
         assert "Paris" in ours.tokenizer.decode(mine)
+
+
+def test_a_lora_adapter_on_the_default_model_gives_peft_tokens(reference, tmp_path):
+    """An adapter made with peft on the default model (fp32 base): ladder's greedy tokens with it equal
+    peft + transformers (a divergence only at a near tie)."""
+    pytest.importorskip("peft")
+    from lora_adapters import ALL_TARGETS, make_peft_adapter
+
+    import model
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    tok, hf = reference
+    path = tmp_path / "smol-lora"
+    peft_model = make_peft_adapter(None, path, dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS), seed=7,
+                                   b_scale=0.5, base=hf)
+    llm = LLM(loaded=model.load(), lora=str(path), kv_cache_memory_gib=0.1, max_model_len=512)
+    changed = 0
+    for chat in CHATS[:3]:
+        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat), add_special_tokens=False)
+        prompt = torch.tensor([ids])
+        gen = peft_model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                                  do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                  eos_token_id=None, pad_token_id=tok.eos_token_id)
+        ref_tokens = gen.sequences[0, len(ids):].tolist()
+        mine = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+        assert_same_greedy(mine.outputs[0].token_ids, ref_tokens, [step[0] for step in gen.logits])
+        base = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                           eos_token_id=None, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        changed += base != ref_tokens
+    assert changed  # the adapter changes what the model says

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from lora_adapters import ALL_TARGETS, make_peft_adapter
+
 from engine.llm import LLM
 from engine.lora_manager import LoRAInUseError, LoRAManager
 from engine.sampling_params import SamplingParams
@@ -23,7 +25,6 @@ PROMPTS = [[1, 17, 33, 90, 5, 66, 41, 12, 7, 250, 31, 8, 99, 120, 4, 18, 77, 3],
            [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (peft LoraConfig arguments, seed): ranks, alphas and targets differ, rsLoRA and a rank pattern too.
 ADAPTERS = {
     "all8": (dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS), 1),
@@ -32,23 +33,6 @@ ADAPTERS = {
     "pattern": (dict(r=8, lora_alpha=32, target_modules=["k_proj", "o_proj", "up_proj"],
                      rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 4}), 4),
 }
-
-
-def make_adapter(base_dir, out_dir, settings: dict, seed: int):
-    """A PEFT adapter with random (non-zero) A and B, saved as adapter_config.json + safetensors."""
-    import peft
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    config = peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **settings)
-    lora_model = peft.get_peft_model(model, config)
-    with torch.no_grad():  # peft's random B is small; scale it so each adapter changes the tokens
-        for name, param in lora_model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20.0)
-    lora_model.save_pretrained(out_dir)
-    return lora_model.eval()
 
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
@@ -70,7 +54,7 @@ def adapters(tiny_hf_dir, tmp_path_factory):
     paths, reference = {}, {}
     for name, (settings, seed) in ADAPTERS.items():
         paths[name] = root / name
-        model = make_adapter(base_dir, paths[name], settings, seed)
+        model = make_peft_adapter(base_dir, paths[name], settings, seed)
         reference[name] = [hf_greedy(model, p) for p in PROMPTS]
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
     reference[None] = [hf_greedy(base, p) for p in PROMPTS]
