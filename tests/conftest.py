@@ -60,15 +60,17 @@ def default_model():
 # compiles (minutes each), a local Ray instance (about a minute of waiting on it), then the files of a
 # minute or so (the default model in two ranks, `ladder serve` processes, doctor's runs, transformers).
 FIRST = (
-    "compile/test_compile_default.py",
     "compile/test_compile.py",
     "deploy/test_ray_serve.py",
     "server/test_server.py",
+    "e2e/test_default_model.py",
     "parallel/test_tensor_parallel.py",
+    "compile/test_compile_default.py",
     "server/test_server_limits.py",
     "server/test_structured_outputs.py",
     "doctor/test_doctor.py",
-    "e2e/test_default_model.py",
+    "server/test_lora_serving.py",
+    "engine/test_lora.py",
     "model/test_model_parity.py",
     "loadtest/test_loadtest_e2e.py",
     "server/test_reliability.py",
@@ -83,7 +85,7 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     # pytest-xdist (3.7 and later) sorts the files by their number of tests before handing them out, which
-    # would send the six slow tests of test_compile_default.py last; keep the order above instead.
+    # would send the slow files with few tests last; keep the order above instead.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     # Each xdist worker takes its share of the cores: two workers of two torch threads each on a
