@@ -4,6 +4,8 @@ API key, an adapter in use is not unloaded, and a bad adapter is refused while t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -143,3 +145,24 @@ def test_a_server_without_lora_slots_refuses_loads(tiny_dir, adapters):
         assert reply.status_code == 400 and "--enable-lora" in reply.json()["error"]["message"]
     finally:
         running.stop()
+
+
+def ladder(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=180)
+
+
+def test_ladder_generate_with_a_lora(tiny_dir, adapters, tmp_path):
+    common = ["generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "8", "--quantization", "none", "--raw"]
+    with_lora = ladder(*common, "--lora", str(adapters["alpha"]))
+    without = ladder(*common)
+    assert with_lora.returncode == 0 and without.returncode == 0, with_lora.stderr + without.stderr
+    assert "+ alpha" in with_lora.stderr and with_lora.stdout != without.stdout
+    offline = LLM(str(tiny_dir), lora=str(adapters["alpha"]), kv_cache_memory_gib=0.01, max_model_len=64,
+                  quantization="none")
+    from engine.sampling_params import SamplingParams
+
+    expected = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert with_lora.stdout.startswith(expected.outputs[0].text[:10])
+    broken = ladder(*common, "--lora", str(tmp_path / "missing"))
+    assert broken.returncode == 1 and len(broken.stderr.strip().splitlines()) == 1
+    assert "no such file" in broken.stderr
