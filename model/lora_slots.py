@@ -8,7 +8,9 @@ the base layer is (float, W8A8, W4A8). Each wrapper holds, for the S slots,
     b [S, P * R, out]  their B transposed and scaled, part p's rows writing only part p's output columns
 
 so one `kernels.lora.lora_add` per projection adds every row's own adapter (zeros where an adapter does
-not target a part: a zero row of A gives a zero in the shrink, a zero column of B adds nothing).
+not target a part: a zero row of A gives a zero in the shrink, a zero column of B adds nothing). A fused
+wrapper passes its parts' output columns as `splits` ([0, q, q + kv, q + 2 kv] for qkv_proj), so the
+kernel reads part p's rank rows of b only in part p's columns (the zeros elsewhere are never read).
 
 A step sets `rows` ([T] int64, a slot per row of the flat batch, -1 for the base model) for its duration
 (engine/model_runner.py); with `rows` None the wrappers are the base layers exactly. A row of slot -1 is
@@ -30,20 +32,22 @@ FUSED_TARGETS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_p
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, slots: LoRASlots, a: torch.Tensor, b: torch.Tensor) -> None:
+    def __init__(self, base: nn.Module, slots: LoRASlots, a: torch.Tensor, b: torch.Tensor,
+                 splits: list[int] | None = None) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = a.shape[-1], b.shape[-1]
         self.slots = [slots]  # a list, so the owner is not registered as a submodule
         # Plain attributes, not buffers: the slots are run-time state, not part of the model's weights.
         self.a, self.b = a, b
+        self.splits = splits  # the parts' cumulative output columns (P > 1), else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         y = self.base(x)
         rows = self.slots[0].rows_for(x.shape[0])
         if rows is None:
             return y
-        return lora_add(y, x, self.a, self.b, rows)
+        return lora_add(y, x, self.a, self.b, rows, self.splits)
 
 
 class LoRASlots:
@@ -70,10 +74,12 @@ class LoRASlots:
                 parent = getattr(layer, block)
                 base = getattr(parent, fused)
                 in_features = target_shape(config, parts[0])[1]
-                out_features = sum(target_shape(config, part)[0] for part in parts)
+                widths = [target_shape(config, part)[0] for part in parts]
+                out_features = sum(widths)
+                splits = [sum(widths[:i]) for i in range(len(widths) + 1)] if len(parts) > 1 else None
                 a = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device)
                 b = torch.zeros(max_loras, len(parts) * max_rank, out_features, dtype=dtype, device=device)
-                wrapper = LoRALinear(base, slots, a, b)
+                wrapper = LoRALinear(base, slots, a, b, splits)
                 setattr(parent, fused, wrapper)
                 slots.wrappers[(index, fused)] = wrapper
         return slots

@@ -1,5 +1,8 @@
 // Batched multi-LoRA (Punica's BGMV) for float32 rows: out = y, plus for every row t with a slot
 // s = rows[t] >= 0, (x[t] @ a[s].T) @ b[s] (a [S, R, K], b [S, R, N], the rank-R product in float32).
+// With `splits` (P + 1 column bounds 0 = c_0 < ... < c_P = N, R divisible by P; empty: one part), the
+// columns c_p .. c_{p+1} take only the ranks of part p, p * R / P .. (p + 1) * R / P: b's entries outside
+// their part's columns are never read (a fused q/k/v projection's block-diagonal b, its zeros skipped).
 //
 // Rows are grouped by slot (a counting sort), so that one slot's a and b are read once per call however
 // many rows share it, and the work is cut into units that threads share: one slot's rows (at most
@@ -9,7 +12,8 @@
 // x, y and slot alone:
 //   shrink  h[t, r] = hsum8(acc): lane l of acc is the fma chain, from 0, over k = l, l + 8, ... in
 //           order (lanes past K multiply zeros), and hsum8(v) = ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7));
-//   expand  out[t, n] = y[t, n] + (the fma chain, from 0, over r = 0 .. R - 1 of h[t, r] * b[s, r, n]).
+//   expand  out[t, n] = y[t, n] + (the fma chain, from 0, over the ranks r of n's part in order of
+//           h[t, r] * b[s, r, n]).
 // The AVX2 tiles (8 float lanes, also what an AVX-512 CPU runs) and the portable loop both compute
 // exactly that, so they agree bit for bit. Rows without a slot are copied.
 #include <ATen/ATen.h>
@@ -40,9 +44,10 @@ constexpr int64_t kMinWork = 65536;    // multiply-adds a thread takes at least 
 inline float hsum8(const float* v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
 // One unit of work: positions p0 .. p1 of the rows grouped by slot (all of one slot, or all without
-// one: slot -1), by ranks (shrink) or columns (expand) c0 .. c1.
+// one: slot -1), by ranks (shrink) or columns (expand) c0 .. c1; an expand unit's columns lie in one
+// part, whose ranks are r0 .. r1.
 struct Unit {
-  int64_t slot, p0, p1, c0, c1;
+  int64_t slot, p0, p1, c0, c1, r0 = 0, r1 = 0;
 };
 
 // What a call works on. `order` lists the rows grouped by slot; h [T, R] holds the shrink of the row
@@ -84,7 +89,7 @@ void expand_unit_portable(const Problem& q, const Unit& u) {
     for (int64_t c = u.c0; c < u.c1; c += kRun) {
       const int64_t width = std::min(kRun, u.c1 - c);
       float acc[kRun] = {};
-      for (int64_t r = 0; r < q.R; ++r)
+      for (int64_t r = u.r0; r < u.r1; ++r)
         for (int64_t l = 0; l < width; ++l) acc[l] = std::fma(h[r], bs[r * q.N + c + l], acc[l]);
       for (int64_t l = 0; l < width; ++l) q.out[t * q.N + c + l] = q.y[t * q.N + c + l] + acc[l];
     }
@@ -233,17 +238,17 @@ void shrink_unit(const Problem& q, const Unit& u) {
   }
 }
 
-// A unit of many rows first copies its block of b ([R, c1 - c0]) together: rows of b N floats apart
-// share L1 sets when N * 4 is a multiple of 4 KiB (gate_up's 3072) and would evict each other.
+// A unit of many rows first copies its block of b ([r1 - r0, c1 - c0]) together: rows of b N floats
+// apart share L1 sets when N * 4 is a multiple of 4 KiB (gate_up's 3072) and would evict each other.
 void expand_unit(const Problem& q, const Unit& u) {
   constexpr int64_t kPackRows = 8;
-  const int64_t width = u.c1 - u.c0;
-  const float* b = q.b + u.slot * q.R * q.N + u.c0;
+  const int64_t width = u.c1 - u.c0, ranks = u.r1 - u.r0;
+  const float* b = q.b + (u.slot * q.R + u.r0) * q.N + u.c0;
   int64_t ldb = q.N;
   thread_local std::vector<float> packed;
   if (u.p1 - u.p0 >= kPackRows) {
-    packed.resize(q.R * width);
-    for (int64_t r = 0; r < q.R; ++r) std::memcpy(packed.data() + r * width, b + r * q.N, width * sizeof(float));
+    packed.resize(ranks * width);
+    for (int64_t r = 0; r < ranks; ++r) std::memcpy(packed.data() + r * width, b + r * q.N, width * sizeof(float));
     b = packed.data();
     ldb = width;
   }
@@ -255,17 +260,17 @@ void expand_unit(const Problem& q, const Unit& u) {
     float* outr[ExpandTiles::kMaxMr];
     for (int i = 0; i < mr; ++i) {
       const int64_t t = q.order[p + i];
-      hr[i] = q.h + (p + i) * q.R;
+      hr[i] = q.h + (p + i) * q.R + u.r0;
       yr[i] = q.y + t * q.N;
       outr[i] = q.out + t * q.N;
     }
     int64_t c = 0;  // from u.c0
     while (c < whole) {
       const int nv = static_cast<int>(std::min<int64_t>(ExpandTiles::kMaxNb[mr], (whole - c) / kLanes));
-      pick<ExpandTiles>(mr, nv)(hr, b + c, ldb, q.R, yr, outr, u.c0 + c);
+      pick<ExpandTiles>(mr, nv)(hr, b + c, ldb, ranks, yr, outr, u.c0 + c);
       c += nv * kLanes;
     }
-    if (c < width) expand_tail(mr, hr, b + c, ldb, q.R, yr, outr, u.c0 + c, width - c);
+    if (c < width) expand_tail(mr, hr, b + c, ldb, ranks, yr, outr, u.c0 + c, width - c);
     p += mr;
   }
 }
@@ -294,10 +299,11 @@ void check_matrix(const at::Tensor& t, int64_t dim, const char* what) {
               " float32 contiguous CPU");
 }
 
-// ladder::lora_add: y [T, N], x [T, K], a [S, R, K], b [S, R, N] float32, rows [T] int64 in -1 .. S - 1.
+// ladder::lora_add: y [T, N], x [T, K], a [S, R, K], b [S, R, N] float32, rows [T] int64 in -1 .. S - 1,
+// splits empty or the P + 1 column bounds of the parts (top of the file).
 // `portable`: the portable loop even where the AVX2 tiles exist (tests; the results are the same).
 at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& rows, bool portable) {
+                    const at::Tensor& rows, c10::IntArrayRef splits, bool portable) {
   check_matrix(y, 2, "y: [T, N]");
   check_matrix(x, 2, "x: [T, K]");
   check_matrix(a, 3, "a: [S, R, K]");
@@ -307,6 +313,16 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   const int64_t T = y.size(0), N = y.size(1), K = x.size(1), S = a.size(0), R = a.size(1);
   TORCH_CHECK(x.size(0) == T && rows.size(0) == T && a.size(2) == K && b.size(0) == S && b.size(1) == R &&
               b.size(2) == N, "lora_add: shapes y [T, N], x [T, K], a [S, R, K], b [S, R, N], rows [T] do not agree");
+  // The parts: bounds[p] .. bounds[p + 1], ranks p * part_ranks .. (p + 1) * part_ranks.
+  std::vector<int64_t> bounds(splits.begin(), splits.end());
+  if (bounds.empty()) bounds = {0, N};
+  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
+  TORCH_CHECK_VALUE(P >= 1 && bounds.front() == 0 && bounds.back() == N, "lora_add: splits must run from 0 to N = ",
+                    N, ", got ", splits);
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK_VALUE(bounds[p] < bounds[p + 1], "lora_add: splits must be strictly increasing, got ", splits);
+  TORCH_CHECK_VALUE(R % P == 0, "lora_add: the rank R = ", R, " must be divisible by the number of parts P = ", P);
+  const int64_t part_ranks = R / P;
 #ifndef LADDER_LORA_AVX2
   (void)portable;  // the portable loop is all there is
 #endif
@@ -334,7 +350,15 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
       if (bucket >= 0)
         for (int64_t r = 0; r < R; r += kRanksPerUnit)
           shrink.push_back({bucket, p, p1, r, std::min(r + kRanksPerUnit, R)});
-      for (int64_t c = 0; c < N; c += kColsPerUnit) expand.push_back({bucket, p, p1, c, std::min(c + kColsPerUnit, N)});
+      if (bucket < 0) {
+        for (int64_t c = 0; c < N; c += kColsPerUnit)
+          expand.push_back({bucket, p, p1, c, std::min(c + kColsPerUnit, N)});
+        continue;
+      }
+      for (int64_t part = 0; part < P; ++part)  // units inside one part: its columns, its ranks
+        for (int64_t c = bounds[part]; c < bounds[part + 1]; c += kColsPerUnit)
+          expand.push_back({bucket, p, p1, c, std::min(c + kColsPerUnit, bounds[part + 1]), part * part_ranks,
+                            (part + 1) * part_ranks});
     }
   const int64_t with_slot = start[S];
   run_units(shrink, with_slot * R * K, [&](const Unit& u) {
@@ -343,7 +367,7 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
 #endif
     shrink_unit_portable(q, u);
   });
-  run_units(expand, with_slot * R * N + (T - with_slot) * N, [&](const Unit& u) {
+  run_units(expand, with_slot * part_ranks * N + (T - with_slot) * N, [&](const Unit& u) {
     if (u.slot < 0) return copy_unit(q, u);
 #ifdef LADDER_LORA_AVX2
     if (!portable) return expand_unit(q, u);
