@@ -5,15 +5,19 @@
 # and 64, and fp32 logits parity of the GPU model against the CPU. Needs torch with CUDA and Triton;
 # nothing from the network, no model files.
 #
-#   benchmarks/gpu_check.sh              on a machine with one NVIDIA GPU (about 5 minutes)
+#   benchmarks/gpu_check.sh              on a machine with one NVIDIA GPU (at most 5 minutes)
 #   benchmarks/gpu_check.sh --dry-run    anywhere: the same code on CPU tensors, tiny shapes, Triton interpreted
+#   benchmarks/gpu_check.sh --sections bandwidth,kernels,parity   then   --sections decode   (two shorter runs)
+#   (--budget-s S: seconds the check plans for; decode batch sizes that would not fit are skipped, with the reason)
 #
 # OUT      directory for gpu_check.json, gpu_check.txt, versions.txt and log.txt
 #          (default: benchmarks/results/gpu-check)
 # PYTHON   interpreter (default: the repository's .venv when it has one, else python3)
-# GPU_CHECK_TIMEOUT  seconds before the check is stopped (default 480)
+# GPU_CHECK_TIMEOUT  seconds before the check is sent SIGTERM (default 280); it then writes what it has
+#          and exits, and is killed 20 s later if it has not
 #
-# Exit status: 0 when every kernel and the parity check pass; the results are written either way.
+# Exit status: 0 when every kernel and the parity check pass; 124 when stopped by the timeout. The
+# results are written after every section, and on the timeout's SIGTERM, so a stopped run keeps them.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,11 +49,14 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 } >"$out/versions.txt" 2>&1
 cat "$out/versions.txt"
 
+limit=${GPU_CHECK_TIMEOUT:-280}
 rc=0
-timeout "${GPU_CHECK_TIMEOUT:-480}" "$python" benchmarks/gpu_check.py "$@" --out "$out" 2>&1 | tee "$out/log.txt" \
+# SIGTERM first: Python's handler writes the figures so far (gpu_check.json, gpu_check.txt); SIGKILL only
+# if it has not exited 20 s later.
+timeout -s TERM -k 20 "$limit" "$python" benchmarks/gpu_check.py "$@" --out "$out" 2>&1 | tee "$out/log.txt" \
   || rc=${PIPESTATUS[0]}
-if ((rc == 124)); then
-  echo "gpu_check: stopped after ${GPU_CHECK_TIMEOUT:-480} s" | tee -a "$out/log.txt"
+if ((rc == 124 || rc == 137)); then
+  echo "gpu_check: stopped after $limit s (exit $rc); partial results kept" | tee -a "$out/log.txt"
 fi
 echo "results in $out"
 exit "$rc"

@@ -59,10 +59,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # One view of the whole projection, then a split along the heads: viewing each non-contiguous slice
+        # instead makes Inductor guard on T == 1 and compile the decode step a second time for batch 2.
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
