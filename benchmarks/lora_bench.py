@@ -32,7 +32,7 @@ from model.config import ModelConfig
 from model.lora import TARGETS, target_shape
 
 
-def write_random_adapter(config: ModelConfig, path: Path, rank: int, seed: int, scale: float = 0.5) -> Path:
+def write_random_adapter(config: ModelConfig, path: Path, rank: int, seed: int, scale: float = 0.1) -> Path:
     """A random PEFT adapter of `rank` on every projection of every layer."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import platform
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ class BenchConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
     max_lora_rank: int = 16
+    lora_rounds: int = 3  # base and LoRA runs alternated this many times; the medians are compared
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -150,17 +152,24 @@ def run_bench(config: BenchConfig) -> dict:
         lora_names = [name for name, _ in config.lora_modules]
         if lora_names:  # warmed too: the first steps with adapters load them into their slots
             run_engine(engine, Workload(work.prompts[:2], [4, 4]), lora_names, tag="warm-lora")
-            lora_seconds = run_engine(engine, work, lora_names, tag="lora")
+            # Alternated, so a noisy neighbour costs both sides alike; medians of each side compared.
+            base_rounds, lora_rounds = [engine_seconds], []
+            for r in range(config.lora_rounds):
+                lora_rounds.append(run_engine(engine, work, lora_names, tag=f"lora{r}"))
+                if r + 1 < config.lora_rounds:
+                    base_rounds.append(run_engine(engine, work, tag=f"base{r}"))
+            engine_seconds, lora_seconds = statistics.median(base_rounds), statistics.median(lora_rounds)
     finally:
         engine.close()
     stats = engine.stats
     # The measured run only: the warm-up's steps (first calls, the workers' too) are left out.
     communication = {op: s - warm["communication"].get(op, 0.0) for op, s in stats.communication.items()}
     step_seconds = {phase: s - warm["seconds"].get(phase, 0.0) for phase, s in stats.seconds.items()}
-    rows = {"ladder": summarize(work, engine_seconds, load_seconds)}
+    rows = {"ladder": summarize(work, engine_seconds, load_seconds)}  # with adapters: the base rounds' median
     if config.lora_modules:
         rows["ladder+lora"] = summarize(work, lora_seconds, load_seconds)
         rows["ladder+lora"]["vs_base"] = engine_seconds / lora_seconds
+        rows["ladder+lora"]["rounds_seconds"] = {"base": base_rounds, "lora": lora_rounds}
     manifest = engine.model.manifest if isinstance(engine.model, LoadedArtifact) else None
     if not config.skip_hf:
         pad = tokenizer.eos_token_id if tokenizer and tokenizer.eos_token_id is not None else 0
@@ -217,9 +226,11 @@ def format_table(report: dict) -> str:
         lines.append(f"transformers ran in {report['results']['transformers']['dtype']}")
     if "ladder+lora" in report["results"]:
         lora = report["config"]["lora_modules"]
-        lines.append(f"ladder+lora: the same prompts spread over {len(lora)} LoRA adapters, "
-                     f"{report['results']['ladder+lora']['vs_base']:.2f}x the base model's output tok/s "
-                     f"(same engine, same run)")
+        row = report["results"]["ladder+lora"]
+        rounds = ", ".join(f"{b / l:.2f}" for b, l in zip(row["rounds_seconds"]["base"], row["rounds_seconds"]["lora"]))
+        lines.append(f"ladder+lora: the same prompts spread over {len(lora)} LoRA adapters, {row['vs_base']:.2f}x "
+                     f"the base model's output tok/s (medians of {len(row['rounds_seconds']['lora'])} alternated "
+                     f"rounds, same engine; per round {rounds})")
     steps = report["engine_step_seconds"]
     total = sum(steps.values()) or 1.0
     split = ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))
