@@ -45,6 +45,8 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    num_lora_loads: int = 0  # LoRA adapters copied into a slot since start (engine/lora_manager.py)
+    num_loras_resident: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> count
     # Tensor parallelism: seconds rank 0 spent in each collective since start (broadcast, all_reduce,
     # gather), all inside the forward phase; empty for one process.
@@ -78,6 +80,9 @@ class EngineStats:
             self.prefix_queries = blocks.prefix_queries
             self.prefix_hits = blocks.prefix_hits
             self.num_preemptions = scheduler.num_preemptions
+            if scheduler.adapters is not None:
+                self.num_lora_loads = scheduler.adapters.num_loads
+                self.num_loras_resident = sum(name is not None for name in scheduler.adapters.resident)
 
     def record_finished(self, request: Request) -> None:
         now = time.monotonic()

@@ -60,6 +60,9 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
         return "w4a8" if tensor_parallel_size == 1 and _runs_w4a8(model) else "w8a8"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")
+    if quantization == "w4a8" and torch.device(device).type == "cuda":
+        # Its only kernel is the CPU one; elsewhere the reference runs a loop per 32-column block.
+        raise ValueError("--quantization w4a8 is a CPU kernel; on CUDA use none (bfloat16), int8 or w8a8")
     return quantization
 
 

@@ -31,6 +31,7 @@ class EngineCollector(Collector):
             "ladder_kv_cache_usage_ratio": ("Fraction of KV blocks held by requests", s["kv_usage"]),
             "ladder_kv_cache_blocks": ("KV blocks in the cache", s["num_blocks"]),
             "ladder_kv_cache_free_blocks": ("KV blocks held by no request", s["num_free_blocks"]),
+            "ladder_lora_adapters_resident": ("LoRA adapters in a slot", s["num_loras_resident"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -41,6 +42,7 @@ class EngineCollector(Collector):
             "ladder_prompt_tokens": ("Prompt tokens computed", s["num_prompt_tokens"]),
             "ladder_generation_tokens": ("Tokens generated", s["num_generation_tokens"]),
             "ladder_engine_steps": ("Engine steps run", s["num_steps"]),
+            "ladder_lora_adapter_loads": ("LoRA adapters copied into a slot", s["num_lora_loads"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -67,7 +67,6 @@ def test_same_template_and_greedy_tokens(ours, reference, chat):
 def test_a_lora_adapter_on_the_default_model_gives_peft_tokens(reference, tmp_path):
     """An adapter made with peft on the default model (fp32 base): ladder's greedy tokens with it equal
     peft + transformers (a divergence only at a near tie)."""
-    pytest.importorskip("peft")
     from lora_adapters import ALL_TARGETS, make_peft_adapter
 
     import model

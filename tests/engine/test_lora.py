@@ -18,8 +18,6 @@ from engine.sampling_params import SamplingParams
 from model.errors import ModelLoadError
 from model.lora import load_adapter
 
-pytest.importorskip("peft")
-
 PROMPTS = [[1, 17, 33, 90, 5, 66, 41, 12, 7, 250, 31, 8, 99, 120, 4, 18, 77, 3],
            [2, 200, 14, 15, 16, 300, 9],
            [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]

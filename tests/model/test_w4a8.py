@@ -68,3 +68,5 @@ def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
         assert tensor_types(path) == {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "q4.gguf").read_bytes()[:300])  # a truncated header
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "cut.gguf") == "w8a8"
+    with pytest.raises(ValueError, match="w4a8 is a CPU kernel"):  # no CUDA path: refused in one line
+        resolve_quantization("w4a8", "float32", "cuda")

@@ -19,8 +19,6 @@ from engine.async_engine import AsyncLLMEngine
 from engine.llm import LLM
 from server.app import ServerSettings, ServerState
 
-pytest.importorskip("peft")
-
 KEY = "sk-lora-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The quick brown fox"
@@ -94,6 +92,10 @@ def test_load_and_unload_at_run_time(server, adapters, tmp_path):
     texts = {name: complete(url, name).json()["choices"][0]["text"] for name in ("beta", "alpha", "beta")}
     assert texts["beta"] != texts["alpha"]
     assert server.state.engine.engine.lora.num_loads >= 3
+    metrics = httpx.get(f"{url}/metrics", headers=AUTH).text
+    assert "ladder_lora_adapters_resident 1.0" in metrics
+    loads = next(line for line in metrics.splitlines() if line.startswith("ladder_lora_adapter_loads_total"))
+    assert float(loads.split()[1]) >= 3
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "beta"}, headers=AUTH)
     assert unloaded.status_code == 200
     assert complete(url, "beta").status_code == 404
