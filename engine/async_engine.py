@@ -199,6 +199,8 @@ class AsyncLLMEngine:
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self.commands.put(_ChangeLoRA(adapter, name, done))
+        if not self.is_alive:  # died meanwhile: its last drain may have run before the put
+            self._drain_lora_changes()
         await asyncio.wrap_future(done)
 
     def _lora_paths(self) -> dict[str, Path]:
@@ -335,3 +337,15 @@ class AsyncLLMEngine:
         self.dead_reason = reason
         for request_id, (_, _, n) in list(self.streams.items()):
             self._fail_request(request_id, n, message)
+        self._drain_lora_changes()
+
+    def _drain_lora_changes(self) -> None:
+        """A dead engine applies no more commands: the adapter changes waiting in the queue fail (the
+        requests waiting there were failed through their streams)."""
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _ChangeLoRA) and not command.done.done():
+                command.done.set_exception(EngineDeadError(self.dead_reason or "the engine is stopped"))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
+from engine.async_engine import EngineDeadError
 from engine.lora_manager import LoRAInUseError
 from model.errors import ModelLoadError
 from model.lora import load_adapter
@@ -42,6 +43,8 @@ def install_lora_routes(app: FastAPI, state: ServerState, authorize) -> None:
         try:
             adapter = await asyncio.to_thread(load_adapter, body.lora_path, engine.info.model_config, name)
             await engine.add_lora(adapter)
+        except EngineDeadError:
+            raise APIError(503, "the engine has stopped after an internal error") from None
         except (ModelLoadError, ValueError) as error:
             raise APIError(400, " ".join(str(error).split()), param="lora_path") from None
         return JSONResponse({"object": "lora_adapter", "id": name, "root": str(adapter.path),
@@ -53,6 +56,8 @@ def install_lora_routes(app: FastAPI, state: ServerState, authorize) -> None:
         name = body.lora_name
         try:
             await engine.remove_lora(name)
+        except EngineDeadError:
+            raise APIError(503, "the engine has stopped after an internal error") from None
         except LoRAInUseError as error:
             raise APIError(409, str(error), param="lora_name") from None
         except KeyError:
