@@ -122,9 +122,6 @@ class LLMEngine:
             raise LoRAInUseError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
         self.lora.remove(name)
 
-    def lora_names(self) -> list[str]:
-        return list(self.lora.adapters) if self.lora is not None else []
-
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

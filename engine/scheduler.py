@@ -13,6 +13,10 @@ bounded delay per step instead of one long stall, and a burst is admitted a few 
 first tokens come out in turn instead of all at the end, and the requests do not all finish (and come
 back) together. With nothing decoding, prompts get the whole step budget.
 
+A request with a LoRA adapter takes a slot of the adapter manager (engine/lora_manager.py) when it is
+admitted and gives it back when it finishes or is preempted; one whose adapter finds no free slot stays
+waiting, and the waiting requests behind it are considered in turn.
+
 With the KV blocks split into pools (engine/block_manager.py), an admitted request goes to the pool
 with the fewest running requests, one holding its prefix winning a near tie, and a preemption frees
 blocks in the pool that ran out: the most recently admitted request of that pool is the victim.

@@ -223,3 +223,36 @@ def test_a_request_longer_than_a_pool_is_refused_with_the_pool_named():
     scheduler = make_pooled(num_blocks=8, block_size=4, max_model_len=64)
     reason = scheduler.why_never_fits(Request("long", list(range(10)), SamplingParams(max_tokens=10)))
     assert reason is not None and "a pool of the cache (one rank's) holds 16" in reason
+
+
+class OneSlot:
+    """The LoRA slot holder of engine/lora_manager.py, without tensors: one slot."""
+
+    max_loras, max_rank = 1, 16
+
+    def load(self, slot, adapter) -> None:
+        pass
+
+    def clear(self, slot) -> None:
+        pass
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_and_the_ones_behind_it_go_first():
+    from engine.lora_manager import LoRAManager
+    from model.lora import LoRAAdapter
+
+    adapters = LoRAManager(OneSlot())
+    for name in ("a", "b"):
+        adapters.add(LoRAAdapter(name, None, 4, {}))
+    sched = Scheduler(SchedulerConfig(8, 64, 256), KVBlockManager(64, 4), adapters)
+    first, other, same = req("first", 6, 5), req("other", 6, 5, seed=1), req("same", 6, 5, seed=2)
+    first.lora, other.lora, same.lora = "a", "b", "a"
+    for r in (first, other, same):
+        sched.add(r)
+    plan = sched.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["first", "same"]  # "other" waits for the slot
+    assert list(sched.waiting) == [other] and adapters.pins == [2]
+    sched.finish_step(plan)
+    run(sched, [])  # drive everything to the end: "other" gets the slot once both "a" requests finish
+    assert all(r.finish_reason is FinishReason.LENGTH for r in (first, other, same))
+    assert adapters.pins == [0] and adapters.resident == ["b"] and adapters.num_loads == 2
