@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Sequence
 
 from engine.config import EngineConfig
@@ -11,6 +10,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from model.loader import LoadedModel
+from model.lora import adapter_name
 
 
 class LLM:
@@ -21,7 +21,7 @@ class LLM:
         unless `generate` names another; `config`: EngineConfig fields (`lora_modules` for several)."""
         self.default_lora = None
         if lora is not None:
-            self.default_lora = Path(lora).stem if Path(lora).suffix.lower() == ".gguf" else Path(lora).name
+            self.default_lora = adapter_name(lora)
             modules = config.get("lora_modules", ())
             modules = tuple(modules.items()) if isinstance(modules, dict) else tuple(modules)
             config["lora_modules"] = (*modules, (self.default_lora, str(lora)))

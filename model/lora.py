@@ -49,14 +49,6 @@ class LoRAAdapter:
     rank: int  # the largest rank of its targets
     weights: dict[tuple[int, str], LoRAWeight]  # (layer, target) -> its low-rank pair
 
-    @property
-    def targets(self) -> list[str]:
-        return sorted({target for _, target in self.weights}, key=TARGETS.index)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
-
 
 def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
     """(out, in) of a target projection of the base model."""
@@ -66,11 +58,17 @@ def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
             "up_proj": (config.intermediate_size, h), "down_proj": (h, config.intermediate_size)}[target]
 
 
+def adapter_name(path: str | Path) -> str:
+    """The name an adapter is served under when none is given: its directory's name, or its file's stem."""
+    path = Path(path).expanduser()
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
 def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None) -> LoRAAdapter:
     """Read a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA
     adapter for a base model of `config`; ModelLoadError (one line, naming the file) for anything else."""
     path = Path(path).expanduser()
-    name = name or (path.stem if path.is_file() else path.name)
+    name = name or adapter_name(path)
     if path.is_dir():
         weights = _read_peft(path, config)
     elif path.is_file() and path.suffix.lower() == ".gguf":

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kernels.lora import lora_add
-from model.config import ModelConfig
 from model.lora import LoRAAdapter, target_shape
 
 # Fused projection -> (the sub-module holding it, the adapter targets it is made of, in output order)
@@ -51,12 +50,10 @@ class LoRALinear(nn.Module):
 
 
 class LoRASlots:
-    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int) -> None:
+    def __init__(self, max_loras: int, max_rank: int) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
-        self.config = config
-        self.max_loras, self.max_rank = max_loras, max_rank
-        self.names: list[str | None] = [None] * max_loras  # the adapter in each slot
+        self.max_loras, self.max_rank = max_loras, max_rank  # which adapter is in which slot: LoRAManager
         self.rows: torch.Tensor | None = None  # [T] int64 during a step with adapters, else None
         # The slot every row uses when `rows` is None (one adapter over a whole model, as `ladder generate
         # --lora` runs it); None: the base model.
@@ -67,7 +64,7 @@ class LoRASlots:
     def attach(cls, module: nn.Module, max_loras: int, max_rank: int) -> LoRASlots:
         """Wrap the projections of every layer of `module` (a LlamaForCausalLM, any precision) in place."""
         config = module.config
-        slots = cls(config, max_loras, max_rank)
+        slots = cls(max_loras, max_rank)
         dtype, device = module.kv_cache_dtype, module.device  # the activations' dtype
         for index, layer in enumerate(module.layers):
             for fused, (block, parts) in FUSED_TARGETS.items():
@@ -98,10 +95,6 @@ class LoRASlots:
         slots.everywhere = 0
         return slots
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.wrappers.values())
-
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` into `slot` (replacing what was there)."""
         if adapter.rank > self.max_rank:
@@ -110,20 +103,15 @@ class LoRASlots:
         self.clear(slot)
         r_max = self.max_rank
         for (index, fused), wrapper in self.wrappers.items():
-            column = 0
+            columns = wrapper.splits or [0, wrapper.out_features]  # part p writes columns[p]:columns[p + 1]
             for part, target in enumerate(FUSED_TARGETS[fused][1]):
-                width = target_shape(self.config, target)[0]
                 weight = adapter.weights.get((index, target))
                 if weight is not None:
-                    rank = weight.a.shape[0]
-                    rows = slice(part * r_max, part * r_max + rank)
+                    rows = slice(part * r_max, part * r_max + weight.a.shape[0])
                     wrapper.a[slot, rows] = weight.a.to(wrapper.a.dtype)
-                    wrapper.b[slot, rows, column:column + width] = weight.b.t().to(wrapper.b.dtype)
-                column += width
-        self.names[slot] = adapter.name
+                    wrapper.b[slot, rows, columns[part]:columns[part + 1]] = weight.b.t().to(wrapper.b.dtype)
 
     def clear(self, slot: int) -> None:
         for wrapper in self.wrappers.values():
             wrapper.a[slot].zero_()
             wrapper.b[slot].zero_()
-        self.names[slot] = None
