@@ -3,12 +3,19 @@
 # (the one the default model ships), with the same closed-loop workload at each concurrency.
 #
 #   benchmarks/peer_llamacpp.sh [--build-only] [--concurrency 1,4,16,32] [--requests-per-user 4]
-#                               [--input-len 128] [--output-len 128] [--out DIR] [-- ladder serve args]
+#                               [--input-len 128] [--output-len 128] [--dataset FILE] [--out DIR]
+#                               [-- ladder serve args]
+#
+# --dataset FILE sends the chat conversations of FILE (JSONL of {"messages": [...]}; see
+# `benchmarks/speculative_bench.py --write-datasets`) greedy through /v1/chat/completions, each answer ending
+# where the model ends it (up to --output-len tokens), instead of random prompts with ignore_eos.
 #
 # llama-server is built once from the llama.cpp sources that llama-cpp-python's source distribution
 # vendors (taken from the package registry), and cached in $LADDER_PEER_CACHE (default
 # ~/.cache/ladder/peer-llamacpp). Where a native build dies with SIGILL, set LLAMACPP_NATIVE=OFF: the
-# build then names the AVX-512 features /proc/cpuinfo lists instead of -march=native.
+# build then names the ISA features /proc/cpuinfo lists (AVX2, AVX-512, VNNI, AMX) instead of -march=native.
+# The results name the host (CPU model, cores, ISA flags) and the build (cmake options, llama.cpp's
+# version) in $OUT/host.json, the table's header and peer_table.json.
 # Never run in CI: it builds a C++ project and takes minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +32,7 @@ INPUT_LEN=128
 OUTPUT_LEN=128
 OUT=benchmarks/results/peer_llamacpp
 BUILD_ONLY=0
+DATASET=
 LADDER_ARGS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -34,13 +42,27 @@ while [[ $# -gt 0 ]]; do
     --input-len) INPUT_LEN=$2; shift 2 ;;
     --output-len) OUTPUT_LEN=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --dataset) DATASET=$2; shift 2 ;;
     --) shift; LADDER_ARGS=("$@"); break ;;
     *) echo "peer_llamacpp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 
-# Keyed by this CPU's feature flags too: a native build from another machine may run here, tuned for that one.
-CPU_KEY=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | sort -u | sha256sum | cut -c1-12)
+# The cmake options of the build: GGML_NATIVE, and without it one GGML_* option per ISA feature that
+# /proc/cpuinfo lists (ggml's option names: avx512f is GGML_AVX512, which also turns on its BW/VL/DQ/CD parts).
+CPU_FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+CMAKE_FLAGS=(-DGGML_NATIVE="$NATIVE" -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF
+             -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release)
+if [[ $NATIVE == OFF ]]; then
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 amx_tile:AMX_TILE \
+              amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
+    [[ $CPU_FLAGS == *" ${pair%%:*} "* ]] && CMAKE_FLAGS+=(-DGGML_"${pair#*:}"=ON)
+  done
+fi
+# Keyed by this CPU's feature flags and the cmake options too: a native build from another machine may run
+# here, tuned for that one, and the options recorded beside the results must be the binary's own.
+CPU_KEY=$(printf '%s\n' $CPU_FLAGS "${CMAKE_FLAGS[@]}" | sort -u | sha256sum | cut -c1-12)
 SERVER_BIN=$CACHE/$VERSION-native-$NATIVE-$CPU_KEY/llama-server
 build_llama_server() {
   local work=$CACHE/build-$VERSION
@@ -51,25 +73,20 @@ build_llama_server() {
   fi
   rm -rf "$work/src" "$work/build" && mkdir -p "$work/src"  # no objects built for another CPU
   tar -xzf "$work/src.tar.gz" -C "$work/src" --strip-components=1
-  local flags=(-DGGML_NATIVE="$NATIVE" -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF
-               -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release)
-  if [[ $NATIVE == OFF ]]; then
-    local cpu; cpu=$(grep -m1 '^flags' /proc/cpuinfo)
-    for feature in avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16; do
-      local option=${feature^^}; option=${option/AVX512_/AVX512_}
-      [[ $cpu == *" $feature "* || $cpu == *" $feature" ]] && flags+=(-DGGML_"$option"=ON)
-    done
-  fi
-  cmake -S "$work/src/vendor/llama.cpp" -B "$work/build" "${flags[@]}" > "$work/cmake.log"
+  cmake -S "$work/src/vendor/llama.cpp" -B "$work/build" "${CMAKE_FLAGS[@]}" > "$work/cmake.log"
   cmake --build "$work/build" --target llama-server -j "$(nproc)" > "$work/build.log"
   mkdir -p "$(dirname "$SERVER_BIN")"
+  # The GGML_* options cmake settled on (what NATIVE turned on is not in the command line), kept with the binary.
+  grep -E '^GGML_[A-Z0-9_]+:BOOL=' "$work/build/CMakeCache.txt" > "$(dirname "$SERVER_BIN")/ggml-options.txt" || true
   cp "$work/build/bin/llama-server" "$SERVER_BIN"
 }
 if [[ ! -x $SERVER_BIN ]]; then
   echo "building llama-server from llama-cpp-python $VERSION's sources (GGML_NATIVE=$NATIVE; once)..."
   build_llama_server
 fi
-"$SERVER_BIN" --version 2>&1 | head -2 || { echo "llama-server does not start (SIGILL? rerun with LLAMACPP_NATIVE=OFF)"; exit 1; }
+SERVER_VERSION=$("$SERVER_BIN" --version 2>&1 | head -2) \
+  || { echo "llama-server does not start (SIGILL? rerun with LLAMACPP_NATIVE=OFF)"; exit 1; }
+echo "$SERVER_VERSION"
 [[ $BUILD_ONLY == 1 ]] && exit 0
 
 GGUF=$("$PY" -c 'from model.default import default_model_path; print(default_model_path())')
@@ -82,6 +99,10 @@ from model.tokenizer import Tokenizer
 Tokenizer.from_gguf_metadata(GGUFCheckpoint(Path(sys.argv[1])).metadata, sys.argv[1]).save(Path(sys.argv[2]))
 EOF
 mkdir -p "$OUT"
+# The host and the peer's build, for the table's header and peer_table.json: figures hold on one CPU.
+"$PY" benchmarks/peer_table.py --record-host "$OUT" --threads "$THREADS" --llamacpp-python "$VERSION" \
+  --server-version "$SERVER_VERSION" --ggml-options "$(dirname "$SERVER_BIN")/ggml-options.txt" \
+  -- "${CMAKE_FLAGS[@]}"
 IFS=, read -r -a LEVELS <<< "$CONCURRENCY"
 MAX_USERS=${LEVELS[-1]}
 PORT_PEER=${PORT_PEER:-8091}
@@ -90,10 +111,14 @@ PORT_LADDER=${PORT_LADDER:-8092}
 source benchmarks/server_wait.sh
 require_free_port "$PORT_PEER" "$PORT_LADDER"
 
+WORKLOAD=(--input-len "$INPUT_LEN")
+if [[ -n $DATASET ]]; then
+  WORKLOAD=(--dataset file --dataset-path "$DATASET" --endpoint chat --temperature 0 --no-ignore-eos)
+fi
 sweep() {  # name base_url
   for users in "${LEVELS[@]}"; do
     "$LADDER" loadtest --base-url "$2" --model default --tokenizer "$TOKENIZER_DIR" \
-      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --max-concurrency "$users" \
+      "${WORKLOAD[@]}" --output-len "$OUTPUT_LEN" --max-concurrency "$users" \
       --num-requests $((users * PER_USER)) --warmup "$users" --seed 0 --quiet --out "$OUT/$1-c$users" \
       > "$OUT/$1-c$users.txt"
     echo "  $1 concurrency $users done"

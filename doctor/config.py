@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.precision import QUANTIZATIONS
+
 
 @dataclass(frozen=True)
 class DoctorConfig:
@@ -13,6 +15,9 @@ class DoctorConfig:
     base_url: str | None = None  # a running ladder server instead of a model loaded here
     api_key: str | None = None
     dtype: str = "float32"
+    # As `ladder serve --quantization` (same choices, same default): auto resolves per model and device in
+    # model/quantization.py, so the doctor examines the linears serve would run.
+    quantization: str = "auto"
     device: str | None = None  # default: cuda when present, else cpu
     max_num_seqs: int = 16  # the engine's sequence cap; the decode sweep goes up to it
     max_num_batched_tokens: int = 2048
@@ -33,6 +38,13 @@ class DoctorConfig:
                      "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.quantization not in ("auto", *QUANTIZATIONS):
+            raise ValueError(f"unknown quantization {self.quantization!r} "
+                             f"(choose from auto, {', '.join(QUANTIZATIONS)})")
+        if self.quantization not in ("auto", "none") and self.model is None and sources:
+            raise ValueError(f"--quantization {self.quantization} applies to a model loaded here, not to "
+                             f"--{sources[0].replace('_', '-')} (an artifact has its compiled precision, a server "
+                             "its own)")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"--num-requests must be at least 1, got {self.num_requests}")
 

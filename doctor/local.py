@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from doctor.breakdown import measure_breakdown
 from doctor.config import DoctorConfig
 from doctor.cost import ModelCost
 from doctor.load import run_engine_load
@@ -19,7 +20,8 @@ from engine.config import GIB, EngineConfig, bytes_per_block
 from engine.llm_engine import LLMEngine
 from kernels.kv_layout import blocks_for_tokens
 from model.loader import LoadedModel, load
-from model.precision import precision_of_dtype
+from model.precision import PRECISIONS, precision_of_dtype
+from model.quantization import resolve_quantization
 
 
 def default_device() -> str:
@@ -41,10 +43,22 @@ def kernels_of(loaded: LoadedModel) -> str:
     module = loaded.module
     ops = getattr(getattr(module, "ops", None), "name", "?")
     attention = type(getattr(module, "attention", None)).__name__
-    return f"eager PyTorch, ops {ops!r}, attention {attention} (not compiled: see `ladder compile`)"
+    quantization = getattr(loaded, "quantization", "none")
+    linears = "" if quantization == "none" else f", {quantization} linears swapped in at load"
+    compiled = ("not compiled: see `ladder compile`" if quantization == "none" or PRECISIONS[quantization].compiled
+                else f"not compiled: `ladder compile` builds no {quantization} artifact")
+    return f"eager PyTorch, ops {ops!r}, attention {attention}{linears} ({compiled})"
 
 
-def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str) -> EngineConfig:
+def quantization_for(config: DoctorConfig, device: str) -> str:
+    """What `ladder serve` with the same options runs: `--quantization` resolved for this model and device
+    (an artifact keeps the precision it was compiled in)."""
+    if config.artifact is not None:
+        return "none"
+    return resolve_quantization(config.quantization, config.dtype, device, config.model)
+
+
+def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str, quantization: str = "none") -> EngineConfig:
     """An engine sized for the doctor's work: a cache that holds the whole load, and the sweeps."""
     num_requests = config.load_requests
     max_model_len = max(config.input_len + config.output_len, config.max_prefill)
@@ -53,7 +67,8 @@ def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str) -> Eng
                  2 * blocks_for_tokens(max_model_len, config.block_size)) * config.block_size
     per_block = bytes_per_block(loaded.config, config.block_size, loaded.module.kv_cache_dtype)
     gib = (blocks_for_tokens(tokens, config.block_size) + 1) * per_block / GIB
-    return EngineConfig(model=config.model, dtype=config.dtype, device=device, max_num_seqs=config.max_num_seqs,
+    return EngineConfig(model=config.model, dtype=config.dtype, device=device, quantization=quantization,
+                        max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                         block_size=config.block_size, kv_cache_memory_gib=gib,
                         enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
@@ -67,14 +82,20 @@ def model_shapes(loaded: LoadedModel, config: DoctorConfig) -> list[tuple[int, i
 
 
 def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
-              on_progress: Callable[[str], None] = lambda _: None) -> DoctorReport:
-    """Measure everything in this process; `loaded` skips loading (a model already in memory)."""
+              on_progress: Callable[[str], None] = lambda _: None,
+              serialize_token: Callable[[str], object] | None = None) -> DoctorReport:
+    """Measure everything in this process; `loaded` skips loading (a model already in memory, whose own
+    quantization then counts). `serialize_token(text)`: the server's SSE chunk of one token, timed in the
+    step breakdown (None: not timed)."""
     device = config.device or default_device()
     if loaded is None:
-        on_progress("loading the model")
+        quantization = quantization_for(config, device)
+        on_progress("loading the model" + ("" if quantization == "none" else f" ({quantization} linears)"))
         loaded = (load_artifact(config.artifact, device) if config.artifact is not None
-                  else load(config.model, dtype=config.dtype, device=device, block_size=config.block_size))
-    engine = LLMEngine(engine_config(config, loaded, device), loaded=loaded)
+                  else load(config.model, dtype=config.dtype, device=device, block_size=config.block_size,
+                            quantization=quantization))
+    quantization = getattr(loaded, "quantization", "none")
+    engine = LLMEngine(engine_config(config, loaded, device, quantization), loaded=loaded)
     module = engine.model.module
     cost = ModelCost(loaded.config, precision_of(loaded), module.kv_cache_dtype.itemsize)
     shapes = model_shapes(loaded, config)
@@ -89,13 +110,23 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
                                     config.seed, on_progress)
     machine, kind = machines[0], cost.matmul_kind
     operating = operating_point("the load's steps", evidence_load.steps, machine, kind)
-    verdict = classify(evidence_for(evidence_load, operating, cost, machine))
+    breakdown = measure_breakdown(engine, machine.memory_bandwidth, cost.precision, config.input_len,
+                                  seed=config.seed, serialize_token=serialize_token, on_progress=on_progress)
+    verdict = classify(evidence_for(evidence_load, operating, cost, machine, is_artifact=config.artifact is not None))
     notes = [note] if (note := contention_note()) else []
     return DoctorReport(loaded.name, str(machine.device), cost, kernels_of(loaded), machines, sweep, evidence_load,
-                        operating, verdict, notes=notes)
+                        operating, verdict, notes=notes, quantization=quantization_of(config, loaded, cost),
+                        breakdown=breakdown)
 
 
-def evidence_for(load_evidence, operating, cost: ModelCost, machine) -> Evidence:
+def quantization_of(config: DoctorConfig, loaded: LoadedModel, cost: ModelCost) -> tuple[str | None, str]:
+    """(--quantization as asked, what the linears run); an artifact's is its own, not asked (None)."""
+    if isinstance(loaded, LoadedArtifact):
+        return None, cost.precision if PRECISIONS[cost.precision].quantized else "none"
+    return config.quantization, getattr(loaded, "quantization", "none")
+
+
+def evidence_for(load_evidence, operating, cost: ModelCost, machine, is_artifact: bool = False) -> Evidence:
     kind = cost.matmul_kind
     return Evidence(
         queue_share=load_evidence.queue_share, occupancy=load_evidence.occupancy,
@@ -104,6 +135,6 @@ def evidence_for(load_evidence, operating, cost: ModelCost, machine) -> Evidence
         roof_fraction=None if operating is None else operating.fraction,
         roof=None if operating is None else operating.roof,
         operating_label=f"the load's {operating.num_steps} steps" if operating else "the load's steps",
-        weight_bytes=cost.weight_bytes, precision=cost.precision,
+        weight_bytes=cost.weight_bytes, precision=cost.precision, is_artifact=is_artifact,
         faster_kinds={k: v / machine.peak[kind] for k, v in machine.peak.items() if k != kind and kind in machine.peak},
     )

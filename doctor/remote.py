@@ -131,7 +131,7 @@ def run_remote(config: DoctorConfig, on_progress: Callable[[str], None] = lambda
               for k, n in ((c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size))]
     machine = measure_machine(device, shapes, on_progress=on_progress)
     operating = operating_point("the load's steps", points, machine, cost.matmul_kind)
-    verdict = classify(evidence_for(evidence, operating, cost, machine))
+    verdict = classify(evidence_for(evidence, operating, cost, machine, is_artifact=bool(served.get("artifact"))))
     kernels = f"served by {root}: {'artifact ' + served['artifact'] if served.get('artifact') else 'eager'}, {precision}"
     notes = []
     if urlparse(root).hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -140,4 +140,6 @@ def run_remote(config: DoctorConfig, on_progress: Callable[[str], None] = lambda
     if (note := contention_note()) is not None:
         notes.append(note)
     return DoctorReport(served["name"], str(device), cost, kernels, [machine], [], evidence, operating, verdict,
-                        notes=notes)
+                        notes=notes,
+                        quantization=(None, precision if precision in PRECISIONS and PRECISIONS[precision].quantized
+                                      else "none"))

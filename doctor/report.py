@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from doctor.breakdown import StepBreakdown
 from doctor.cost import ModelCost
 from doctor.load import LoadEvidence
 from doctor.machine import MachineLimits
@@ -27,6 +28,10 @@ class DoctorReport:
     parallelism: str = "1 rank: no communication"
     notes: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
+    # (--quantization as asked, as resolved: what the linears run); asked is None for a server's or an
+    # artifact's own
+    quantization: tuple[str | None, str] = (None, "none")
+    breakdown: StepBreakdown | None = None  # one batch-1 decode step, op by op (a model loaded here)
 
     @property
     def machine(self) -> MachineLimits:
@@ -39,7 +44,8 @@ class DoctorReport:
     def to_dict(self) -> dict:
         kind = self.cost.matmul_kind
         return {
-            "model": {"name": self.model_name, **self.cost.summary(), "config": self.cost.config.to_dict()},
+            "model": {"name": self.model_name, **self.cost.summary(), "config": self.cost.config.to_dict(),
+                      "quantization": {"asked": self.quantization[0], "resolved": self.quantization[1]}},
             "parallelism": self.parallelism,
             "runtime": self.load.to_dict(),
             "compile": {"kernels": self.kernels,
@@ -49,6 +55,7 @@ class DoctorReport:
                             "label": self.operating.label, "num_steps": self.operating.num_steps,
                             "seconds": self.operating.seconds, "fraction": self.operating.fraction,
                             "roof": self.operating.roof}},
+            "step_breakdown": None if self.breakdown is None else self.breakdown.to_dict(),
             "hardware": [m.to_dict() for m in self.machines],
             "verdict": self.verdict.to_dict(),
             "notes": self.notes,
@@ -81,6 +88,10 @@ def format_report(report: DoctorReport) -> str:
     cost, load, machine, kind = report.cost, report.load, report.machine, report.cost.matmul_kind
     pad = " " * 15
     lines = [f"ladder doctor · {report.model_name} · {cost.precision} on {report.device}", ""]
+    asked, resolved = report.quantization
+    lines.append(f"quantization   {resolved}" + (f" (--quantization {asked}, as `ladder serve` resolves it)"
+                                                 if asked is not None else " (its own: --quantization does not "
+                                                 "choose a server's or an artifact's)"))
     first = cost.decode_step(1, 0)
     lines.append(f"1 model        {si(cost.num_params, '', 1).replace(' ', '')} parameters · {si(cost.weight_bytes, 'B')} of weights "
                  f"read per step ({cost.precision}) · KV cache {si(cost.kv_bytes_per_token, 'B')} per token")
@@ -110,9 +121,39 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"5 hardware     {m.device}, {m.threads} threads: memory copy {si(m.memory_bandwidth, 'B/s')} · "
                      f"{peaks}")
     lines.append(f"{pad}ridge point ({kind}): {machine.ridge(kind):.1f} FLOP/byte")
+    if report.breakdown is not None:
+        lines.append("")
+        lines.extend(format_breakdown(report.breakdown))
     lines.append("")
     lines.append(f"verdict: {report.verdict.bound.upper()} bound")
     lines.extend(f"  - {reason}" for reason in report.verdict.reasons)
     lines.append(f"next step: {report.verdict.next_step}")
     lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)
+
+
+def format_breakdown(b: StepBreakdown) -> list[str]:
+    """The step breakdown as a table: each row's time, share of the step, and for the linears their bytes and
+    the rate they read them at against the copy bandwidth."""
+    first, last = b.contexts
+    lines = [f"one decode step at batch 1, {b.quantization}, context {first}-{last} (median of {b.num_steps} "
+             f"steps; {b.instrumented_step_seconds * 1e3:.2f} ms with the ops timed)",
+             f"  {'phase':<30}{'calls':>6}{'ms':>9}{'of step':>9}{'weights':>11}{'GB/s':>8}{'of copy':>9}"]
+    for p in b.phases:
+        rate = p.bytes_per_s()
+        lines.append(f"  {p.label:<30}{p.calls or '':>6}{p.seconds * 1e3:>9.3f}{pct(p.seconds / b.step_seconds):>9}"
+                     f"{si(p.weight_bytes, 'B') if p.weight_bytes else '':>11}"
+                     f"{f'{rate / 1e9:.1f}' if rate else '':>8}{pct(rate / b.memory_bandwidth) if rate else '':>9}")
+    rate = b.weight_bytes / b.step_seconds
+    lines.append(f"  {'engine step':<30}{'':>6}{b.step_seconds * 1e3:>9.3f}{'100%':>9}{si(b.weight_bytes, 'B'):>11}"
+                 f"{rate / 1e9:>8.1f}{pct(rate / b.memory_bandwidth):>9}")
+    if b.sse_seconds is not None:
+        lines.append(f"  {'+ SSE chunk (server, per token)':<30}{1:>6}{b.sse_seconds * 1e3:>9.3f}")
+    lines.append(f"  python dispatch (step - timed ops): {b.python_seconds * 1e3:.2f} ms, "
+                 f"{pct(b.python_seconds / b.step_seconds)} of the step")
+    if b.weight_bytes:
+        lines.append(f"  roofline floor: {si(b.weight_bytes, 'B')} of weights / {si(b.memory_bandwidth, 'B/s')} copy "
+                     f"bandwidth = {b.floor_seconds * 1e3:.3f} ms; the step takes {b.step_seconds * 1e3:.3f} ms, "
+                     f"{pct(b.floor_fraction)} of the floor's speed")
+    lines.extend(f"  note: {note}" for note in b.notes)
+    return lines

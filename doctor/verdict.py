@@ -4,11 +4,15 @@
 rules go top down, as the five layers do: time spent talking between ranks (parallelism), time spent
 waiting for a slot (runtime), then the step itself, which is either mostly outside the model's maths
 (Python overhead: scheduling, building inputs, dispatching small kernels) or under one of the roofs.
+The next step is for the configuration measured: its precision (`--quantization` as resolved, or an
+artifact's), so a model already serving int8 or 4-bit weights is not told to quantize them again.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from model.precision import PRECISIONS
 
 BOUNDS = ("communication", "queue", "overhead", "memory", "compute")
 COMMUNICATION_SHARE = 0.3  # of step time in collectives
@@ -33,7 +37,8 @@ class Evidence:
     communication_share: float | None = None
     num_ranks: int = 1
     weight_bytes: float | None = None
-    precision: str | None = None
+    precision: str | None = None  # what the linears run in (model/precision.py); None: not known
+    is_artifact: bool = False  # a compiled artifact: its precision changes by compiling another one
     faster_kinds: dict[str, float] = field(default_factory=dict)  # matmul kind -> peak ratio to the model's kind
 
 
@@ -63,29 +68,69 @@ def classify(e: Evidence) -> Verdict:
                                  f"(threshold {pct(QUEUE_SHARE)})", *occupancy_reasons(e)], queue_step(e))
     if e.overhead_share is not None and e.overhead_share >= OVERHEAD_SHARE:
         return Verdict("overhead", [f"{pct(e.overhead_share)} of engine step time is outside the model's forward "
-                                    "(scheduling, building inputs, sampling)"], OVERHEAD_STEP)
+                                    "(scheduling, building inputs, sampling)"], overhead_step(e))
     if e.roof_fraction is None or e.roof is None:
         raise ValueError("no step was measured: the verdict needs the roofline of at least one step")
     if e.roof_fraction < MIN_ROOF_FRACTION:
         return Verdict("overhead", [
             f"{e.operating_label} reach {pct(e.roof_fraction)} of the roofline (threshold "
             f"{pct(MIN_ROOF_FRACTION)}): most of the forward is per-operation dispatch, not bytes or FLOPs"],
-            OVERHEAD_STEP)
+            overhead_step(e))
     reasons = [f"{e.operating_label} sit under the {e.roof} roof and reach {pct(e.roof_fraction)} of it"]
     if e.roof == "memory":
         weights = f"{e.weight_bytes / 1e6:.0f} MB of weights" if e.weight_bytes else "the weights"
         return Verdict("memory", reasons, f"each step reads {weights}: batch more sequences per step so the same "
-                       "bytes serve more tokens (raise --max-num-seqs), and quantize the weights "
-                       "(`ladder compile --precision int8` or `w8a8` reads a quarter of fp32's bytes)")
+                       f"bytes serve more tokens (raise --max-num-seqs){fewer_bytes_step(e)}")
     faster = {k: r for k, r in e.faster_kinds.items() if r > 1.2}
     if faster:
         best = max(faster, key=faster.get)
         step = (f"run the matmuls in {best} (this machine's {best} peak is {faster[best]:.1f}x the "
-                f"{e.precision or 'current'} one): `ladder compile --precision "
-                f"{'w8a8' if best == 'int8' else 'bf16'}`")
+                f"{e.precision or 'current'} one): {precision_change(e, 'w8a8' if best == 'int8' else 'bf16')}")
     else:
         step = "the matmuls already run at this machine's best precision: a faster device (a GPU) is next"
     return Verdict("compute", reasons, step)
+
+
+def precision_change(e: Evidence, target: str) -> str:
+    """How this configuration gets to `target`: another artifact, or another precision at load."""
+    if e.is_artifact:
+        return f"`ladder compile --precision {target}`"
+    if target in ("bf16", "fp16"):
+        return f"`--dtype {target} --quantization none`"
+    return f"`--quantization {target}` (applied at load, as `ladder serve` takes it)"
+
+
+def fewer_bytes_step(e: Evidence) -> str:
+    """The clause after the batching advice: a precision that reads fewer bytes, if this one has any."""
+    if e.precision is None:
+        return ", and quantize the weights (int8 and w8a8 read a quarter of fp32's bytes)"
+    current = PRECISIONS[e.precision]
+    if current.name == "w4a8":
+        return ("; the weights are already 4-bit blocks (w4a8, 0.625 bytes per weight): batching is what "
+                "spreads their bytes over more tokens")
+    if current.quantized:
+        if e.is_artifact:
+            return f"; the weights are already {current.name} (1 byte per weight)"
+        return (f"; the weights are already {current.name} (1 byte per weight): a GGUF of Q4_0, Q4_1 or Q8_0 "
+                "blocks served with `--quantization w4a8` reads 5/8 of that")
+    share = {4: "a quarter", 2: "half"}.get(int(current.weight_bytes), "fewer")
+    return f", and quantize the weights: {precision_change(e, 'w8a8')} reads {share} of {current.name}'s bytes"
+
+
+def overhead_step(e: Evidence) -> str:
+    step = ("fewer, larger steps: batch more sequences per step (raise --max-num-seqs, more concurrent "
+            "requests)")
+    if e.is_artifact:
+        return step + "; on a GPU, graph capture removes the launch cost"
+    if e.precision is not None and not PRECISIONS[e.precision].compiled:
+        return (step + f"; `ladder compile` builds no {e.precision} artifact, so the Python between the eager "
+                "step's operations (the step breakdown) is what is left to cut")
+    if e.precision in (None, "fp32"):
+        compiled = "compile the model (`ladder compile --backend torch-compile`)"
+    else:  # the same precision, compiled: not a change of precision
+        compiled = (f"compile it in the same precision (`ladder compile --backend torch-compile --precision "
+                    f"{e.precision}`)")
+    return step + f", and {compiled} to fuse small operations; on a GPU, graph capture removes the launch cost"
 
 
 def occupancy_reasons(e: Evidence) -> list[str]:
@@ -105,8 +150,3 @@ def queue_step(e: Evidence) -> str:
         return (f"every slot is taken: raise --max-num-seqs above {e.max_num_seqs} while the step stays "
                 "under its roof, or add replicas behind the endpoint")
     return "the engine is busy with the requests it has: add replicas behind the endpoint"
-
-
-OVERHEAD_STEP = ("fewer, larger steps: batch more sequences per step (raise --max-num-seqs, more concurrent "
-                 "requests), and compile the model (`ladder compile --backend torch-compile`) to fuse small "
-                 "operations; on a GPU, graph capture removes the launch cost")

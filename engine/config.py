@@ -11,6 +11,7 @@ import torch
 
 from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
+from model.precision import resolve_dtype
 from model.quantization import resolve_quantization
 from parallel.layout import ATTENTION_SPLITS
 
@@ -23,7 +24,7 @@ CPU_DEFAULT_KV_GIB = 2
 class EngineConfig:
     model: str | None = None  # HF directory, GGUF file, or None for the embedded default
     artifact: str | None = None  # a `ladder compile` artifact directory, served instead of `model`
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32, bfloat16, float16 (fp32, ...), or auto (resolve_dtype); resolved in __post_init__
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present); resolved in __post_init__
     quantization: str = "none"  # none, int8, w8a8, w4a8, or auto (model/quantization.py); resolved in __post_init__
     max_num_seqs: int = 64
@@ -34,8 +35,11 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context, capped by the KV cache
     block_size: int = 16
-    kv_cache_memory_gib: float | None = None  # default: kv_cache_memory_fraction of available memory
-    kv_cache_memory_fraction: float = 0.25
+    kv_cache_memory_gib: float | None = None  # default: the device's rule below (plan_kv_cache)
+    kv_cache_memory_fraction: float = 0.25  # a CPU: this fraction of available memory, at most CPU_DEFAULT_KV_GIB
+    # CUDA: the fraction of the device's memory this engine may fill, vLLM's --gpu-memory-utilization; the
+    # cache gets what is left of it once the model is loaded.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
     # Ranks the model is split over (parallel/): this process and N-1 workers it starts. The KV cache
@@ -54,6 +58,13 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Speculative decoding (engine/speculative.py): draft tokens per step for requests that do not ask for
+    # a number themselves (0: none unless asked; None: 4 with a draft model, else 0), the decoding sequences
+    # above which no request speculates (a step of many sequences is bound by arithmetic, not by weights),
+    # and a draft model of the same vocabulary (engine/draft_model.py; None: drafts by prompt lookup).
+    speculative_tokens: int | None = None
+    speculative_max_batch: int = 4
+    speculative_model: str | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -61,6 +72,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device, self.artifact))
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.artifact is not None and self.quantization not in ("none", "auto"):
             raise ValueError(f"quantization {self.quantization} applies to a model, not to an artifact "
                              "(an artifact has the precision it was compiled in)")
@@ -73,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.artifact is not None and self.model is not None:
             raise ValueError("give a model or an artifact, not both")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -90,6 +104,11 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.artifact is not None:
             raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
         self._check_lora()
+        if self.speculative_tokens is None:
+            object.__setattr__(self, "speculative_tokens", 4 if self.speculative_model is not None else 0)
+        if self.speculative_model is not None and (self.artifact is not None or self.tensor_parallel_size > 1):
+            raise ValueError("a draft model runs beside a model in one process, not with an artifact or "
+                             "tensor parallelism (prompt lookup, without --speculative-model, runs with both)")
 
     def _check_lora(self) -> None:
         modules = self.lora_modules
@@ -147,11 +166,24 @@ def resolve_device(name: str, artifact: str | None = None) -> str:
     return name
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes the KV cache may take from: free device memory, or MemAvailable of the host."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+def gpu_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes for the KV cache on a CUDA device: `utilization` of its memory less what is in use now (the
+    loaded model, and any other process on the device), as vLLM's --gpu-memory-utilization; the rest of
+    the device is headroom for activations. ValueError (one line) when nothing is left."""
+    torch.cuda.empty_cache()  # blocks the allocator caches from loading are free for the cache
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    budget = int(total * utilization) - in_use
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {utilization:g} leaves no room for the KV cache: "
+                         f"{in_use / GIB:.2f} GiB of the device's {total / GIB:.2f} GiB is in use (the model and "
+                         f"any other process), more than its {utilization:g} share of {total * utilization / GIB:.2f}"
+                         " GiB; raise --gpu-memory-utilization or give --kv-cache-memory")
+    return budget
+
+
+def available_memory() -> int:
+    """MemAvailable of the host: the bytes a KV cache on the CPU may take from."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -181,10 +213,13 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
     per_block = bytes_per_block(model, config.block_size, dtype)
     if config.kv_cache_memory_gib is not None:
         budget, source = int(config.kv_cache_memory_gib * GIB), "--kv-cache-memory"
+    elif device.type == "cuda":
+        budget = gpu_kv_budget(device, config.gpu_memory_utilization)
+        source = f"--gpu-memory-utilization {config.gpu_memory_utilization:g}"
     else:
-        budget = int(available_memory(device) * config.kv_cache_memory_fraction)
+        budget = int(available_memory() * config.kv_cache_memory_fraction)
         source = f"{config.kv_cache_memory_fraction:.0%} of available memory"
-        if device.type == "cpu" and budget > CPU_DEFAULT_KV_GIB * GIB:
+        if budget > CPU_DEFAULT_KV_GIB * GIB:
             budget, source = CPU_DEFAULT_KV_GIB * GIB, f"the CPU default of {CPU_DEFAULT_KV_GIB} GiB"
     blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
+from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
 from engine.lora_manager import LoRAInUseError, LoRAManager
@@ -21,13 +23,15 @@ from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
 from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_decode
+from engine.speculative import NgramProposer, Proposer
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
 from model.lora import LoRAAdapter, load_adapter
 from model.lora_slots import LoRASlots
+from model.quantization import resolve_quantization
 from parallel import tensor_parallel_model
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,17 @@ log = logging.getLogger(__name__)
 PREPARE_FAILED = "building this request's step inputs failed"
 OUTPUT_FAILED = "turning this request's next token into text failed"
 REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED, GUIDE_FAILED})
+
+
+@dataclass
+class _Rows:
+    """A step's sampled requests split by whether they speculate, as indexes into `sample_requests`, and
+    their rows of the logits: a plain request's one row, a speculating request's every row."""
+
+    plain: list[int]
+    plain_rows: list[int]
+    speculating: list[int]
+    speculating_rows: list[int]
 
 
 class LLMEngine:
@@ -79,6 +94,7 @@ class LLMEngine:
         self.runner = ModelRunner(module, num_blocks, lora_slots)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
+        self.speculator = self._set_up_speculation(config)
         vocab = self.model.config.vocab_size
         self.guides = GuideCompiler(self.tokenizer, vocab) if self.tokenizer is not None else None
         self.masker = GuideMasker(vocab)
@@ -103,6 +119,17 @@ class LLMEngine:
         for adapter in adapters:
             self.lora.add(adapter)
         return slots
+
+    def _set_up_speculation(self, config: EngineConfig) -> Proposer:
+        """The draft source: a draft model loaded like the served one (its own quantization chosen the same
+        way), or prompt lookup."""
+        if config.speculative_model is None:
+            return NgramProposer(config.speculative_tokens, config.speculative_max_batch)
+        quantization = resolve_quantization("auto", config.dtype, config.device, config.speculative_model)
+        draft = load(config.speculative_model, dtype=config.dtype, device=config.device, quantization=quantization,
+                     block_size=config.block_size)
+        return DraftModelProposer(draft, self.model.config.vocab_size, self.max_model_len, config.speculative_tokens,
+                                  config.speculative_max_batch)
 
     # -- LoRA adapters -------------------------------------------------------------------------
 
@@ -177,6 +204,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release the model's workers, if any; the engine runs no more steps after."""
         self.masker.close()
+        self.speculator.close()
         self.runner.module.close()
 
     # -- the step ------------------------------------------------------------------------------
@@ -184,7 +212,7 @@ class LLMEngine:
     def step(self) -> list[SampleDelta]:
         started = time.perf_counter()
         self._release_finished()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._drafts())
         for sample in batch.rejected:
             self._finish(sample, FinishReason.ERROR, sample.error)
         scheduled_at = time.perf_counter()
@@ -193,27 +221,40 @@ class LLMEngine:
         inputs = self._prepare(batch) if not batch.is_empty else None
         if inputs is not None:
             prepared_at = time.perf_counter()
+            # Requests with drafts are verified (engine/speculative.py); the rest sample one token each.
+            rows = self._row_split(inputs)
+            plain = [inputs.sample_requests[i] for i in rows.plain]
             # The guided rows' masks are computed while the model runs (engine/guide_masks.py).
-            pending_masks = self.masker.start([r.matcher for r in inputs.sample_requests])
+            pending_masks = self.masker.start([r.matcher for r in plain])
             logits = self.runner.forward(inputs)
             forward_at = time.perf_counter()
             masks = pending_masks.result() if pending_masks is not None else None
-            sampled = self.sampler(logits, inputs.sample_requests, masks) if inputs.sample_requests else None
+            plain_logits = logits if not inputs.speculates else logits[rows.plain_rows]
+            sampled = self.sampler(plain_logits, plain, masks) if plain else None
+            speculating = [inputs.sample_requests[i] for i in rows.speculating]
+            drafts = [inputs.drafts[i] for i in rows.speculating]
+            verified = self.sampler.verify(logits[rows.speculating_rows], speculating, drafts) if drafts else []
             sampled_at = time.perf_counter()
             self.stats.record_step(batch, len(inputs.sample_requests), scheduled_at - started,
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
             self.stats.record_communication(self.runner.module.communication_seconds())
             self.scheduler.finish_step(batch)
-            if sampled is not None:
-                for i, request in enumerate(inputs.sample_requests):
-                    error = sampled.error(i) or (masks.errors.get(i) if masks is not None else None)
-                    if error is None:
-                        try:
-                            deltas.extend(self._append_token(request, sampled.token_ids[i], sampled.logprobs[i]))
-                            continue
-                        except Exception:  # its text stream failed: the request's own failure
-                            log.exception("appending a token to request %s failed", request.request_id)
-                            error = OUTPUT_FAILED
+            for i, request in enumerate(plain):
+                error = sampled.error(i) or (masks.errors.get(i) if masks is not None else None)
+                if error is None:
+                    error = self._append(deltas, request, [sampled.token_ids[i]], [sampled.logprobs[i]])
+                if error is not None:
+                    self._finish(request, FinishReason.ERROR, error)
+            for request, draft, outcome in zip(speculating, drafts, verified):
+                error = outcome.error
+                if error is None:
+                    kept = len(outcome.token_ids) - 1
+                    self.speculator.record(request, len(draft), kept)
+                    self.stats.record_speculation(len(draft), kept)
+                    request.num_computed_tokens += kept  # the kept drafts' keys and values are in the cache
+                    error = self._append(deltas, request, outcome.token_ids, outcome.logprobs)
+                    self.blocks.register_computed_blocks(request)
+                if error is not None:
                     self._finish(request, FinishReason.ERROR, error)
         deltas.extend(self.pending)
         self.pending = []
@@ -239,32 +280,78 @@ class LLMEngine:
         batch.scheduled = kept  # finish_step must not count the dropped requests' tokens as computed
         return self.runner.prepare(batch) if kept else None
 
-    def _append_token(self, request: Request, token_id: int, logprobs) -> list[SampleDelta]:
-        now = time.monotonic()
+    def _drafts(self) -> dict[Request, list[int]]:
+        """Speculative drafts for the requests about to decode. Drafts only ever cost speed (the model
+        verifies each), so a draft source that fails leaves this step without them, not the requests."""
+        decoding = [r for r in self.scheduler.running if is_decode(r)]
+        try:
+            return self.speculator.propose(decoding, self.max_model_len)
+        except Exception:
+            log.exception("proposing speculative drafts failed; this step decodes without them")
+            return {}
+
+    @staticmethod
+    def _row_split(inputs: ModelInputs) -> _Rows:
+        """Which sampled requests speculate, and their rows of the step's logits."""
+        if not inputs.speculates:
+            every = list(range(len(inputs.sample_requests)))
+            return _Rows(every, every, [], [])
+        rows = _Rows([], [], [], [])
+        start = 0
+        for i, draft in enumerate(inputs.drafts):
+            end = start + len(draft) + 1
+            if draft:
+                rows.speculating.append(i)
+                rows.speculating_rows.extend(range(start, end))
+            else:
+                rows.plain.append(i)
+                rows.plain_rows.append(start)
+            start = end
+        return rows
+
+    def _append(self, deltas: list[SampleDelta], request: Request, token_ids: list[int], logprobs: list) -> str | None:
+        """Append a step's tokens to the request and their delta to `deltas`; the error the request ends with
+        when its text stream fails (its own failure), else None."""
+        try:
+            deltas.append(self._append_tokens(request, token_ids, logprobs))
+            return None
+        except Exception:
+            log.exception("appending tokens to request %s failed", request.request_id)
+            return OUTPUT_FAILED
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list) -> SampleDelta:
+        """Append tokens one at a time, checking the stop conditions after each: the ones after a stop are
+        dropped. One delta for them all."""
         if request.first_token_time is None:
-            request.first_token_time = now
-        request.output_token_ids.append(token_id)
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
+            request.first_token_time = time.monotonic()
         stream = self.streams[request]
-        text = stream.push(token_id)
         params = request.params
-        reason = None
-        guide_done = False
-        if request.matcher is not None:
-            if not request.matcher.consume_token(token_id):
-                raise RuntimeError(f"the guide refused token {token_id}: {request.matcher.get_error()}")
-            guide_done = request.matcher.is_stopped()  # complete: nothing but a stop token could follow
-        if stream.stopped or guide_done:
-            reason = FinishReason.STOP
-        elif token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
-            reason = FinishReason.STOP
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            text += stream.finish()
-            request.finish(reason)
-        return [self._delta(request, [token_id], text, [logprobs] if logprobs else [])]
+        text = ""
+        appended: list[int] = []
+        for token_id, token_logprobs in zip(token_ids, logprobs):
+            appended.append(token_id)
+            request.output_token_ids.append(token_id)
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs)
+            text += stream.push(token_id)
+            reason = None
+            guide_done = False
+            if request.matcher is not None:
+                if not request.matcher.consume_token(token_id):
+                    raise RuntimeError(f"the guide refused token {token_id}: {request.matcher.get_error()}")
+                guide_done = request.matcher.is_stopped()  # complete: nothing but a stop token could follow
+            if stream.stopped or guide_done:
+                reason = FinishReason.STOP
+            elif token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
+                reason = FinishReason.STOP
+            elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                text += stream.finish()
+                request.finish(reason)
+                break
+        kept_logprobs = [lp for lp in logprobs[:len(appended)] if lp is not None]
+        return self._delta(request, appended, text, kept_logprobs)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         request.finish(reason, error)
@@ -284,4 +371,5 @@ class LLMEngine:
             for sample in self.requests.pop(request_id):
                 self.streams.pop(sample, None)
                 self.sampler.forget(sample.request_id)
+                self.speculator.forget(sample.request_id)
                 self.stats.record_finished(sample)

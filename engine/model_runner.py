@@ -16,6 +16,13 @@ from model.step import SeqChunk, StepInputs, StepModel, build_step, run_step
 class ModelInputs:
     step: StepInputs
     sample_requests: list[Request]  # the requests whose rows are sampled, in the step's sample_rows order
+    # Per sampled request, the speculative drafts its step verifies: it has len(drafts) + 1 rows of logits,
+    # the last token's and each draft's, consecutive. All empty in a step without speculation.
+    drafts: list[tuple[int, ...]]
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
 
 
 class ModelRunner:
@@ -35,19 +42,22 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         chunks: list[SeqChunk] = []
         sample_requests: list[Request] = []
+        drafts: list[tuple[int, ...]] = []
         scheduled = batch.scheduled
         if self.num_pools > 1:
             scheduled = sorted(scheduled, key=lambda item: item.request.kv_pool)  # stable: order within a pool kept
         for item in scheduled:
-            request, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            # Only a chunk that reaches the request's last known token gives the next token.
+            request, start, draft = item.request, item.request.num_computed_tokens, item.draft_token_ids
+            end = start + item.num_new_tokens - len(draft)
+            # Only a chunk that reaches the request's last known token gives the next token (and its
+            # drafts' rows, each of which gives the token after it).
             is_sampled = end == request.num_tokens
-            chunks.append(SeqChunk(request.all_token_ids[start:end], start, request.block_ids, int(is_sampled),
-                                   request.lora_slot))
+            tokens = request.all_token_ids[start:end] + list(draft)
+            chunks.append(SeqChunk(tokens, start, request.block_ids, (1 + len(draft)) * is_sampled, request.lora_slot))
             if is_sampled:
                 sample_requests.append(request)
-        return ModelInputs(build_step(chunks, self.module.block_size, self.module.device), sample_requests)
+                drafts.append(draft)
+        return ModelInputs(build_step(chunks, self.module.block_size, self.module.device), sample_requests, drafts)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [B, vocab] float32 for the rows to sample (B may be 0 when only prefill chunks ran)."""

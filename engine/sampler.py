@@ -143,25 +143,69 @@ class Sampler:
         broken = logits.amax(dim=-1).isnan().nonzero()[:, 0].tolist()
         if broken:
             logits[broken] = 0.0  # so the rest of the batch samples as usual
-        # Filters run on the sampled rows that use them (a greedy row's argmax survives every filter).
-        vocab = logits.shape[1]
-        top_k_rows = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k < vocab]
-        if top_k_rows:
-            apply_top_k_(logits, top_k_rows, [params[i].top_k for i in top_k_rows])
-        probs = torch.softmax(logits, dim=-1)
-        # A row with top_p 1 is left alone whatever else the batch holds (through the filter, it would lose
-        # the tail tokens whose preceding mass rounds to 1 in float32).
-        top_p_rows = [i for i, p in enumerate(params) if not p.is_greedy and p.top_p < 1.0]
-        if top_p_rows:
-            apply_top_p_(probs, top_p_rows, [params[i].top_p for i in top_p_rows])
-        min_p = [0.0 if p.is_greedy else p.min_p for p in params]
-        if any(min_p):
-            probs = apply_min_p(probs, torch.tensor(min_p, device=device))
-        sampled = draw(probs, uniform)
+        sampled = draw(filtered_probs(logits, params), uniform)
         if any(p.is_greedy for p in params):
             greedy = torch.tensor([p.is_greedy for p in params], device=device)
             sampled = torch.where(greedy, argmax_rows(logits), sampled)
         return finish(raw_logits, sampled.tolist(), params, broken)
+
+    def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]) -> list[Verified]:
+        """Speculative drafts checked against the model (engine/speculative.py). logits [R, V] float32: request
+        j's len(drafts[j]) + 1 rows, consecutive, in order (the row after its last token, then after each
+        draft). Only requests without penalties, grammar or pending min_tokens speculate, so every row's
+        distribution is the request's parameters applied to that row alone.
+
+        Greedy: the drafts up to the first the argmax disagrees with are kept, then the argmax of the next
+        row: the tokens decoding one at a time would give. Sampled: draft d is kept with probability p(d)
+        (the draft is a point mass, so min(1, p/q) is p); the first refused one is replaced by a draw from p
+        without d, renormalized, and if every draft is kept a last token is drawn from the next row. Each
+        token is then distributed exactly as plain sampling would draw it."""
+        verified = []
+        start = 0
+        for request, draft in zip(requests, drafts):
+            rows = logits[start:start + len(draft) + 1]
+            start += len(draft) + 1
+            try:
+                verified.append(self._verify(rows, request, draft))
+            except Exception:
+                log.exception("verifying the drafts of request %s failed; it ends with an error", request.request_id)
+                verified.append(Verified([], [], SAMPLING_FAILED))
+        return verified
+
+    def _verify(self, rows: torch.Tensor, request: Request, draft: tuple[int, ...]) -> Verified:
+        params = request.params
+        x = rows
+        if params.logit_bias:
+            x = x.clone()
+            apply_logit_bias(x, [params] * len(rows))
+        if not params.is_greedy:
+            x = x / params.temperature
+        if params.logit_bias or not params.is_greedy:
+            x = x.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        if x.isnan().any():  # the model failed on this sequence (a NaN anywhere is not a distribution)
+            return Verified([], [], NON_FINITE_LOGITS)
+        if params.is_greedy:
+            chosen = argmax_rows(x).tolist()
+            kept = 0
+            while kept < len(draft) and chosen[kept] == draft[kept]:
+                kept += 1
+            token_ids = [*draft[:kept], chosen[kept]]
+        else:
+            probs = filtered_probs(x, [params] * len(rows))  # [k + 1, V], unnormalized
+            token_ids = []
+            for j, p in enumerate(probs):
+                if j == len(draft):  # every draft kept: the model's own next token
+                    token_ids.append(int(draw(p[None], self._uniform(request)[None])[0]))
+                    break
+                if self._uniform(request) * p.sum() < p[draft[j]]:
+                    token_ids.append(draft[j])
+                    continue
+                residual = p.clone()
+                residual[draft[j]] = 0.0  # has mass: the draw fell past p(d), inside the rest
+                token_ids.append(int(draw(residual[None], self._uniform(request)[None])[0]))
+                break
+        return Verified(token_ids, compute_logprobs(rows[:len(token_ids)], token_ids,
+                                                    [params.logprobs] * len(token_ids)))
 
     def _uniform(self, request: Request) -> torch.Tensor:
         seed = request.params.seed
@@ -183,6 +227,35 @@ class Sampler:
                     stops |= request.eos_token_ids
                 if stops:
                     logits[row, list(stops)] = float("-inf")
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One request's outcome of a speculative step: its kept drafts and the model's own next token."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    error: str | None = None  # why the request failed instead (token_ids empty)
+
+
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Tempered logits [B, V] (edited in place) -> probabilities after top-k, top-p and min-p, unnormalized
+    after the filters. Each filter runs on the sampled rows that use it (a greedy row's argmax survives
+    every filter)."""
+    vocab = logits.shape[1]
+    top_k_rows = [i for i, p in enumerate(params) if not p.is_greedy and 0 < p.top_k < vocab]
+    if top_k_rows:
+        apply_top_k_(logits, top_k_rows, [params[i].top_k for i in top_k_rows])
+    probs = torch.softmax(logits, dim=-1)
+    # A row with top_p 1 is left alone whatever else the batch holds (through the filter, it would lose
+    # the tail tokens whose preceding mass rounds to 1 in float32).
+    top_p_rows = [i for i, p in enumerate(params) if not p.is_greedy and p.top_p < 1.0]
+    if top_p_rows:
+        apply_top_p_(probs, top_p_rows, [params[i].top_p for i in top_p_rows])
+    min_p = [0.0 if p.is_greedy else p.min_p for p in params]
+    if any(min_p):
+        probs = apply_min_p(probs, torch.tensor(min_p, device=logits.device))
+    return probs
 
 
 def row_masks(masks: StepMasks | None, row: int) -> StepMasks | None:

@@ -11,6 +11,7 @@ from engine.guide import Guide
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW = 1e-5
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens per step a request may ask for (engine/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class SamplingParams:
     (repetition: over prompt and generated tokens; 1 disables it). `logit_bias` adds to a token's logit
     before everything else (OpenAI's -100 bans a token, +100 all but forces it); `guide` constrains the
     output to a JSON schema, regex, choice or grammar (engine/guide.py), and the request stops when it is
-    complete.
+    complete. `speculative_tokens` is how many draft tokens per step prompt lookup may propose for it
+    (engine/speculative.py): 0 never, None the engine's default.
     """
 
     n: int = 1
@@ -43,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; a mapping is accepted
     guide: Guide | None = None
+    speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +76,8 @@ class SamplingParams:
             (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
              f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must not be negative"),
+            (self.speculative_tokens is None or 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

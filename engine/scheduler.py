@@ -51,7 +51,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens from request.num_computed_tokens on to run this step
+    num_new_tokens: int  # tokens from request.num_computed_tokens on to run this step, drafts included
+    # Speculative drafts run after the request's last token (engine/speculative.py): the step computes
+    # them, but they count as computed only once the sampler accepts them.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -97,14 +100,16 @@ class Scheduler:
             return f"request needs up to {longest} tokens of KV cache but {whole} holds {capacity}"
         return None
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[Request, list[int]] | None = None) -> SchedulerOutput:
+        """`drafts`: speculative tokens to verify after decoding requests' last token; a request's drafts
+        are cut to the step's budget, and dropped before anything is preempted for their blocks."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Prompt tokens also draw on prefill_budget; decodes (one token each) only on budget.
         prefill_budget = budget
         if self.config.max_prefill_tokens is not None and any(is_decode(r) for r in self.running):
             prefill_budget = self.config.max_prefill_tokens
-        scheduled: list[Request] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -116,6 +121,12 @@ class Scheduler:
                     continue
                 remaining = min(remaining, prefill_budget)
             num_new = min(remaining, budget)
+            draft = tuple(drafts.get(request, ()))[:budget - 1] if not is_prompt else ()
+            if draft and self.blocks.allocate(request, num_new + len(draft)):
+                out.scheduled.append(ScheduledRequest(request, num_new + len(draft), draft))
+                budget -= num_new + len(draft)
+                index += 1
+                continue
             while not self.blocks.allocate(request, num_new):
                 victim = self._pop_victim(request.kv_pool)  # the pool's most recently admitted
                 self._preempt(victim)
@@ -123,7 +134,6 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(request)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
                 if is_prompt:
@@ -168,7 +178,7 @@ class Scheduler:
     def finish_step(self, output: SchedulerOutput) -> None:
         """After the model ran: count computed tokens and cache the full blocks they completed."""
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
             self.blocks.register_computed_blocks(item.request)
 
     def remove_finished(self) -> list[Request]:

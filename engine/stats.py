@@ -48,6 +48,10 @@ class EngineStats:
     num_lora_loads: int = 0  # LoRA adapters copied into a slot since start (engine/lora_manager.py)
     num_loras_resident: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> count
+    # Speculative decoding (engine/speculative.py): draft tokens verified, and of those accepted (each an
+    # output token beyond the one a step gives anyway).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Tensor parallelism: seconds rank 0 spent in each collective since start (broadcast, all_reduce,
     # gather), all inside the forward phase; empty for one process.
     communication: dict[str, float] = field(default_factory=dict)
@@ -65,6 +69,12 @@ class EngineStats:
                 self.num_prompt_tokens += min(item.num_new_tokens, prompt_left)
             self.num_generation_tokens += num_sampled
             self.seconds.update({"schedule": schedule, "prepare": prepare, "forward": forward, "sample": sample})
+
+    def record_speculation(self, num_drafts: int, num_accepted: int) -> None:
+        with self.lock:
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            self.num_generation_tokens += num_accepted
 
     def record_communication(self, seconds: dict[str, float]) -> None:
         with self.lock:

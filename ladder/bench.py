@@ -8,7 +8,7 @@ from pathlib import Path
 from engine.throughput import BenchConfig, format_table, run_bench, write_report
 from ladder.device import add_device_argument
 from ladder.lora import add_lora_arguments, lora_config
-from ladder.precision import add_dtype_argument, add_quantization_argument
+from ladder.precision import add_auto_dtype_argument, add_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
 
 
@@ -24,7 +24,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="spread lengths by +/- this fraction")
     p.add_argument("--seed", type=int, default=0)
-    add_dtype_argument(p)
+    add_auto_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-prefill-tokens", type=int, default=None,

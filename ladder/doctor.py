@@ -6,9 +6,10 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ladder.precision import add_dtype_argument
+from ladder.precision import add_dtype_argument, add_quantization_argument
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -16,8 +17,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "doctor", help="the five-layer bottleneck report: model, parallelism, runtime, compile, hardware",
         description="Measure this machine's limits (memory bandwidth, matmul throughput per precision), the "
                     "model's bytes and FLOPs per step, decode and prefill sweeps and a short load through the "
-                    "engine; print the report layer by layer and the verdict (memory, compute, queue, "
-                    "communication or Python overhead bound), and write a roofline PNG and JSON.")
+                    "engine, and one batch-1 decode step taken apart op by op; print the report layer by layer "
+                    "and the verdict (memory, compute, queue, communication or Python overhead bound), and write "
+                    "a roofline PNG and JSON. --quantization takes `ladder serve`'s choices and default, so "
+                    "the doctor examines the linears serve runs.")
     source = p.add_argument_group("what to examine (default: the embedded model, loaded here)")
     source.add_argument("--model", default=None, help="HF directory or GGUF file")
     source.add_argument("--artifact", default=None, help="a `ladder compile` artifact directory")
@@ -26,6 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="the server's key, for --base-url (default: $LADDER_API_KEY)")
     engine = p.add_argument_group("engine and workload")
     add_dtype_argument(engine)
+    add_quantization_argument(engine)
     engine.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     engine.add_argument("--max-num-seqs", type=int, default=16, help="sequence cap; the decode sweep goes up to it")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -49,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = DoctorConfig(
         model=args.model, artifact=args.artifact, base_url=args.base_url, api_key=args.api_key, dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
         max_prefill=args.max_prefill, enable_prefix_caching=not args.no_prefix_caching, out_dir=args.out)
@@ -71,9 +76,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         from doctor.local import run_local
 
-        report = run_local(config, on_progress=progress)
+        report = run_local(config, on_progress=progress, serialize_token=sse_chunk_writer())
     report.files = [report.write_json(config.out_dir / "doctor.json"),
                     write_roofline(report, config.out_dir / "roofline.png")]
     print(format_report(report))
     print(f"wrote {', '.join(str(f) for f in report.files)}")
     return 0
+
+
+def sse_chunk_writer() -> Callable[[str], bytes] | None:
+    """The bytes the server writes for one streamed chat token (server/generation.py `sse`, the chunk
+    `stream_events` builds), for the doctor's step breakdown; None without the server extra."""
+    try:
+        from server.generation import sse
+    except ImportError:
+        return None
+    base = {"id": "chatcmpl-doctor", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": "doctor"}
+
+    def write(text: str) -> bytes:
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        return sse({**base, "choices": [choice]}).encode()
+    return write

@@ -8,12 +8,13 @@ import time
 
 from engine.config import resolve_device
 from ladder.device import add_device_argument
-from ladder.precision import add_dtype_argument, add_quantization_argument
+from ladder.precision import add_auto_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
 from model.detokenizer import IncrementalDetokenizer
 from model.generator import Generator
 from model.loader import load
+from model.precision import resolve_dtype
 from model.quantization import resolve_quantization
 from parallel import tensor_parallel_model
 
@@ -29,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling when temperature > 0")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message for the chat template")
-    add_dtype_argument(p)
+    add_auto_dtype_argument(p)
     add_device_argument(p)
     add_quantization_argument(p)
     add_tensor_parallel_argument(p)
@@ -46,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     device = resolve_device(args.device)
-    loaded = load(args.model, dtype=args.dtype, device=device,
-                  quantization=resolve_quantization(args.quantization, args.dtype, device, args.model,
+    dtype = resolve_dtype(args.dtype, device)
+    loaded = load(args.model, dtype=dtype, device=device,
+                  quantization=resolve_quantization(args.quantization, dtype, device, args.model,
                                                     args.tensor_parallel_size))
     if args.lora is not None:
         if args.tensor_parallel_size != 1:

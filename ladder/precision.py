@@ -12,6 +12,14 @@ def add_dtype_argument(p: argparse.ArgumentParser, name: str = "--dtype", defaul
     p.add_argument(name, default=default, choices=DTYPE_CHOICES, help=help)
 
 
+def add_auto_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """`--dtype` defaulting to auto, resolved by model/precision.py `resolve_dtype` (serve, generate, bench)."""
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_CHOICES),
+                   help="the weights' float type; auto (default): bfloat16 on CUDA (float16 on a GPU without "
+                        "bfloat16), float32 on a CPU whatever the checkpoint holds (--quantization auto starts "
+                        "from float32 there)")
+
+
 def add_quantization_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="int8 linears applied at load, no compile step: int8 (weight-only), w8a8 (int8 weights "

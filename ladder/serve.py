@@ -20,7 +20,8 @@ from engine.config import EngineConfig
 from ladder import serve_ray
 from ladder.device import add_device_argument
 from ladder.lora import add_lora_arguments, lora_config
-from ladder.precision import add_dtype_argument, add_quantization_argument
+from ladder.precision import add_auto_dtype_argument, add_quantization_argument
+from ladder.speculative import add_speculative_arguments, speculative_config
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
 
@@ -44,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token text in chat messages (e.g. <|im_end|>) as control tokens, as the "
                         "template's own markup is; by default it is plain text, so a message cannot forge a turn")
-    add_dtype_argument(p)
+    add_auto_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
@@ -65,14 +66,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may run before the server reports the engine hung (503) "
                         "(default 300; 0 turns the watchdog off)")
-    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB for the KV cache (default: --gpu-memory-utilization on CUDA, "
+                        "--kv-cache-memory-fraction on a CPU)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
-                   help="fraction of available memory for the KV cache when --kv-cache-memory is not given")
+                   help="on a CPU, the fraction of available memory for the KV cache, at most 2 GiB (default 0.25)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA, the fraction of the device's memory to fill: the KV cache gets this share less "
+                        "what is in use once the model is loaded (default 0.9)")
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
     add_quantization_argument(p)
     add_tensor_parallel_argument(p)
     add_lora_arguments(p)
+    add_speculative_arguments(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -111,11 +118,15 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction, enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
-        **lora_config(args),
+        **lora_config(args), **speculative_config(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.artifact is None:
+        log.info("dtype %s%s, quantization %s, on %s", config.dtype, " (auto)" if args.dtype == "auto" else "",
+                 config.quantization, config.device)
     settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                               max_prompts_per_request=args.max_prompts_per_request,
@@ -124,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
                               allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
-        return serve_ray.run(args, serve_ray.engine_kwargs_of(config, args.device, args.quantization), server_kwargs)
+        # The dtype as asked too: each replica resolves auto for its own device.
+        engine_kwargs = {**serve_ray.engine_kwargs_of(config, args.device, args.quantization), "dtype": args.dtype}
+        return serve_ray.run(args, engine_kwargs, server_kwargs)
     state = ServerState(settings)
     server = DrainingServer(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),

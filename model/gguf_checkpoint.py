@@ -6,6 +6,9 @@ to Hugging Face's (`layers.0.self_attn.q_proj.weight`).
 
 Linear weights stored as Q4_0, Q4_1 or Q8_0 can also be read as they are (`read_blocks`), for the W4A8
 layers that compute on the file's own blocks (model/block_quantization.py).
+
+`read_tensors` and `read_blocks` hand out one tensor at a time, made when it is asked for (`LazyTensors`),
+so loading never holds a dequantized copy of the whole model beside the module being built.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
+from model.weights import LazyTensors
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -170,6 +174,9 @@ class GGUFCheckpoint:
                 self.metadata[key] = field.contents()
             except Exception as e:
                 raise ModelLoadError(f"{path}: unreadable metadata {key!r} ({one_line(e)})") from None
+        # The reader's own fields (numpy views of every part of every value, the token list's among them)
+        # are read now, and would otherwise stay beside the model being built.
+        self.reader.fields.clear()
         self.tensor_names = {t.name for t in self.reader.tensors}
         self.config = self._config()
 
@@ -227,53 +234,60 @@ class GGUFCheckpoint:
     def _dequantize(self, name: str) -> np.ndarray:
         tensor = next(t for t in self.reader.tensors if t.name == name)
         try:
-            return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            # As a plain array: numpy's memmap subclass costs more per row slice than the dequantizing does.
+            return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         except NotImplementedError:
             raise ModelLoadError(
                 f"{self.path}: tensor {name!r} has unsupported type {tensor.tensor_type.name}"
             ) from None
 
-    def read_tensors(self) -> dict[str, torch.Tensor]:
-        """Every model tensor, dequantized to float32, under Hugging Face names, [out, in] layout."""
-        tensors: dict[str, torch.Tensor] = {}
+    def read_tensors(self) -> LazyTensors[torch.Tensor]:
+        """Every model tensor under Hugging Face names, [out, in] layout, dequantized to float32 when it is
+        read (shapes from the header)."""
+        by_name = {}
         for t in self.reader.tensors:
-            if t.name == "rope_freqs.weight":
-                continue
-            name = self._hf_name(t.name)
-            if name is None:
-                continue  # tensors the decoder does not use
-            array = np.ascontiguousarray(self._dequantize(t.name), dtype=np.float32)
-            if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
-                array = array.copy()
-            weight = torch.from_numpy(array)
-            if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                weight = unpermute_rotary(weight, self.config.num_heads)
-            elif self.gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                weight = unpermute_rotary(weight, self.config.num_kv_heads)
-            tensors[name] = weight
-        return tensors
+            name = None if t.name == "rope_freqs.weight" else self._hf_name(t.name)
+            if name is not None:  # else a tensor the decoder does not use
+                by_name[name] = t
+        shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in by_name.items()}
+        return LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
 
-    def read_blocks(self) -> dict[str, BlockWeight]:
-        """Every linear weight as its raw blocks, under Hugging Face names (the LM head as
-        `lm_head.weight` also when tied), rows in the same order as `read_tensors`. ModelLoadError when a
-        linear weight is of a type other than Q4_0, Q4_1, Q8_0."""
+    def _read_tensor(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
+        array = np.ascontiguousarray(self._dequantize(tensor.name), dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+            array = array.copy()
+        weight = torch.from_numpy(array)
+        if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rotary(weight, self.config.num_heads)
+        elif self.gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rotary(weight, self.config.num_kv_heads)
+        return weight
+
+    def read_blocks(self) -> LazyTensors[BlockWeight]:
+        """Every linear weight as its raw blocks, read when it is asked for, under Hugging Face names (the
+        LM head as `lm_head.weight` also when tied), rows in the same order as `read_tensors`.
+        ModelLoadError, at once, when a linear weight is of a type other than Q4_0, Q4_1, Q8_0."""
         by_name = {t.name: t for t in self.reader.tensors}
-        blocks: dict[str, BlockWeight] = {}
+        tensors = {}
         for gguf_name in linear_gguf_names({name: t.tensor_type.name for name, t in by_name.items()}):
             tensor = by_name[gguf_name]
             if tensor.tensor_type.name not in BLOCK_TYPES:
                 raise ModelLoadError(f"{self.path}: tensor {gguf_name!r} is {tensor.tensor_type.name}; the w4a8 "
                                      f"layers take {', '.join(BLOCK_TYPES)} (use --quantization w8a8)")
-            k, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest dimension first
-            weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
             name = "lm_head.weight" if gguf_name in ("output.weight", "token_embd.weight") else self._hf_name(gguf_name)
-            if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
-                order = unpermute_rotary(torch.arange(n), heads)  # the rows' new order
-                m = None if weight.m is None else weight.m[order]
-                weight = BlockWeight(weight.codes[order], weight.d[order], m, weight.bits, weight.zero)
-            blocks[name] = weight
-        return blocks
+            tensors[name] = tensor
+        shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in tensors.items()}
+        return LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
+
+    def _read_blocks(self, name: str, tensor: gguf.ReaderTensor) -> BlockWeight:
+        k, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest dimension first
+        weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
+        if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+            order = unpermute_rotary(torch.arange(n), heads)  # the rows' new order
+            m = None if weight.m is None else weight.m[order]
+            weight = BlockWeight(weight.codes[order], weight.d[order], m, weight.bits, weight.zero)
+        return weight
 
     @staticmethod
     def _hf_name(name: str) -> str | None:

@@ -15,7 +15,7 @@ from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
 from model.hf_checkpoint import read_config, read_tensors, safetensors_files
-from model.precision import QUANTIZATIONS, parse_dtype
+from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
 from model.step import StepModel
 from model.weights import build_model
 
@@ -57,11 +57,12 @@ def load(
     block_size: int = 16,
     quantization: str = "none",
 ) -> LoadedModel:
-    """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model;
-    `quantization` int8 or w8a8 swaps its linears for int8 ones once the float32 weights are in, w4a8
-    (GGUF files) for layers over the file's own blocks."""
+    """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model, in `dtype`
+    (auto: model/precision.py `resolve_dtype`); `quantization` int8 or w8a8 swaps its linears for int8 ones
+    once the float32 weights are in, w4a8 (GGUF files) for layers over the file's own blocks, which are
+    then never dequantized."""
     start = time.perf_counter()
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(resolve_dtype(dtype, device))
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
     if quantization != "none" and torch_dtype != torch.float32:
@@ -73,15 +74,18 @@ def load(
         path = Path(source).expanduser()
         check_source(path)
         name = path.stem if path.is_file() else path.name
+    if quantization == "w4a8" and path.is_dir():
+        raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "
+                         "Face directory (use w8a8)")
     # The readers' packages (tokenizers, gguf) are imported here, not with the module: the decoder and
     # the kernels are usable where they are not installed.
     from model.tokenizer import Tokenizer
 
     if path.is_dir():
         config, _ = read_config(path)
-        tensors = read_tensors(safetensors_files(path))
-        config_name = str(path / "config.json")
-        module = build_model(config, tensors, str(path), config_name, torch_dtype, device, block_size)
+        # The tensors (q, k, v apart) go once the module holds them fused, before any quantization.
+        module = build_model(config, read_tensors(safetensors_files(path)), str(path), str(path / "config.json"),
+                             torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
     else:  # a .gguf file (check_source)
@@ -89,18 +93,22 @@ def load(
 
         checkpoint = GGUFCheckpoint(path)
         config = checkpoint.config
+        skip: set[str] = set()
+        if quantization == "w4a8":
+            from model.block_quantization import linear_sources
+
+            blocks = checkpoint.read_blocks()  # a file without them fails here, before any dequantizing
+            # The float weights of the layers W4A8 replaces are left unread.
+            skip = {f"{name}.weight" for name in linear_sources(config)}
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
-                             torch_dtype, device, block_size)
+                             torch_dtype, device, block_size, skip)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         weight_files = [path]
-    if quantization == "w4a8":
-        if path.is_dir():
-            raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "
-                             "Face directory (use w8a8)")
-        from model.block_quantization import quantize_w4a8
+        if quantization == "w4a8":
+            from model.block_quantization import quantize_w4a8
 
-        quantize_w4a8(module, checkpoint.read_blocks())
-    elif quantization != "none":
+            quantize_w4a8(module, blocks)
+    if quantization not in ("none", "w4a8"):
         quantize(module, quantization, tokenizer, weight_files)
     return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization)
 

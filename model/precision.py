@@ -2,8 +2,8 @@
 
 Every part names a precision from this table and reads its facts here: `ladder compile --precision`
 (artifacts), `--quantization` of serve, generate, bench and doctor (a precision applied at load, or
-`none` to keep the weights' dtype), `--dtype` (a float precision, or torch's name for it), the artifact
-manifest, the stats the server reports and `ladder doctor`'s cost model.
+`none` to keep the weights' dtype), `--dtype` (a float precision, torch's name for it, or `auto`,
+`resolve_dtype`), the artifact manifest, the stats the server reports and `ladder doctor`'s cost model.
 
 - fp32, fp16, bf16: float weights and activations of that type.
 - int8: weight-only int8 linears (float activations), `model/quantization.py`.
@@ -42,7 +42,7 @@ FLOAT_PRECISIONS: dict[str, torch.dtype] = {p.name: p.dtype for p in PRECISIONS.
 COMPILE_PRECISIONS: tuple[str, ...] = tuple(p.name for p in PRECISIONS.values() if p.compiled)
 # `--quantization`: "none" keeps the weights' own dtype.
 QUANTIZATIONS: tuple[str, ...] = ("none", *(p.name for p in PRECISIONS.values() if p.at_load))
-# `--dtype` takes a float precision or torch's name for its dtype.
+# `--dtype` takes a float precision or torch's name for its dtype (serve, generate and bench also `auto`).
 DTYPE_NAMES: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 DTYPE_CHOICES: tuple[str, ...] = (*FLOAT_PRECISIONS, *DTYPE_NAMES)
 
@@ -61,6 +61,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if name not in FLOAT_PRECISIONS:
         raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPE_CHOICES)})")
     return FLOAT_PRECISIONS[name]
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> str | torch.dtype:
+    """`auto` -> the float type to run in on `device`; any other dtype passes through, checked. Every entry
+    point (EngineConfig, `model.load`, `ladder generate`) resolves through here, so they agree.
+
+    - CUDA: bfloat16, the tensor cores' type with float32's range (float16 on a GPU without bfloat16).
+    - A CPU: float32, whatever the checkpoint holds (F32, F16 or quantized GGUF blocks, a bfloat16 or
+      float16 Hugging Face directory). The CPU's fast paths start from float32 weights: `--quantization
+      auto` (W4A8 or W8A8, model/quantization.py) needs them and runs ahead of bfloat16 even on a CPU with
+      AMX bfloat16 tiles, bfloat16 matmuls run at half the float32 rate on a CPU without such tiles
+      (benchmarks/RESULTS.md, "bfloat16 decode attention on the CPU kernel"), and float16 matmuls run at
+      about float32's rate on a CPU."""
+    if isinstance(dtype, torch.dtype) or dtype != "auto":
+        parse_dtype(dtype)
+        return dtype
+    if torch.device(device).type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+    return "float32"
 
 
 def precision_of_dtype(dtype: torch.dtype) -> str:

@@ -3,14 +3,18 @@
 Both checkpoint readers (`hf_checkpoint.py`, `gguf_checkpoint.py`) produce tensors under Hugging Face's
 names without the `model.` prefix (`layers.0.self_attn.q_proj.weight`, ...). This module checks every
 tensor against the shape the config implies, fuses q/k/v and gate/up, and builds the module without
-ever initialising random weights.
+ever initialising random weights. The module's tensors are made one at a time: with a reader that makes
+each checkpoint tensor when it is asked for (`LazyTensors`, the GGUF reader), host memory holds the built
+part of the module plus one tensor's sources, not a second copy of the whole model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import TypeVar
 
 import torch
+from torch import nn
 
 from kernels.ops import select_ops
 from model.config import ModelConfig
@@ -50,37 +54,65 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+T = TypeVar("T")
+
+
+class LazyTensors(Mapping[str, T]):
+    """Checkpoint tensors by name whose shapes are known up front and whose data is made when a tensor is
+    asked for, afresh each time (nothing is kept): a reader's dequantization runs tensor by tensor."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], T]) -> None:
+        self.shapes = shapes
+        self._read = read
+
+    def __getitem__(self, name: str) -> T:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 def check_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str, config_name: str) -> None:
     """Raise ModelLoadError (one line, naming `source`) for a missing tensor or a contradicting shape."""
     for name, shape in expected_shapes(config).items():
         if name not in tensors:
             raise ModelLoadError(f"{source}: missing tensor {name!r} required by {config_name}")
-        actual = tuple(tensors[name].shape)
+        actual = tensors.shapes[name] if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
         if actual != shape:
             raise ModelLoadError(
                 f"{source}: tensor {name!r} has shape {list(actual)} but {config_name} implies {list(shape)}"
             )
 
 
-def fuse(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> the module's state dict (q/k/v and gate/up concatenated)."""
-    state = {"embed_tokens.weight": tensors["embed_tokens.weight"], "norm.weight": tensors["norm.weight"]}
-    state["lm_head.weight"] = tensors["embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Each tensor of the module's state dict -> the checkpoint tensors it is made of, rows concatenated
+    in order (q/k/v and gate/up fused). A tied LM head is left out: it is the embedding."""
+    sources = {"embed_tokens.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = ["lm_head.weight"]
     for i in range(config.num_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        state[p + "input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
-        state[p + "post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
-        state[attn + "qkv_proj.weight"] = torch.cat([tensors[attn + f"{x}_proj.weight"] for x in "qkv"])
+        sources[p + "input_layernorm.weight"] = [p + "input_layernorm.weight"]
+        sources[p + "post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
+        sources[attn + "qkv_proj.weight"] = [attn + f"{x}_proj.weight" for x in "qkv"]
         if config.attention_bias:
-            state[attn + "qkv_proj.bias"] = torch.cat([tensors[attn + f"{x}_proj.bias"] for x in "qkv"])
+            sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in "qkv"]
         if config.qk_norm:
-            state[attn + "q_norm.weight"] = tensors[attn + "q_norm.weight"]
-            state[attn + "k_norm.weight"] = tensors[attn + "k_norm.weight"]
-        state[attn + "o_proj.weight"] = tensors[attn + "o_proj.weight"]
-        state[mlp + "gate_up_proj.weight"] = torch.cat([tensors[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])
-        state[mlp + "down_proj.weight"] = tensors[mlp + "down_proj.weight"]
-    return state
+            sources[attn + "q_norm.weight"] = [attn + "q_norm.weight"]
+            sources[attn + "k_norm.weight"] = [attn + "k_norm.weight"]
+        sources[attn + "o_proj.weight"] = [attn + "o_proj.weight"]
+        sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]
+    return sources
 
 
 def build_model(
@@ -91,16 +123,30 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     block_size: int = 16,
+    skip: Collection[str] = frozenset(),
 ) -> LlamaForCausalLM:
-    """Check, fuse and load `tensors` into a new module of `dtype` on `device`, in eval mode."""
+    """Check, fuse and load `tensors` into a new module of `dtype` on `device`, in eval mode, one tensor
+    at a time. The state-dict names in `skip` stay on the meta device, unread (a tied LM head untied), for
+    a caller that replaces their modules next (`quantize_w4a8`, over a GGUF file's own blocks)."""
     check_tensors(config, tensors, source, config_name)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in fuse(config, tensors).items()}
     # Build on the meta device: no memory is touched until the real tensors are assigned.
     with torch.device("meta"):
         module = LlamaForCausalLM(config, block_size=block_size, ops=select_ops(device))
-    module.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    for name, parts in fused_sources(config).items():
+        if name in skip:
+            continue
+        # A lazy reader makes the parts here; they are gone once concatenated (or cast).
+        tensor = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[part] for part in parts])
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        assert getattr(owner, leaf).shape == tensor.shape, name  # check_tensors checked the parts
+        setattr(owner, leaf, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+        del tensor
+    if config.tie_word_embeddings and "lm_head.weight" not in skip:
         module.lm_head.weight = module.embed_tokens.weight
+    unloaded = [name for name, p in module.named_parameters(remove_duplicate=False)
+                if p.is_meta and name not in skip]
+    assert not unloaded, f"fused_sources misses {unloaded}"
     # Buffers are not in the state dict; rebuild them on the real device.
     module.inv_freq = inverse_frequencies(config).to(device)
     return module.eval().requires_grad_(False)

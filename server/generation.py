@@ -72,6 +72,7 @@ def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None, gui
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()}, guide=guide,
+            speculative_tokens=body.speculative_tokens,
         )
     except ValueError as error:
         raise APIError(400, str(error)) from None

@@ -32,6 +32,9 @@ class EngineCollector(Collector):
             "ladder_kv_cache_blocks": ("KV blocks in the cache", s["num_blocks"]),
             "ladder_kv_cache_free_blocks": ("KV blocks held by no request", s["num_free_blocks"]),
             "ladder_lora_adapters_resident": ("LoRA adapters in a slot", s["num_loras_resident"]),
+            "ladder_spec_decode_acceptance_ratio": (
+                "Fraction of speculative draft tokens accepted since start (0 before any)",
+                s["num_accepted_tokens"] / s["num_draft_tokens"] if s["num_draft_tokens"] else 0.0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -43,6 +46,8 @@ class EngineCollector(Collector):
             "ladder_generation_tokens": ("Tokens generated", s["num_generation_tokens"]),
             "ladder_engine_steps": ("Engine steps run", s["num_steps"]),
             "ladder_lora_adapter_loads": ("LoRA adapters copied into a slot", s["num_lora_loads"]),
+            "ladder_spec_decode_draft_tokens": ("Speculative draft tokens verified", s["num_draft_tokens"]),
+            "ladder_spec_decode_accepted_tokens": ("Speculative draft tokens accepted", s["num_accepted_tokens"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -171,6 +171,9 @@ class _Request(BaseModel):
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     user: Text | None = None
     skip_special_tokens: Annotated[bool, Strict()] = True
+    # Draft tokens per step speculative decoding by prompt lookup may propose (0: none; absent: the
+    # server's --speculative-tokens). Greedy text is the same either way; only the speed changes.
+    speculative_tokens: Annotated[int, Strict(), Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
     # Token ids as strings (JSON keys), as OpenAI's API has it; ids are checked against the vocabulary.
     logit_bias: Annotated[dict[str, Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None

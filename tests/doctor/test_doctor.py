@@ -14,6 +14,8 @@ from doctor.cost import ModelCost
 from doctor.local import run_local
 from doctor.verdict import Evidence, classify
 from ladder.cli import main
+from model.precision import PRECISIONS
+from model.quantization import resolve_quantization
 
 # ---- the rules, on figures ---------------------------------------------------------------------------
 
@@ -116,8 +118,11 @@ def test_a_tiny_model_at_batch_one_is_overhead_or_memory_bound(llama_dir):
     assert report.load.queue_share < 0.5
     assert [p.label for p in report.sweep] == ["decode b=1", "prefill 16", "prefill 32"]
     # Batch 1 decode sits left of the ridge point: it reads every weight to do one multiply-add with it.
-    decode = report.sweep[0]
-    assert decode.roof(report.machine, "fp32") == "memory" and decode.cost.intensity < 1
+    # The model runs what `ladder serve` would: `--quantization auto` resolved for it here.
+    assert report.quantization == ("auto", resolve_quantization("auto", "float32", "cpu", str(llama_dir)))
+    decode, precision = report.sweep[0], PRECISIONS[report.cost.precision]
+    assert decode.roof(report.machine, precision.matmul) == "memory"
+    assert decode.cost.intensity <= 2 / precision.weight_bytes
 
 
 def test_a_large_batch_is_compute_bound(wide_dir):

@@ -1,0 +1,113 @@
+"""`ladder doctor` examines what `ladder serve` runs: `--quantization` with serve's choices and default reaches
+the engine, the report names it, and the next step fits it; and one batch-1 decode step taken apart op by op,
+its rows adding up to the step, every linear kind with its bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from doctor.breakdown import LINEAR_KINDS
+from doctor.config import DoctorConfig
+from doctor.verdict import Evidence, classify
+from ladder.cli import build_parser, main
+from tiny_models import make_hf_model, write_gguf
+
+UNDER_MEMORY = dict(queue_share=0.05, overhead_share=0.1, roof_fraction=0.6, roof="memory", weight_bytes=9.6e7)
+
+
+def quantization_option(command: str):
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and command in a.choices)
+    return next(a for a in sub.choices[command]._actions if "--quantization" in a.option_strings)
+
+
+def test_doctor_takes_serves_quantization_option():
+    serve, doctor = quantization_option("serve"), quantization_option("doctor")
+    assert (doctor.choices, doctor.default) == (serve.choices, serve.default) and doctor.default == "auto"
+    with pytest.raises(ValueError, match="unknown quantization"):
+        DoctorConfig(quantization="q3")
+    with pytest.raises(ValueError, match="applies to a model loaded here"):
+        DoctorConfig(artifact="a", quantization="w8a8")
+
+
+@pytest.mark.parametrize("precision", ["w4a8", "w8a8"])
+def test_a_quantized_model_is_not_told_to_quantize_again(precision):
+    memory = classify(Evidence(**UNDER_MEMORY, precision=precision)).next_step
+    compute = classify(Evidence(**{**UNDER_MEMORY, "roof": "compute"}, precision=precision,
+                                faster_kinds={"bf16": 2.0})).next_step
+    overhead = [classify(Evidence(**{**UNDER_MEMORY, "overhead_share": 0.7}, precision=precision)).next_step,
+                classify(Evidence(**{**UNDER_MEMORY, "roof_fraction": 0.02}, precision=precision)).next_step]
+    for step in (memory, compute, *overhead):
+        assert "--quantization w8a8" not in step, step
+        if precision == "w4a8":
+            assert "w8a8" not in step, step
+    assert f"already {'4-bit blocks (w4a8' if precision == 'w4a8' else 'w8a8'}" in memory
+    assert "--precision w8a8" not in memory + compute and "--dtype bf16 --quantization none" in compute
+    if precision == "w4a8":  # no artifact holds w4a8: compiling would change what is served
+        assert all("builds no w4a8 artifact" in step and "--backend" not in step for step in overhead)
+    else:  # compiling keeps the precision and fuses the ops
+        assert all("compile it in the same precision" in step for step in overhead)
+
+
+def test_a_float_model_is_told_how_its_own_configuration_quantizes():
+    loaded = classify(Evidence(**UNDER_MEMORY, precision="fp32")).next_step
+    assert "`--quantization w8a8`" in loaded and "ladder compile" not in loaded
+    artifact = classify(Evidence(**UNDER_MEMORY, precision="fp32", is_artifact=True)).next_step
+    assert "`ladder compile --precision w8a8`" in artifact
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("doctor-w4a8")
+    write_gguf(make_hf_model("llama3", directory / "hf"), directory / "m.gguf", "Q4_1")
+    return directory / "m.gguf"
+
+
+def test_the_step_breakdown_of_a_w4a8_model(q4_gguf, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two shared cores spin against the other processes
+    try:
+        code = main(["doctor", "--model", str(q4_gguf), "--quantization", "w4a8", "--max-num-seqs", "1",
+                     "--num-requests", "1", "--input-len", "16", "--output-len", "8", "--max-prefill", "32",
+                     "--out", str(tmp_path), "--quiet"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "quantization   w4a8 (--quantization w4a8" in out and "w4a8 linears swapped in at load" in out
+    assert "one decode step at batch 1, w4a8" in out and "roofline floor" in out
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert report["model"]["quantization"] == {"asked": "w4a8", "resolved": "w4a8"}
+    assert report["model"]["precision"] == "w4a8"
+    assert "w8a8" not in report["verdict"]["next_step"]
+
+    b = report["step_breakdown"]
+    phases = {p["name"]: p for p in b["phases"]}
+    # Rows: every op the decoder runs, the engine's phases, and the two Python remainders.
+    assert set(phases) == {*LINEAR_KINDS.values(), "attention", "attention plan", "rms_norm", "rotary",
+                           "silu_and_mul", "embedding", "forward python", "schedule", "prepare", "sample",
+                           "detokenize", "step python"}
+    assert sum(p["seconds"] for p in b["phases"]) == pytest.approx(b["step_seconds"], rel=1e-9)
+    assert b["python_dispatch_seconds"] == pytest.approx(
+        phases["forward python"]["seconds"] + phases["step python"]["seconds"])
+    # Within each instrumented step the timed ops are disjoint parts of the forward: none is counted twice.
+    assert 0.2 < b["coverage"] <= 1.0
+    assert all(p["seconds"] > 0 for name, p in phases.items() if "python" not in name)
+    # 2 layers; 2 norms a layer and the final one; cos/sin once a step and the rotation per layer.
+    assert {k: phases[k]["calls"] for k in ("qkv", "down", "lm_head", "rms_norm", "rotary", "detokenize")} == \
+        {"qkv": 2, "down": 2, "lm_head": 1, "rms_norm": 5, "rotary": 3, "detokenize": 1}
+    # Q4_1 blocks: 20 bytes per 32 weights, what the cost model counts; hidden 64, q 64 + k, v 32 each,
+    # intermediate 128, vocabulary 320.
+    expected = {"qkv": 2 * 128 * 64, "o": 2 * 64 * 64, "gate_up": 2 * 256 * 64, "down": 2 * 64 * 128,
+                "lm_head": 320 * 64}
+    assert {k: phases[k]["weight_bytes"] for k in expected} == {k: v * 20 // 32 for k, v in expected.items()}
+    assert b["weight_bytes"] == report["model"]["weight_bytes"]
+    for kind in expected:
+        assert phases[kind]["bytes_per_s"] == pytest.approx(phases[kind]["weight_bytes"] / phases[kind]["seconds"])
+        assert phases[kind]["fraction_of_copy_bandwidth"] == pytest.approx(
+            phases[kind]["bytes_per_s"] / b["memory_bandwidth"])
+    assert b["roofline_floor_seconds"] == pytest.approx(b["weight_bytes"] / b["memory_bandwidth"])
+    assert b["roofline_floor_fraction"] == pytest.approx(b["roofline_floor_seconds"] / b["step_seconds"])
+    assert b["sse_chunk_seconds"] > 0 and b["num_steps"] >= 8
