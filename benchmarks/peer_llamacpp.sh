@@ -14,6 +14,8 @@
 # vendors (taken from the package registry), and cached in $LADDER_PEER_CACHE (default
 # ~/.cache/ladder/peer-llamacpp). Where a native build dies with SIGILL, set LLAMACPP_NATIVE=OFF: the
 # build then names the ISA features /proc/cpuinfo lists (AVX2, AVX-512, VNNI, AMX) instead of -march=native.
+# Where ggml's AMX matmul crashes (a KVM guest listing amx_tile: llama-server segfaults in
+# ggml_backend_amx_mul_mat at its first step), add LLAMACPP_AMX=OFF to LLAMACPP_NATIVE=OFF.
 # The results name the host (CPU model, cores, ISA flags) and the build (cmake options, llama.cpp's
 # version) in $OUT/host.json, the table's header and peer_table.json.
 # Never run in CI: it builds a C++ project and takes minutes.
@@ -25,6 +27,7 @@ LADDER=${LADDER:-$ROOT/.venv/bin/ladder}
 CACHE=${LADDER_PEER_CACHE:-$HOME/.cache/ladder/peer-llamacpp}
 VERSION=${LLAMACPP_PYTHON_VERSION:-0.3.36}
 NATIVE=${LLAMACPP_NATIVE:-ON}
+AMX=${LLAMACPP_AMX:-ON}
 THREADS=${THREADS:-$(nproc)}
 CONCURRENCY=1,4,16,32
 PER_USER=4
@@ -57,6 +60,7 @@ if [[ $NATIVE == OFF ]]; then
   for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
               avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 amx_tile:AMX_TILE \
               amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
+    [[ $AMX == OFF && $pair == amx* ]] && continue
     [[ $CPU_FLAGS == *" ${pair%%:*} "* ]] && CMAKE_FLAGS+=(-DGGML_"${pair#*:}"=ON)
   done
 fi
@@ -117,7 +121,9 @@ if [[ -n $DATASET ]]; then
 fi
 sweep() {  # name base_url
   for users in "${LEVELS[@]}"; do
-    "$LADDER" loadtest --base-url "$2" --model default --tokenizer "$TOKENIZER_DIR" \
+    # --no-keep-alive: llama-server closes idle keep-alive connections, and a request written on one it
+    # just closed fails as a connection error (about 1 in 5 at 32 users); both servers get the same.
+    "$LADDER" loadtest --base-url "$2" --model default --tokenizer "$TOKENIZER_DIR" --no-keep-alive \
       "${WORKLOAD[@]}" --output-len "$OUTPUT_LEN" --max-concurrency "$users" \
       --num-requests $((users * PER_USER)) --warmup "$users" --seed 0 --quiet --out "$OUT/$1-c$users" \
       > "$OUT/$1-c$users.txt"

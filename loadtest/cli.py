@@ -37,6 +37,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     server.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos (for servers that reject unknown fields)")
     server.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    server.add_argument("--no-keep-alive", dest="keep_alive", action="store_false",
+                        help="a new connection for every request, for servers that close idle keep-alive "
+                             "connections (llama.cpp's): a request on one they closed fails as a connection error")
     server.add_argument("--extra-body", default=None, metavar="JSON",
                         help='JSON object merged into every request body, e.g. \'{"top_p": 0.9}\'')
     server.add_argument("--timeout", type=float, default=300.0,
@@ -121,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         extra_body=extra_body,
+        keep_alive=args.keep_alive,
         out_dir=args.out_dir,
         quiet=args.quiet,
     )

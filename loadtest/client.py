@@ -85,6 +85,13 @@ def tcp_connector() -> aiohttp.BaseConnector:
     return aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
 
 
+def fresh_connector() -> aiohttp.BaseConnector:
+    """A connection of its own for every request (--no-keep-alive): for a server that closes idle
+    keep-alive connections (llama.cpp's), where a pooled one may be closed as a request is written and the
+    request would count as a connection error that is the client's, not the server's."""
+    return aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=True)
+
+
 class OpenAIClient:
     """`clock` stamps every request and event (the runner schedules on the same clock, so that send lag
     compares like with like); `connector` makes the connection pool, inside the running event loop."""

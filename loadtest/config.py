@@ -168,6 +168,7 @@ class LoadTestConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)
+    keep_alive: bool = True  # False: a new connection per request (--no-keep-alive)
     out_dir: str | None = None
     quiet: bool = False
 

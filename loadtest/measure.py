@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loadtest.arrivals import num_arrivals
-from loadtest.client import OpenAIClient
+from loadtest.client import OpenAIClient, fresh_connector, tcp_connector
 from loadtest.config import LoadShape, LoadTestConfig, LoadTestError, format_number
 from loadtest.metrics import summarize
 from loadtest.progress import Progress
@@ -33,7 +33,8 @@ async def measure(config: LoadTestConfig,
     counter = TokenCounter(config.workload.tokenizer_path) if config.workload.tokenizer_path else None
     workload = build_workload(config.workload, counter)
     client = OpenAIClient(config.base_url, config.api_key, config.endpoint, config.timeout, config.ignore_eos,
-                          config.temperature, config.extra_body, counter)
+                          config.temperature, config.extra_body, counter,
+                          connector=tcp_connector if config.keep_alive else fresh_connector)
     show_progress = not config.quiet and sys.stderr.isatty()
     points: list[PointResult] = []
     async with client:

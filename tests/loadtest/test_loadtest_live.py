@@ -137,3 +137,16 @@ def test_closed_loop_duration_ends_the_run_and_waits_for_every_request(server):
     assert records and point.summary.num_ok == len(records) == server.stats()["num_requests"]
     assert [r.index for r in records] == list(range(len(records)))
     assert point.summary.duration_s == max(r.finished for r in records)
+
+
+def test_no_keep_alive_sends_each_request_on_a_connection_of_its_own(server):
+    server.configure(ttft=0.01, itl=0.005)
+    run(server, "--max-concurrency", "2", "--num-requests", "6", "--output-len", "4", "--no-keep-alive")
+    fresh = server.stats()
+    server.configure(ttft=0.01, itl=0.005)
+    run(server, "--max-concurrency", "2", "--num-requests", "6", "--output-len", "4")
+    pooled = server.stats()
+    assert fresh["num_requests"] == pooled["num_requests"] == 6
+    # Each of the six, the model list (and the metrics read) on its own, plus the stats call itself; pooled:
+    # at most one connection per concurrent request besides.
+    assert fresh["num_connections"] >= 8 and pooled["num_connections"] <= 5, (fresh, pooled)

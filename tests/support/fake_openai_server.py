@@ -96,12 +96,14 @@ class FakeServer:
 
     def reset(self) -> None:
         self.num_requests = 0
+        self.num_connections = 0
         self.max_in_flight = self.in_flight
         self.arrivals: list[float] = []
         self.last_body: dict | None = None
         self.last_authorization: str | None = None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
         try:
             while True:
                 request_line = await reader.readline()
@@ -136,6 +138,7 @@ class FakeServer:
             return await send_json(writer, 200, {})
         if method == "GET" and path == "/_stats":
             return await send_json(writer, 200, {"num_requests": self.num_requests, "in_flight": self.in_flight,
+                                                 "num_connections": self.num_connections,
                                                  "max_in_flight": self.max_in_flight, "arrivals": self.arrivals,
                                                  "last_body": self.last_body,
                                                  "last_authorization": self.last_authorization})
