@@ -12,7 +12,8 @@ entry (DIR/gpu_check.json; the table also in gpu_check.txt):
    error, pass or fail), timed against the eager reference; the memory-bound ones as a fraction of the
    copy bandwidth measured in the same run.
 2. parity: the fp32 model on the device (Triton ops) against the same weights on the CPU (torch ops):
-   logits of a prompt step and a decode step, greedy tokens.
+   logits of a prompt step and a decode step, greedy tokens; and on the device, a speculative verify
+   chunk's rows against decoding the same tokens one at a time (docs/speculative.md).
 3. decode: a model with SmolLM2-135M's shapes and random weights (speed does not depend on the values)
    decoding at batch 1 and 64 in bf16: eager (Triton ops), the torch-compile runtime the artifacts use
    (CUDA graphs for decode steps, Triton attention as a custom op), and TensorRT when `tensorrt`, `onnx`
@@ -343,7 +344,29 @@ def check_parity(plan: Plan) -> dict[str, Any]:
                         and torch.equal(results["cpu"][1].argmax(-1), results["device"][1].argmax(-1)))
     worst = max(prefill_diff, decode_diff) / scale
     return {"prefill_max_abs_diff": prefill_diff, "decode_max_abs_diff": decode_diff, "max_abs_logit": scale,
-            "relative": worst, "greedy_equal": greedy_equal, "passed": worst <= LOGIT_TOLERANCE and greedy_equal}
+            "relative": worst, "greedy_equal": greedy_equal, "passed": worst <= LOGIT_TOLERANCE and greedy_equal,
+            "speculative": verify_against_decode(device_model, prompts[0])}
+
+
+def verify_against_decode(model, prompt: list[int], num_drafts: int = 4) -> dict[str, Any]:
+    """Speculative decoding's premise on the device: the rows of one verify chunk (the last token and
+    `num_drafts` drafts) against decoding the same tokens one at a time. Bit-equal on the CPU path; on the
+    device the chunk runs the prefill kernel where decodes run the decode kernel."""
+    decode = Sequences(model, 1, 64)
+    decode.step([prompt[:-1]])  # the prompt but its last token, cached
+    tokens = [prompt[-1]]
+    decoded = []
+    for _ in range(num_drafts + 1):
+        logits = decode.step([[tokens[-1]]]).cpu()
+        decoded.append(logits[0])
+        tokens.append(int(logits[0].argmax()))
+    verify = Sequences(model, 1, 64)
+    verify.step([prompt[:-1]])
+    chunk = verify.step([tokens[:num_drafts + 1]], all_rows=True).cpu()
+    diff = (chunk - torch.stack(decoded)).abs().max().item()
+    return {"verify_vs_decode_max_abs_diff": diff,
+            "greedy_equal": bool(torch.equal(chunk.argmax(-1), torch.stack(decoded).argmax(-1))),
+            "bit_equal": diff == 0.0}
 
 
 # --- the run ----------------------------------------------------------------------------------------------
@@ -557,6 +580,11 @@ def format_report(report: Report) -> str:
         lines.append(f"fp32 parity, device vs CPU: max |logit diff| prefill {p['prefill_max_abs_diff']:.2e}, decode "
                      f"{p['decode_max_abs_diff']:.2e} (max |logit| {p['max_abs_logit']:.2f}), greedy equal "
                      f"{p['greedy_equal']}: {'pass' if p['passed'] else 'FAIL'}")
+        if "speculative" in p:
+            v = p["speculative"]
+            lines.append(f"speculative verify chunk vs one-at-a-time decodes, fp32 on the device: max |logit diff| "
+                         f"{v['verify_vs_decode_max_abs_diff']:.2e}, greedy equal {v['greedy_equal']}, bit equal "
+                         f"{v['bit_equal']}")
     for name, error in report.errors.items():
         lines.append(f"section {name} FAILED: {error}")
     for name, reason in report.skipped.items():
