@@ -199,3 +199,27 @@ def test_a_failing_draft_source_costs_the_drafts_not_the_requests(llm, monkeypat
     monkeypatch.setattr(llm.engine.speculator, "draft", broken)
     out = run(llm, [LOOP], params.replace(speculative_tokens=4))[0]
     assert out.token_ids == plain and out.finish_reason.value == "length"
+
+
+def test_drafts_keep_the_greedy_text_of_a_lora_adapter_and_of_two_ranks(tiny_dir, tmp_path):
+    from lora_adapters import ALL_TARGETS, make_peft_adapter
+
+    adapter = tmp_path / "adapter"
+    make_peft_adapter(tiny_dir, adapter, dict(r=4, lora_alpha=8, target_modules=ALL_TARGETS), seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [LOOP, [40, 41, 42, 43] * 5]
+    with_lora = LLM(str(tiny_dir), kv_cache_memory_gib=0.02, max_num_seqs=4, lora=str(adapter))
+    plain = run(with_lora, prompts, params.replace(speculative_tokens=0))
+    drafted = run(with_lora, prompts, params.replace(speculative_tokens=4))
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert with_lora.engine.stats.num_accepted_tokens > 0
+    # Two ranks, attention split by sequences (the tiny model has one KV head).
+    ranks = LLM(str(tiny_dir), kv_cache_memory_gib=0.02, max_num_seqs=4, tensor_parallel_size=2,
+                tensor_parallel_attention="sequences")
+    try:
+        plain = run(ranks, prompts, params.replace(speculative_tokens=0))
+        drafted = run(ranks, prompts, params.replace(speculative_tokens=4))
+        assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+        assert ranks.engine.stats.num_accepted_tokens > 0
+    finally:
+        ranks.engine.close()
