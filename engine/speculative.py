@@ -28,6 +28,11 @@ MIN_NGRAM = 2  # a one-token match proposes from almost any text, and is mostly 
 MAX_NGRAM = 4
 # The step count after which a request whose drafts all failed tries again with one draft.
 RETRY_AFTER = 8
+# Beside other decoding sequences a verify step's extra rows cost nearly their full price (the step is
+# no longer bound by reading weights alone), so there a request speculates only while at least this share
+# of its drafts has been accepted, once it has proposed LEARN_DRAFTS of them. At one sequence any share pays.
+MIN_BATCHED_ACCEPTANCE = 0.7
+LEARN_DRAFTS = 16
 
 
 @dataclass
@@ -68,6 +73,10 @@ class Proposer:
         widths: dict[Request, int] = {}
         for request in decoding:
             k = self._width(request)
+            state = self.states.get(request.request_id)
+            if len(decoding) > 1 and state is not None and state.proposed >= LEARN_DRAFTS \
+                    and state.accepted < MIN_BATCHED_ACCEPTANCE * state.proposed:
+                continue
             # Every token the step may yield must fit max_tokens and the context: k drafts + 1.
             k = min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
                     max_model_len - request.num_tokens - 1)

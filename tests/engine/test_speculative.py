@@ -223,3 +223,15 @@ def test_drafts_keep_the_greedy_text_of_a_lora_adapter_and_of_two_ranks(tiny_dir
         assert ranks.engine.stats.num_accepted_tokens > 0
     finally:
         ranks.engine.close()
+
+
+def test_beside_other_sequences_only_requests_whose_drafts_pass_speculate():
+    proposer = NgramProposer(default_tokens=4)
+    poor = Request("poor", list(LOOP), SamplingParams(max_tokens=100))
+    good = Request("good", list(LOOP), SamplingParams(max_tokens=100))
+    proposer.propose([poor, good], 1000)  # learn: both propose
+    for _ in range(4):
+        proposer.record(poor, 4, 2)  # half kept
+        proposer.record(good, 4, 4)
+    assert set(proposer.propose([poor, good], 1000)) == {good}
+    assert set(proposer.propose([poor], 1000)) == {poor}  # alone, any share pays
