@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -100,6 +100,8 @@ class EngineInfo:
     # a request's guide off its event loop to refuse a bad one, and the engine finds it in the cache.
     guides: GuideCompiler | None = None
     lora_enabled: bool = False  # the engine has LoRA slots: adapters may be loaded at run time
+    # A request's sampling fields default to these when it leaves them out (the model's generation_config.json).
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -123,7 +125,7 @@ class AsyncLLMEngine:
                                engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size,
                                model_config=engine.model.config, engine_config=engine.config,
                                precision=weight_precision(engine), guides=engine.guides,
-                               lora_enabled=engine.lora is not None)
+                               lora_enabled=engine.lora is not None, sampling_defaults=engine.sampling_defaults)
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()

@@ -65,6 +65,11 @@ class EngineConfig:
     speculative_tokens: int | None = None
     speculative_max_batch: int = 4
     speculative_model: str | None = None
+    # The chat template to use instead of the model's (a file, or the Jinja text), and where a request's
+    # sampling fields default from when it leaves them out: "auto", the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, repetition_penalty), or "none", ladder's own defaults.
+    chat_template: str | None = None
+    generation_config: str = "auto"
 
     @property
     def lora_enabled(self) -> bool:
@@ -104,6 +109,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.artifact is not None:
             raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
         self._check_lora()
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config is auto or none, not {self.generation_config!r}")
         if self.speculative_tokens is None:
             object.__setattr__(self, "speculative_tokens", 4 if self.speculative_model is not None else 0)
         if self.speculative_model is not None and (self.artifact is not None or self.tensor_parallel_size > 1):

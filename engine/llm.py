@@ -62,11 +62,13 @@ class LLM:
                 results[delta.request_id].outputs[delta.index].add(delta)
         return list(results.values())
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """One conversation through the model's chat template."""
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             chat_template_kwargs: dict | None = None) -> RequestOutput:
+        """One conversation through the model's chat template; `chat_template_kwargs` become template
+        variables (Qwen3's `enable_thinking`)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        text = self.tokenizer.apply_chat_template(messages)
+        text = self.tokenizer.apply_chat_template(messages, **(chat_template_kwargs or {}))
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate([ids], sampling_params)[0]
 

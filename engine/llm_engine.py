@@ -27,6 +27,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_dec
 from engine.speculative import NgramProposer, Proposer
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
+from model.chat_template import read_chat_template
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
 from model.lora import LoRAAdapter, load_adapter
@@ -81,6 +82,20 @@ class LLMEngine:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
                              f"the engine asks for {config.block_size}")
         self.tokenizer = self.model.tokenizer
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("--chat-template: this model has no tokenizer")
+            self.tokenizer.set_chat_template(read_chat_template(config.chat_template))
+        # What a request's sampling fields default to when it leaves them out (the server applies them).
+        self.sampling_defaults = {}
+        for name, value in (self.model.sampling_defaults if config.generation_config == "auto" else {}).items():
+            try:
+                SamplingParams(**{name: value})
+                self.sampling_defaults[name] = value
+            except ValueError as error:  # the model's file, not a request, is wrong: serve with ladder's default
+                log.warning("generation_config.json: %s; ladder's default is used", error)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
         module = self.model.module
         num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
                                                        module.device, module.kv_pools)

@@ -80,6 +80,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_tensor_parallel_argument(p)
     add_lora_arguments(p)
     add_speculative_arguments(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the chat template to use instead of the model's: a Jinja file, a tokenizer_config.json "
+                        "holding one, or the template text")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: a request's temperature, top_p, top_k, min_p and repetition_penalty default to the "
+                        "model's generation_config.json when it leaves them out; none: ladder's defaults")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -121,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
-        **lora_config(args), **speculative_config(args),
+        **lora_config(args), **speculative_config(args), chat_template=args.chat_template,
+        generation_config=args.generation_config,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.artifact is None:

@@ -13,6 +13,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -22,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model.errors import one_line
 
-__all__ = ["compile_chat_template", "render_chat_template"]
+__all__ = ["compile_chat_template", "read_chat_template", "render_chat_template"]
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -124,3 +125,25 @@ def _clean_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise ValueError(f"chat messages must be mappings, got {type(message).__name__}")
     return {key: value for key, value in message.items() if value is not None}
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file (Jinja text, or a tokenizer_config.json holding one) or as the
+    template itself; ValueError (one line) for neither."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it ({one_line(exc)})") from None
+        if path.suffix == ".json":
+            try:
+                text = json.loads(text)["chat_template"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--chat-template {value}: a JSON file must hold a \"chat_template\" string") from None
+            if not isinstance(text, str):
+                raise ValueError(f"--chat-template {value}: its \"chat_template\" is not one template string")
+        return text
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")

@@ -1,8 +1,10 @@
-"""Reading a Hugging Face model directory: config.json and one or several safetensors files."""
+"""Reading a Hugging Face model directory: config.json, one or several safetensors files, and the sampling
+defaults of generation_config.json."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -12,6 +14,8 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
 
 INDEX_FILE = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
 
 
 def read_config(directory: Path) -> tuple[ModelConfig, dict]:
@@ -61,3 +65,29 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
         except Exception as e:  # the safetensors error types differ between versions
             raise ModelLoadError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
     return tensors
+
+
+# The sampling fields of a generation_config.json that a request's own fields default to (vLLM's choice).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_sampling_defaults(directory: Path) -> dict[str, float | int]:
+    """The sampling defaults of the directory's generation_config.json ({} without one). A field of the
+    wrong type is left out with a warning: the model still serves, with ladder's own default for it."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({one_line(e)})") from None
+    defaults: dict[str, float | int] = {}
+    for name in SAMPLING_DEFAULT_FIELDS:
+        value = raw.get(name) if isinstance(raw, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            log.warning("%s: %s is %r, not a number; ignored", path, name, value)
+            continue
+        defaults[name] = int(value) if name == "top_k" else float(value)
+    return defaults

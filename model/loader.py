@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +14,7 @@ import torch
 from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
-from model.hf_checkpoint import read_config, read_tensors, safetensors_files
+from model.hf_checkpoint import read_config, read_sampling_defaults, read_tensors, safetensors_files
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
 from model.step import StepModel
 from model.weights import build_model
@@ -34,6 +34,9 @@ class LoadedModel:
     path: Path  # the file or directory it came from
     load_seconds: float
     quantization: str = "none"  # applied at load (model/precision.py QUANTIZATIONS)
+    # A request's sampling fields default to these when it leaves them out (a Hugging Face directory's
+    # generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty); {} for none.
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def check_source(source: str | Path | None) -> None:
@@ -110,7 +113,8 @@ def load(
             quantize_w4a8(module, blocks)
     if quantization not in ("none", "w4a8"):
         quantize(module, quantization, tokenizer, weight_files)
-    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization)
+    defaults = read_sampling_defaults(path) if path.is_dir() else {}
+    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults)
 
 
 def quantize(module, scheme: str, tokenizer, weight_files: list[Path]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import tokenizers
 
-from model.chat_template import render_chat_template
+from model.chat_template import compile_chat_template, render_chat_template
 from model.errors import ModelLoadError, one_line
 from model.gguf_vocab import CONTROL, END_OF_TURN, NORMAL, add_gguf_added_tokens, byte_level_bpe, sentencepiece_bpe
 
@@ -195,6 +195,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of the vocabulary entry spelled ``token``, or None."""
         return self.backend.token_to_id(token)
+
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja text, as in a tokenizer_config.json) instead of the model's own; ValueError
+        (one line) when it does not compile."""
+        compile_chat_template(template)
+        self.chat_template = template
+        self.__dict__.pop("_chat_markup", None)  # built from the template: build it again when next asked
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_vars: Any

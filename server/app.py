@@ -234,8 +234,8 @@ def create_app(state: ServerState) -> FastAPI:
                 check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
-            job = Job(new_id("cmpl"), prompts, sampling_params(body, max_tokens, body.logprobs, guide),
-                      lora or state.model_name, body.logprobs, lora)
+            params = sampling_params(body, max_tokens, body.logprobs, guide, info.sampling_defaults)
+            job = Job(new_id("cmpl"), prompts, params, lora or state.model_name, body.logprobs, lora)
             echo = body.echo
             return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,
                            reservation=reservation,
@@ -268,6 +268,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
                                                    tools.definitions if tools is not None else None, fmt)
+            template_vars = {**(body.chat_template_kwargs or {}), **template_vars}
             _, ids = await asyncio.to_thread(render_chat, tokenizer, messages,
                                              state.settings.allow_special_tokens_in_content, template_vars)
             requested = body.max_completion_tokens or body.max_tokens
@@ -277,8 +278,8 @@ def create_app(state: ServerState) -> FastAPI:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
-            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], sampling_params(body, max_tokens, num_top, guide),
-                      lora or state.model_name, num_top, lora)
+            params = sampling_params(body, max_tokens, num_top, guide, info.sampling_defaults)
+            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], params, lora or state.model_name, num_top, lora)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
                            chat=True, reservation=reservation,

@@ -58,16 +58,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None, guide: Guide | None = None
-                    ) -> SamplingParams:
+def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None, guide: Guide | None = None,
+                    defaults: dict | None = None) -> SamplingParams:
+    """The engine's parameters for a request; a sampling field it leaves out takes `defaults` (the model's
+    generation_config.json), then ladder's own default."""
+    defaults = defaults or {}
+
+    def given(name: str, builtin):
+        value = getattr(body, name)
+        return value if value is not None else defaults.get(name, builtin)
+
     try:
         return SamplingParams(
             n=body.n, max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0) or 0,
+            min_p=given("min_p", 0.0), presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             seed=None if body.seed is None else body.seed % 2**63, stop=body.stop_list,
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),

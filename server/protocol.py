@@ -69,8 +69,7 @@ UNSUPPORTED_FIELDS = {
     "prediction": "predicted outputs are not implemented",
     "reasoning_effort": "this model has no reasoning setting",
     "web_search_options": "web search is not implemented",
-    "chat_template": "the model's own chat template is used",
-    "chat_template_kwargs": "chat template arguments are not implemented",
+    "chat_template": "a request cannot bring its own template; the server's is used (ladder serve --chat-template)",
     "add_generation_prompt": "the assistant's turn is always opened",
     "continue_final_message": "not implemented",
     "documents": "not implemented",
@@ -143,6 +142,11 @@ class StructuredOutputs(BaseModel):
     choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     grammar: NonEmptyText | None = None
     json_object: Annotated[bool, Strict()] | None = None
+
+
+# Chat template variables the server sets itself: a request's chat_template_kwargs may not.
+CHAT_TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                    "eos_token"})
 
 
 class _Request(BaseModel):
@@ -351,6 +355,9 @@ class ChatCompletionRequest(_Request):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Strict()] = True
+    # More variables for the chat template (Qwen3's `enable_thinking`, a template's own switches), as vLLM
+    # takes them; the ones the server sets itself are refused (CHAT_TEMPLATE_RESERVED).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -369,6 +376,14 @@ class ChatCompletionRequest(_Request):
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_template_kwargs_are_free(self):
+        taken = sorted(set(self.chat_template_kwargs or ()) & CHAT_TEMPLATE_RESERVED)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the server sets "
+                             f"{', '.join(sorted(CHAT_TEMPLATE_RESERVED))} itself")
         return self
 
     @model_validator(mode="after")
