@@ -11,6 +11,7 @@ import torch
 
 from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
+from model.hub import fetch, is_repo_id
 from model.precision import resolve_dtype
 from model.quantization import resolve_quantization
 from parallel.layout import ATTENTION_SPLITS
@@ -22,7 +23,7 @@ CPU_DEFAULT_KV_GIB = 2
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF directory, GGUF file, or None for the embedded default
+    model: str | None = None  # HF directory, GGUF file, hub name (org/name, org/name:file.gguf), or None: the default
     artifact: str | None = None  # a `ladder compile` artifact directory, served instead of `model`
     dtype: str = "auto"  # float32, bfloat16, float16 (fp32, ...), or auto (resolve_dtype); resolved in __post_init__
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (CUDA when present); resolved in __post_init__
@@ -70,6 +71,10 @@ class EngineConfig:
     # (temperature, top_p, top_k, min_p, repetition_penalty), or "none", ladder's own defaults.
     chat_template: str | None = None
     generation_config: str = "auto"
+    # A model by name (model/hub.py): the hub revision (branch, tag or commit; None: main) and the cache
+    # directory (None: huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub). HF_HUB_OFFLINE: the cache only.
+    revision: str | None = None
+    download_dir: str | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -82,8 +87,13 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization} applies to a model, not to an artifact "
                              "(an artifact has the precision it was compiled in)")
         quantization = "none" if self.artifact is not None else self.quantization
+        # auto looks at a GGUF file's blocks: one named on the hub is fetched (into the cache load reads).
+        local = self.model
+        if quantization == "auto" and self.model is not None and self.model.endswith(".gguf") \
+                and is_repo_id(self.model):
+            local = str(fetch(self.model, self.revision, self.download_dir))
         object.__setattr__(self, "quantization", resolve_quantization(quantization, self.dtype, self.device,
-                                                                     self.model, self.tensor_parallel_size))
+                                                                     local, self.tensor_parallel_size))
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

@@ -59,8 +59,8 @@ class LLMEngine:
         if loaded is None and config.artifact is not None:
             loaded = load_artifact(config.artifact, config.device)
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
-                                    quantization=config.quantization,
-                                    block_size=config.block_size)
+                                    quantization=config.quantization, block_size=config.block_size,
+                                    revision=config.revision, download_dir=config.download_dir)
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
         if config.tensor_parallel_size > 1:  # a model passed in is left whole: the ranks get copies

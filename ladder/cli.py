@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine.backends.manifest import ArtifactError
-from ladder import bench, doctor, generate, serve
+from ladder import bench, doctor, generate, pull, serve
 from ladder import compile as compile_cli
 from loadtest import cli as loadtest_cli
 from model.errors import ModelLoadError
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_cli.add_parser(commands)
     loadtest_cli.add_parser(commands)
     doctor.add_parser(commands)
+    pull.add_parser(commands)
     for command in commands.choices.values():
         command.allow_abbrev = False  # a misspelt `--output` must not quietly become `--output-len`
     return parser

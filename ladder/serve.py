@@ -21,6 +21,7 @@ from ladder import serve_ray
 from ladder.device import add_device_argument
 from ladder.lora import add_lora_arguments, lora_config
 from ladder.precision import add_auto_dtype_argument, add_quantization_argument
+from ladder.pull import add_hub_arguments
 from ladder.speculative import add_speculative_arguments, speculative_config
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.default import DEFAULT_MODEL_NAME
@@ -31,7 +32,8 @@ log = logging.getLogger("ladder.serve")
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve a model over OpenAI-compatible HTTP endpoints.")
-    p.add_argument("--model", default=None, help=f"HF directory or GGUF file (default: {DEFAULT_MODEL_NAME})")
+    p.add_argument("--model", default=None,
+                   help=f"HF directory, GGUF file, or a hub name org/name[:file.gguf] (default: {DEFAULT_MODEL_NAME})")
     p.add_argument("--artifact", default=None, help="a compiled artifact directory from `ladder compile`")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -80,6 +82,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_tensor_parallel_argument(p)
     add_lora_arguments(p)
     add_speculative_arguments(p)
+    add_hub_arguments(p)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                    help="the chat template to use instead of the model's: a Jinja file, a tokenizer_config.json "
                         "holding one, or the template text")
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
         **lora_config(args), **speculative_config(args), chat_template=args.chat_template,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, revision=args.revision, download_dir=args.download_dir,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.artifact is None:

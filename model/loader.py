@@ -15,6 +15,7 @@ from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, default_model_path
 from model.errors import ModelLoadError
 from model.hf_checkpoint import read_config, read_sampling_defaults, read_tensors, safetensors_files
+from model.hub import fetch, is_repo_id
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
 from model.step import StepModel
 from model.weights import build_model
@@ -43,7 +44,7 @@ def check_source(source: str | Path | None) -> None:
     """ModelLoadError (one line) unless `source` is the embedded default, a directory or a .gguf file:
     what `load` refuses before reading anything, for a caller whose loading happens elsewhere (the Ray
     replicas)."""
-    if source is None or str(source) == DEFAULT_MODEL_NAME:
+    if source is None or str(source) == DEFAULT_MODEL_NAME or is_repo_id(str(source)):
         return
     path = Path(source).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
@@ -59,11 +60,14 @@ def load(
     device: str | torch.device = "cpu",
     block_size: int = 16,
     quantization: str = "none",
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model, in `dtype`
     (auto: model/precision.py `resolve_dtype`); `quantization` int8 or w8a8 swaps its linears for int8 ones
     once the float32 weights are in, w4a8 (GGUF files) for layers over the file's own blocks, which are
-    then never dequantized."""
+    then never dequantized. A source `org/name` (or `org/name:file.gguf`) that is not a local path comes
+    from the Hugging Face hub cache (model/hub.py) at `revision`, kept in `download_dir`."""
     start = time.perf_counter()
     torch_dtype = parse_dtype(resolve_dtype(dtype, device))
     if quantization not in QUANTIZATIONS:
@@ -73,6 +77,8 @@ def load(
                          "(or use quantization none)")
     if source is None or str(source) == DEFAULT_MODEL_NAME:
         path, name = default_model_path(), DEFAULT_MODEL_NAME
+    elif is_repo_id(str(source)):
+        path, name = fetch(str(source), revision, download_dir), str(source)
     else:
         path = Path(source).expanduser()
         check_source(path)
