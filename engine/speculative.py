@@ -57,10 +57,7 @@ class Proposer:
             raise ValueError(f"speculative max batch must be at least 1, got {max_batch}")
         self.default_tokens = default_tokens  # drafts per step for requests that do not ask (0: off unless asked)
         self.max_batch = max_batch  # decoding sequences above which nobody speculates: the step is arithmetic-bound
-        self.states: dict[str, DraftState] = {}
-        self.num_proposed = 0  # draft tokens verified since start
-        self.num_accepted = 0  # of which accepted
-        self.num_steps = 0  # verify steps (a request with drafts in a step counts once)
+        self.states: dict[str, DraftState] = {}  # request id -> its speculation (totals: EngineStats)
 
     def limit(self, request: Request) -> int:
         asked = request.params.speculative_tokens
@@ -73,9 +70,7 @@ class Proposer:
         widths: dict[Request, int] = {}
         for request in decoding:
             k = self._width(request)
-            state = self.states.get(request.request_id)
-            if len(decoding) > 1 and state is not None and state.proposed >= LEARN_DRAFTS \
-                    and state.accepted < MIN_BATCHED_ACCEPTANCE * state.proposed:
+            if len(decoding) > 1 and not self._passes_beside_others(request):
                 continue
             # Every token the step may yield must fit max_tokens and the context: k drafts + 1.
             k = min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
@@ -93,9 +88,6 @@ class Proposer:
         state = self.states[request.request_id]
         state.proposed += num_proposed
         state.accepted += num_accepted
-        self.num_proposed += num_proposed
-        self.num_accepted += num_accepted
-        self.num_steps += 1
         if num_accepted == num_proposed:
             state.width = min(state.limit, max(1, 2 * state.width))
         elif num_accepted == 0:
@@ -106,6 +98,12 @@ class Proposer:
 
     def close(self) -> None:
         """Release what the source holds (a draft model's cache)."""
+
+    def _passes_beside_others(self, request: Request) -> bool:
+        state = self.states.get(request.request_id)
+        if state is None or state.proposed < LEARN_DRAFTS:
+            return True
+        return state.accepted >= MIN_BATCHED_ACCEPTANCE * state.proposed
 
     def _width(self, request: Request) -> int:
         if request.matcher is not None or request.params.has_penalties:

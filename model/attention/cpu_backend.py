@@ -36,16 +36,17 @@ SHORT_QUERY = 1024
 class CpuAttentionPlan:
     """Which new tokens run as decode rows on the kernel, and the reference's plan for the rest.
 
-    rows [R] (None: every token), with each row's block table [R, num_blocks] and length [R] (its
-    position + 1: the keys it sees); gathered [G] (None: every token) with `gather`, the reference's plan
-    over the long chunks' sequences alone, whose queries are q[gathered]."""
+    Each row has its sequence's block table [R, num_blocks] and its length [R] (its position + 1: the keys
+    it sees). In a step of short chunks only, every token is a row (`rows` and `gather` None); otherwise
+    `rows` [R] and `gathered` [G] split the tokens, and `gather` is the reference's plan over the long
+    chunks' sequences alone, whose queries are q[gathered]."""
 
     slot_mapping: torch.Tensor  # [T]
-    rows: torch.Tensor | None
-    row_block_tables: torch.Tensor | None
-    row_seq_lens: torch.Tensor | None
-    gathered: torch.Tensor | None
-    gather: TorchAttentionPlan | None
+    row_block_tables: torch.Tensor
+    row_seq_lens: torch.Tensor
+    rows: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+    gather: TorchAttentionPlan | None = None
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -56,7 +57,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if not cpu_kernel.load():
             return super().plan(meta)
         if meta.max_query_len == 1:  # decodes: one row per sequence already
-            return CpuAttentionPlan(meta.slot_mapping, None, meta.block_tables, meta.seq_lens, None, None)
+            return CpuAttentionPlan(meta.slot_mapping, meta.block_tables, meta.seq_lens)
         starts = meta.query_start_loc
         query_lens = starts[1:] - starts[:-1]  # [S]
         short = query_lens <= SHORT_QUERY  # [S]
@@ -70,29 +71,26 @@ class CpuPagedAttention(TorchPagedAttention):
         row_seq = sequence[is_row]
         # Token t of sequence s sits at position seq_lens[s] - (starts[s + 1] - t) and sees one more key.
         row_lens = meta.seq_lens[row_seq] - starts[1:][row_seq] + rows + 1
-        gathered, gather = None, None
-        if not bool(short.all()):
-            long = ~short
-            long_lens = query_lens[long]
-            long_starts = torch.zeros(len(long_lens) + 1, dtype=torch.long)
-            torch.cumsum(long_lens, 0, out=long_starts[1:])
-            sub = AttentionMetadata(long_starts, meta.seq_lens[long], meta.block_tables[long],
-                                    meta.slot_mapping, int(long_lens.max()), int(meta.seq_lens[long].max()))
-            gathered, gather = token[~is_row], super().plan(sub)
-        return CpuAttentionPlan(meta.slot_mapping, rows if gather is not None else None, meta.block_tables[row_seq],
-                                row_lens, gathered, gather)
+        if bool(short.all()):
+            return CpuAttentionPlan(meta.slot_mapping, meta.block_tables[row_seq], row_lens)
+        long = ~short
+        long_lens = query_lens[long]
+        long_starts = torch.zeros(len(long_lens) + 1, dtype=torch.long)
+        torch.cumsum(long_lens, 0, out=long_starts[1:])
+        sub = AttentionMetadata(long_starts, meta.seq_lens[long], meta.block_tables[long], meta.slot_mapping,
+                                int(long_lens.max()), int(meta.seq_lens[long].max()))
+        return CpuAttentionPlan(meta.slot_mapping, meta.block_tables[row_seq], row_lens, rows, token[~is_row],
+                                super().plan(sub))
 
     def forward(self, q, k, v, kv_cache, plan, scale: float) -> torch.Tensor:
         if not isinstance(plan, CpuAttentionPlan):
             return super().forward(q, k, v, kv_cache, plan, scale)
         write_kv_cache_ref(k, v, kv_cache, plan.slot_mapping)
-        if plan.gather is None and plan.rows is None:
+        if plan.gather is None:
             return self._rows(q, kv_cache, plan.row_block_tables, plan.row_seq_lens, scale)
         out = torch.empty_like(q)
-        if len(plan.row_seq_lens):
-            out[plan.rows] = self._rows(q[plan.rows], kv_cache, plan.row_block_tables, plan.row_seq_lens, scale)
-        if plan.gather is not None:
-            out[plan.gathered] = gathered_attention(q[plan.gathered], kv_cache, plan.gather.gather, scale)
+        out[plan.rows] = self._rows(q[plan.rows], kv_cache, plan.row_block_tables, plan.row_seq_lens, scale)
+        out[plan.gathered] = gathered_attention(q[plan.gathered], kv_cache, plan.gather.gather, scale)
         return out
 
     def _rows(self, q, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:

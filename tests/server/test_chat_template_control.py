@@ -18,7 +18,8 @@ from server.app import ServerSettings, ServerState
 from server.generation import sampling_params
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if greeting is defined %}{{ greeting }}\n{% endif %}{% if add_generation_prompt %}assistant:{% endif %}")
+            "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,8 @@ def test_generation_config_none_and_bad_templates(model_dir):
                                     generation_config="none"))
     assert engine.sampling_defaults == {}
     with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
-        EngineConfig(model=str(model_dir), chat_template="missing.jinja") and LLMEngine(
-            EngineConfig(model=str(model_dir), kv_cache_memory_gib=0.01, max_model_len=64,
-                         chat_template="missing.jinja"))
+        LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gib=0.01, max_model_len=64,
+                               chat_template="missing.jinja"))
     with pytest.raises(ValueError, match="chat template does not compile"):
         LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gib=0.01, max_model_len=64,
                                chat_template="{% for m in messages %}"))
