@@ -25,12 +25,12 @@ from model.attention.triton_backend import TritonPagedAttention
 from model.attention_metadata import AttentionMetadata
 
 AttentionBackend = BaseAttention  # the name the model's layers are typed with
-AttentionPlan = TorchAttentionPlan | CpuAttentionPlan | GraphAttentionPlan | AttentionMetadata  # plan()'s
+# What a backend's plan() returns.
+AttentionPlan = TorchAttentionPlan | CpuAttentionPlan | GraphAttentionPlan | AttentionMetadata
 
 __all__ = [
     "BACKENDS", "AttentionBackend", "AttentionPlan", "BaseAttention", "CpuAttentionPlan", "CpuPagedAttention",
-    "ExportPagedAttention",
-    "GraphAttentionPlan", "GraphPagedAttention", "OpaquePagedAttention", "TorchAttentionPlan",
+    "ExportPagedAttention", "GraphAttentionPlan", "GraphPagedAttention", "OpaquePagedAttention", "TorchAttentionPlan",
     "TorchPagedAttention", "TritonPagedAttention", "attention_for", "install", "installed", "paged_attention_op",
     "triton_paged_attention",
 ]
