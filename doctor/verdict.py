@@ -80,7 +80,9 @@ def classify(e: Evidence) -> Verdict:
     if e.roof == "memory":
         weights = f"{e.weight_bytes / 1e6:.0f} MB of weights" if e.weight_bytes else "the weights"
         return Verdict("memory", reasons, f"each step reads {weights}: batch more sequences per step so the same "
-                       f"bytes serve more tokens (raise --max-num-seqs){fewer_bytes_step(e)}")
+                       f"bytes serve more tokens (raise --max-num-seqs){fewer_bytes_step(e)}. For one stream, "
+                       "speculative decoding makes one read yield several tokens where answers copy their input "
+                       "(`--speculative-tokens 8`, docs/speculative.md)")
     faster = {k: r for k, r in e.faster_kinds.items() if r > 1.2}
     if faster:
         best = max(faster, key=faster.get)

@@ -23,7 +23,8 @@ UNDER_MEMORY = dict(queue_share=0.05, overhead_share=0.1, roof_fraction=0.6, roo
 
 
 def test_each_bound_follows_from_its_figures():
-    assert classify(Evidence(**UNDER_MEMORY)).bound == "memory"
+    memory = classify(Evidence(**UNDER_MEMORY))
+    assert memory.bound == "memory" and "--speculative-tokens" in memory.next_step  # the one-stream lever
     assert classify(Evidence(**{**UNDER_MEMORY, "roof": "compute"})).bound == "compute"
     assert classify(Evidence(**{**UNDER_MEMORY, "queue_share": 0.7})).bound == "queue"
     assert classify(Evidence(**{**UNDER_MEMORY, "overhead_share": 0.6})).bound == "overhead"
