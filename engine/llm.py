@@ -43,7 +43,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
@@ -61,6 +61,11 @@ class LLM:
             for delta in self.engine.step():
                 results[delta.request_id].outputs[delta.index].add(delta)
         return list(results.values())
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The parameters of a call that gives none: the model's generation_config.json sampling fields
+        (unless the engine was made with generation_config="none"), ladder's defaults for the rest."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              chat_template_kwargs: dict | None = None) -> RequestOutput:

@@ -77,6 +77,16 @@ def test_sampling_fields_default_to_the_models_generation_config(server):
     assert (params.temperature, params.top_k, params.top_p) == (0.7, 5, 1.0)  # the request's own field wins
 
 
+def test_offline_generation_takes_the_same_defaults(model_dir):
+    from engine.llm import LLM
+
+    llm = LLM(str(model_dir), kv_cache_memory_gib=0.01, max_model_len=64)
+    params = llm.default_sampling_params()
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 5, 1.0)
+    first, again = (llm.generate(["Hello"])[0].outputs[0].token_ids for _ in range(2))
+    assert first == again  # greedy, by the model's default
+
+
 def test_generation_config_none_and_bad_templates(model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_gib=0.01, max_model_len=64,
                                     generation_config="none"))
