@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(BIN)/ladder bench --num-prompts 64 --input-len 128 --output-len 128
 
 generate: $(STAMP)
-	$(BIN)/ladder generate "What is the capital of France?"
+	$(BIN)/ladder generate "Write a haiku about the sea."
 
 clean:
 	rm -rf $(VENV) build *.egg-info
