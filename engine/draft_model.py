@@ -42,7 +42,6 @@ class DraftModelProposer(Proposer):
         self.blocks = KVBlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = self.module.allocate_kv_caches(num_blocks)
         self.shadows: dict[str, Request] = {}  # request id -> its tokens' place in the draft cache
-        self.pending: dict[str, int] = {}  # request id -> tokens its last drafts left in the draft cache
 
     @torch.inference_mode()
     def draft(self, widths: dict[Request, int]) -> dict[Request, list[int]]:
@@ -69,21 +68,18 @@ class DraftModelProposer(Proposer):
                 if len(drafts[request]) < widths[request]:
                     following.append((request, [token]))
             step = following
-        for request, tokens in drafts.items():
-            self.pending[request.request_id] = request.num_tokens  # cached now: up to the last token + k - 1 drafts
         return drafts
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         super().record(request, num_proposed, num_accepted)
         shadow = self.shadows.get(request.request_id)
         if shadow is not None:
-            # The cache holds the last token and drafts 1..k-1; of those, the kept drafts stay true.
-            base = self.pending.pop(request.request_id, shadow.num_computed_tokens)
-            shadow.num_computed_tokens = base + min(num_accepted, num_proposed - 1)
+            # The cache holds the sequence's tokens (request.num_tokens, the step's not yet appended) and
+            # drafts 1..k-1 after them; of those, the kept drafts stay true.
+            shadow.num_computed_tokens = request.num_tokens + min(num_accepted, num_proposed - 1)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
-        self.pending.pop(request_id, None)
         shadow = self.shadows.pop(request_id, None)
         if shadow is not None:
             self.blocks.release(shadow)
@@ -95,10 +91,8 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.get(request.request_id)
         if shadow is None:
             shadow = self.shadows[request.request_id] = Request(request.request_id, [], SamplingParams())
-        base = self.pending.pop(request.request_id, None)
-        if base is not None:  # drafted, but the step dropped the drafts: the tokens before them are true
-            shadow.num_computed_tokens = min(shadow.num_computed_tokens, base)
-        # At least the last token runs: its row gives the first draft.
+        # At least the last token runs: its row gives the first draft. This also drops what drafts left in
+        # the cache when a step dropped them (the request then decoded one token, the drafts' first place).
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, request.num_tokens - 1)
         return shadow
 
@@ -108,5 +102,4 @@ class DraftModelProposer(Proposer):
         keep = {r.request_id for r in speculating}
         for request_id in [rid for rid in self.shadows if rid not in keep]:
             self.blocks.release(self.shadows.pop(request_id))
-            self.pending.pop(request_id, None)
         return self.blocks.allocate(shadow, num_new)

@@ -84,7 +84,8 @@ class Proposer:
         raise NotImplementedError
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
-        """A verify step's outcome for the request: widen or narrow its drafts."""
+        """A verify step's outcome for the request: widen or narrow its drafts. Called before the step's
+        tokens are appended to the request."""
         state = self.states[request.request_id]
         state.proposed += num_proposed
         state.accepted += num_accepted
