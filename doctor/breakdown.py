@@ -36,6 +36,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.throughput import BenchConfig, make_workload
 from kernels.ops import Ops
+from kernels.timing import synchronize
 from model import llama
 from model.attention.base import BaseAttention
 from model.attention.install import install
@@ -132,15 +133,14 @@ class Stopwatch:
     """Seconds and calls per phase over one step, taken only while `active`."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device if device.type == "cuda" else None
+        self.device = device
         self.active = False
         self.seconds: Counter = Counter()
         self.calls: Counter = Counter()
         self.started: dict[int, float] = {}
 
     def now(self) -> float:
-        if self.device is not None:  # kernels run asynchronously: time from an idle device to a finished one
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)  # CUDA kernels run asynchronously: time from an idle device to a finished one
         return time.perf_counter()
 
     def add(self, phase: str, seconds: float) -> None:
