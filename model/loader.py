@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.config import ModelConfig
-from model.default import DEFAULT_MODEL_NAME, default_model_path
+from model.default import DEFAULT_MODEL_NAME, is_packaged, packaged_model_path
 from model.errors import ModelLoadError
 from model.hf_checkpoint import read_config, read_sampling_defaults, read_tensors, safetensors_files
 from model.hub import fetch, is_repo_id
+from model.moe import check_quantization as check_moe_quantization
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
 from model.step import StepModel
-from model.weights import build_model
+from model.weights import build_model, shift_norm_weights
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -44,7 +45,7 @@ def check_source(source: str | Path | None) -> None:
     """ModelLoadError (one line) unless `source` is the embedded default, a directory or a .gguf file:
     what `load` refuses before reading anything, for a caller whose loading happens elsewhere (the Ray
     replicas)."""
-    if source is None or str(source) == DEFAULT_MODEL_NAME or is_repo_id(str(source)):
+    if is_packaged(source) or is_repo_id(str(source)):
         return
     path = Path(source).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
@@ -75,8 +76,9 @@ def load(
     if quantization != "none" and torch_dtype != torch.float32:
         raise ValueError(f"quantization {quantization} starts from float32 weights: drop dtype {dtype} "
                          "(or use quantization none)")
-    if source is None or str(source) == DEFAULT_MODEL_NAME:
-        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    if is_packaged(source):
+        name = DEFAULT_MODEL_NAME if source is None else str(source)
+        path = packaged_model_path(name)
     elif is_repo_id(str(source)):
         path, name = fetch(str(source), revision, download_dir), str(source)
     else:
@@ -92,9 +94,13 @@ def load(
 
     if path.is_dir():
         config, _ = read_config(path)
+        check_moe_quantization(config, quantization, str(path))
+        tensors = read_tensors(safetensors_files(path))
+        if config.architecture == "gemma3":
+            shift_norm_weights(tensors)
         # The tensors (q, k, v apart) go once the module holds them fused, before any quantization.
-        module = build_model(config, read_tensors(safetensors_files(path)), str(path), str(path / "config.json"),
-                             torch_dtype, device, block_size)
+        module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size)
+        del tensors
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
     else:  # a .gguf file (check_source)
@@ -102,6 +108,7 @@ def load(
 
         checkpoint = GGUFCheckpoint(path)
         config = checkpoint.config
+        check_moe_quantization(config, quantization, str(path))
         skip: set[str] = set()
         if quantization == "w4a8":
             from model.block_quantization import linear_sources

@@ -32,6 +32,7 @@ from kernels import cpu_int8_linear, cpu_w4a8_linear, cpu_w8a8_linear
 from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
 from model.llama import LlamaForCausalLM
+from model.moe import is_moe_checkpoint, quantize_experts
 from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS, parse_dtype
 
 
@@ -49,7 +50,8 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
       which do not split W4A8): W8A8;
     - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing;
     - a CPU without AVX-512 VNNI or AVX2 (or a build without a compiler): nothing, since the int8 kernels'
-      portable loops run several times slower than torch's float32 matmuls there (`int8_kernels_are_fast`).
+      portable loops run several times slower than torch's float32 matmuls there (`int8_kernels_are_fast`);
+    - a mixture-of-experts checkpoint (a local directory or GGUF file, model/moe.py): nothing.
 
     Other values pass through, checked."""
     if quantization == "auto":
@@ -57,6 +59,8 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
             return "none"
         if not int8_kernels_are_fast():
             return "none"
+        if model is not None and is_moe_checkpoint(Path(model).expanduser()):
+            return "none"  # the int8 schemes do not cover expert weights (model/moe.py)
         return "w4a8" if tensor_parallel_size == 1 and _runs_w4a8(model) else "w8a8"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")
@@ -75,12 +79,12 @@ def int8_kernels_are_fast() -> bool:
 
 
 def _runs_w4a8(model: str | Path | None) -> bool:
-    from model.default import DEFAULT_MODEL_NAME, default_model_path
+    from model.default import is_packaged, packaged_model_path
     from model.errors import ModelLoadError
 
     try:
-        path = default_model_path() if model is None or str(model) == DEFAULT_MODEL_NAME else Path(model).expanduser()
-    except ModelLoadError:  # the default model is not installed: loading it says so
+        path = packaged_model_path(model and str(model)) if is_packaged(model) else Path(model).expanduser()
+    except ModelLoadError:  # a packaged model that is not installed: loading it says so
         return False
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
         return False
@@ -162,8 +166,10 @@ INT8_LINEARS: dict[str, type[Int8Weights]] = {"int8": Int8Linear, "w8a8": W8A8Li
 
 
 def linear_names(module: LlamaForCausalLM) -> list[str]:
-    """Every linear layer INT8 replaces: q/k/v, o, gate/up, down of each layer, and the LM head."""
-    return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+    """Every linear layer INT8 replaces: q/k/v, o, gate/up, down of each layer, and the LM head. A mixture
+    of experts' router (`mlp.gate`) stays float (model/moe.py Int8SparseMoeBlock says why)."""
+    return [name for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and not name.endswith("mlp.gate")]
 
 
 def quantize_int8(module: LlamaForCausalLM, precision: str = "int8") -> LlamaForCausalLM:
@@ -174,6 +180,8 @@ def quantize_int8(module: LlamaForCausalLM, precision: str = "int8") -> LlamaFor
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, child, linear_type.from_linear(getattr(parent, child)))
+    if precision == "int8":  # mixture-of-experts layers: their experts weight-only int8 too
+        quantize_experts(module)
     return module
 
 
@@ -199,9 +207,8 @@ def pack_all(module: nn.Module) -> None:
 def apply_precision(module: LlamaForCausalLM, precision: str) -> LlamaForCausalLM:
     """The module in `precision` (fp32, fp16, bf16: a cast; int8 and w8a8: int8 linears, see above)."""
     if precision in FLOAT_PRECISIONS:
-        inv_freq = module.inv_freq  # rotary frequencies stay float32 whatever the weights' dtype
         module = module.to(FLOAT_PRECISIONS[precision])
-        module.inv_freq = inv_freq
+        module.make_rotary(module.device)  # rotary frequencies stay float32 whatever the weights' dtype
         return module
     if precision in INT8_LINEARS:
         module = quantize_int8(module.float(), precision)

@@ -16,9 +16,20 @@ from kernels.rotary import rope_frequencies
 from model.config import ModelConfig
 
 
+def local_inverse_frequencies(config: ModelConfig) -> torch.Tensor | None:
+    """[head_dim / 2] float32 frequencies of the sliding-window layers when they have a RoPE base of their
+    own (Gemma 3: 10,000, unscaled); None when every layer rotates alike."""
+    if config.rope_local_theta is None:
+        return None
+    return rope_frequencies(config.head_dim, config.rope_local_theta)
+
+
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 angular frequency of each rotated pair, with Llama 3 scaling applied."""
+    """[head_dim / 2] float32 angular frequency of each rotated pair (of the full-attention layers), with
+    Llama 3 or linear scaling applied."""
     inv_freq = rope_frequencies(config.head_dim, config.rope_theta)
+    if config.rope_linear_factor is not None:
+        return inv_freq / config.rope_linear_factor
     if config.rope_freq_factors is not None:
         return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     scaling = config.rope_scaling

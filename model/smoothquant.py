@@ -9,6 +9,7 @@ whatever produces x, so it costs nothing at run time:
 
   qkv_proj  input = input_layernorm(h)           -> input_layernorm.weight /= s
   gate_up   input = post_attention_layernorm(h)  -> post_attention_layernorm.weight /= s
+                                                    (Gemma: pre_feedforward_layernorm, `mlp_norm`)
   down_proj input = silu(gate) * up              -> the up rows of gate_up_proj /= s (up is linear)
   lm_head   input = norm(h)                      -> norm.weight /= s (a tied head is untied first)
 
@@ -159,7 +160,7 @@ def apply(module: LlamaForCausalLM, smoothing: Smoothing) -> None:
     for i, layer in enumerate(module.layers):
         attn, mlp = layer.self_attn, layer.mlp
         fold(layer.input_layernorm.weight, attn.qkv_proj, f"layers.{i}.self_attn.qkv_proj")
-        fold(layer.post_attention_layernorm.weight, mlp.gate_up_proj, f"layers.{i}.mlp.gate_up_proj")
+        fold(layer.mlp_norm.weight, mlp.gate_up_proj, f"layers.{i}.mlp.gate_up_proj")
         intermediate = mlp.down_proj.in_features
         fold(mlp.gate_up_proj.weight[intermediate:].T, mlp.down_proj, f"layers.{i}.mlp.down_proj")
     fold(module.norm.weight, module.lm_head, "lm_head")

@@ -18,7 +18,7 @@ from typing import Any
 
 import tokenizers
 
-from model.chat_template import compile_chat_template, render_chat_template
+from model.chat_template import BUILTIN_TEMPLATES, compile_chat_template, render_chat_template
 from model.errors import ModelLoadError, one_line
 from model.gguf_vocab import CONTROL, END_OF_TURN, NORMAL, add_gguf_added_tokens, byte_level_bpe, sentencepiece_bpe
 
@@ -123,7 +123,8 @@ class Tokenizer:
         bos_id, eos_id = id_at("bos_token_id"), id_at("eos_token_id")
         stops = [i for i in (id_at("eot_token_id"), id_at("eom_token_id")) if i is not None]
         stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN]
-        template = metadata.get("tokenizer.chat_template")
+        template = metadata.get("tokenizer.chat_template") or BUILTIN_TEMPLATES.get(
+            str(metadata.get("general.architecture")))
         return cls(
             backend,
             bos_token=tokens[bos_id] if bos_id is not None else None,

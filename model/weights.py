@@ -20,7 +20,7 @@ from kernels.ops import select_ops
 from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.llama import LlamaForCausalLM
-from model.rope import inverse_frequencies
+from model.moe_checkpoint import expert_shapes, expert_sources, stack_experts
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -51,6 +51,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
                        p + "self_attn.k_norm.weight": (config.head_dim,)}
+        if config.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
+        if config.is_sparse_layer(i):  # stacked experts instead of the dense MLP (model/moe_checkpoint.py)
+            for kind in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[p + f"mlp.{kind}.weight"]
+            shapes |= expert_shapes(config, i)
     return shapes
 
 
@@ -80,6 +86,14 @@ class LazyTensors(Mapping[str, T]):
         return len(self.shapes)
 
 
+def shift_norm_weights(tensors: dict[str, torch.Tensor]) -> None:
+    """Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the decoder's RMSNorm scales by its
+    weight, so each norm weight becomes 1 + w, in float32, in place. (GGUF files store 1 + w already.)"""
+    for name, tensor in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = tensor.float() + 1.0
+
+
 def check_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str, config_name: str) -> None:
     """Raise ModelLoadError (one line, naming `source`) for a missing tensor or a contradicting shape."""
     for name, shape in expected_shapes(config).items():
@@ -103,6 +117,9 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
         attn, mlp = p + "self_attn.", p + "mlp."
         sources[p + "input_layernorm.weight"] = [p + "input_layernorm.weight"]
         sources[p + "post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
+        if config.sandwich_norms:
+            for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
+                sources[p + norm] = [p + norm]
         sources[attn + "qkv_proj.weight"] = [attn + f"{x}_proj.weight" for x in "qkv"]
         if config.attention_bias:
             sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in "qkv"]
@@ -110,8 +127,11 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
             sources[attn + "q_norm.weight"] = [attn + "q_norm.weight"]
             sources[attn + "k_norm.weight"] = [attn + "k_norm.weight"]
         sources[attn + "o_proj.weight"] = [attn + "o_proj.weight"]
-        sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]
+        if config.is_sparse_layer(i):  # the router and the stacked experts (model/moe_checkpoint.py)
+            sources |= expert_sources(i)
+        else:
+            sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+            sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]
     return sources
 
 
@@ -128,6 +148,8 @@ def build_model(
     """Check, fuse and load `tensors` into a new module of `dtype` on `device`, in eval mode, one tensor
     at a time. The state-dict names in `skip` stay on the meta device, unread (a tied LM head untied), for
     a caller that replaces their modules next (`quantize_w4a8`, over a GGUF file's own blocks)."""
+    if config.num_experts:
+        tensors = stack_experts(config, tensors, source)
     check_tensors(config, tensors, source, config_name)
     # Build on the meta device: no memory is touched until the real tensors are assigned.
     with torch.device("meta"):
@@ -148,5 +170,5 @@ def build_model(
                 if p.is_meta and name not in skip]
     assert not unloaded, f"fused_sources misses {unloaded}"
     # Buffers are not in the state dict; rebuild them on the real device.
-    module.inv_freq = inverse_frequencies(config).to(device)
+    module.make_rotary(device)
     return module.eval().requires_grad_(False)

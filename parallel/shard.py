@@ -36,7 +36,6 @@ from kernels.ops import Ops
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from model.quantization import INT8_LINEARS, Int8Weights, W8A8Linear, int8_skeleton, pack_all
-from model.rope import inverse_frequencies
 from parallel.collectives import Collectives
 from parallel.layout import TensorParallelLayout
 from parallel.row_parallel_w8a8 import RowParallelW8A8
@@ -114,7 +113,7 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
     device = module.embed_tokens.weight.device
     if config.tie_word_embeddings and type(module.lm_head) is nn.Linear:
         module.lm_head.weight = module.embed_tokens.weight  # one copy of the shared rows
-    module.inv_freq = inverse_frequencies(config).to(device)  # a buffer outside the state dict
+    module.make_rotary(device)  # a buffer outside the state dict
     missing = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t is not None and t.is_meta]
     if missing:
         raise ValueError(f"rank {rank}'s shard lacks {len(missing)} tensors, e.g. {missing[0]!r}")

@@ -232,7 +232,13 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, 
         raise ValueError(f"quantization {loaded.quantization} is not split across tensor-parallel ranks "
                          f"(choose {', '.join(INT8_LINEARS)} or none)")
     config = loaded.config
+    if config.num_experts:  # shard.py splits dense MLPs only; expert parallelism is not built yet
+        raise ValueError(f"tensor parallelism does not split mixture-of-experts layers ({config.architecture}); "
+                         "use --tensor-parallel-size 1")
     layout = TensorParallelLayout.for_model(config, size, attention)
+    if layout.by_sequences and config.layer_types is not None:
+        raise ValueError(f"{config.architecture} has sliding-window layers beside full-attention ones, and a split "
+                         "by sequences plans one window; use a split by heads or --tensor-parallel-size 1")
     device = full.device
     if device.type == "cuda":
         base = device.index or 0

@@ -72,6 +72,7 @@ FIRST = (
     "server/test_lora_serving.py",
     "engine/test_lora.py",
     "model/test_model_parity.py",
+    "model/test_gemma3_file.py",
     "loadtest/test_loadtest_e2e.py",
     "server/test_reliability.py",
 )

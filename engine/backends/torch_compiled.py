@@ -42,13 +42,11 @@ from engine.backends.packed_weights import load_packed
 from kernels import cpu_w8a8_linear
 from kernels.kv_layout import blocks_for_tokens
 from kernels.ops import TORCH_OPS, Ops, select_ops
-from model.attention import (AttentionPlan, GraphPagedAttention, OpaquePagedAttention, TorchPagedAttention,
-                             install)
+from model.attention import AttentionPlan, GraphPagedAttention, OpaquePagedAttention, TorchPagedAttention, install
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from model.quantization import INT8_LINEARS, activation_dtype, int8_skeleton, pack_all
-from model.rope import inverse_frequencies
 from model.sequences import Sequences
 from model.step import BaseStepModel, allocate_kv_caches
 
@@ -194,7 +192,7 @@ def rebuild(directory: Path, precision: str, block_size: int, device: torch.devi
     module.load_state_dict(state, strict=True, assign=True)
     if tied:
         module.lm_head.weight = module.embed_tokens.weight
-    module.inv_freq = inverse_frequencies(config).to(device)
+    module.make_rotary(device)
     if not (device.type == "cpu" and load_packed(module, directory)):  # CPU artifacts store the packing
         pack_all(module)
     return module.eval().requires_grad_(False)

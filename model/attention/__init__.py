@@ -18,7 +18,7 @@ from model.attention.base import BaseAttention
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
 from model.attention.export_backend import ExportPagedAttention
 from model.attention.graph_backend import GraphAttentionPlan, GraphPagedAttention, triton_paged_attention
-from model.attention.install import BACKENDS, attention_for, install, installed
+from model.attention.install import BACKENDS, attention_for, install, installed, wrapped
 from model.attention.opaque_backend import OpaquePagedAttention, paged_attention_op
 from model.attention.torch_backend import TorchAttentionPlan, TorchPagedAttention
 from model.attention.triton_backend import TritonPagedAttention
@@ -32,5 +32,5 @@ __all__ = [
     "BACKENDS", "AttentionBackend", "AttentionPlan", "BaseAttention", "CpuAttentionPlan", "CpuPagedAttention",
     "ExportPagedAttention", "GraphAttentionPlan", "GraphPagedAttention", "OpaquePagedAttention", "TorchAttentionPlan",
     "TorchPagedAttention", "TritonPagedAttention", "attention_for", "install", "installed", "paged_attention_op",
-    "triton_paged_attention",
+    "triton_paged_attention", "wrapped",
 ]

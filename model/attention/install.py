@@ -9,7 +9,7 @@ made it), which is why nothing but `install` assigns them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -33,7 +33,11 @@ def attention_for(ops: Ops, block_size: int, sliding_window: int | None) -> Base
 def install(module: nn.Module, backend: BaseAttention) -> BaseAttention:
     """Give `module` (a decoder: it plans with `module.attention`) and every attention layer in it `backend`;
     returns the backend it had. Layers are found wherever they sit, so a layer wrapped from outside
-    (parallel/sequence_split.py) gets it too."""
+    (parallel/sequence_split.py) gets it too. ValueError for a model whose layers have different windows
+    (Gemma 3): one backend holds one window, and its callers plan with it alone."""
+    if getattr(module, "local_attention", None) is not None:
+        raise ValueError(f"{module.config.architecture} has sliding-window layers beside full-attention ones; "
+                         "compiled, exported and instrumented steps take one attention window (run it eager)")
     previous = module.attention
     for sub in module.modules():
         if isinstance(getattr(sub, "backend", None), BaseAttention):
@@ -51,3 +55,26 @@ def installed(module: nn.Module, backend: BaseAttention) -> Iterator[BaseAttenti
         yield backend
     finally:
         install(module, previous)
+
+
+@contextlib.contextmanager
+def wrapped(module: nn.Module, wrap: Callable[[BaseAttention], BaseAttention]) -> Iterator[None]:
+    """Every backend of `module` (`attention`, and `local_attention` where windowed layers have their own)
+    replaced by `wrap(backend)` for the length of a `with` block, in the module and in each layer that ran
+    it: a wrapper that delegates to its backend keeps each layer's window (the doctor's timing)."""
+    originals = {name: backend for name in ("attention", "local_attention")
+                 if isinstance(backend := getattr(module, name, None), BaseAttention)}
+    wrappers = {id(backend): wrap(backend) for backend in originals.values()}
+    layers = [(sub, sub.backend) for sub in module.modules()
+              if isinstance(getattr(sub, "backend", None), BaseAttention) and id(sub.backend) in wrappers]
+    try:
+        for name, backend in originals.items():
+            setattr(module, name, wrappers[id(backend)])
+        for sub, backend in layers:
+            sub.backend = wrappers[id(backend)]
+        yield
+    finally:
+        for name, backend in originals.items():
+            setattr(module, name, backend)
+        for sub, backend in layers:
+            sub.backend = backend

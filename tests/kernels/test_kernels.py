@@ -109,6 +109,17 @@ def test_silu_and_mul_matches_reference(shape, dtype):
     assert_matches(out, silu_and_mul_ref(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 2 * 640), (1, 2 * 100)], ids=str)
+def test_gelu_tanh_and_mul_matches_reference(shape, dtype):
+    from kernels.swiglu import gelu_tanh_and_mul, gelu_tanh_and_mul_ref
+
+    gate_up = randn(*shape, dtype=dtype) * 3
+    with poisoned_allocations():
+        out = gelu_tanh_and_mul(gate_up)
+    assert_matches(out, gelu_tanh_and_mul_ref(gate_up))
+
+
 # --- KV cache write ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,7 +16,7 @@ from model.generator import Generator
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason=f"triton is not importable ({TRITON_IMPORT_ERROR})")
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen3"])  # qwen3 adds the per-head q/k norms
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "gemma3"])  # q/k norms; windows, GeGLU
 def both_sides(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     make_hf_model(request.param, directory)

@@ -34,8 +34,13 @@ def test_config_maps_from_hf_fields(family_models):
     assert cfg.num_kv_heads == 2 and cfg.num_heads == 4
     assert (cfg.rope_scaling is not None) == (family == "llama3")
     assert cfg.attention_bias == (family == "qwen2")
-    assert cfg.qk_norm == (family == "qwen3")
-    assert cfg.tie_word_embeddings == (family == "qwen2")
+    assert cfg.qk_norm == (family in ("qwen3", "gemma3"))
+    assert cfg.tie_word_embeddings == (family in ("qwen2", "gemma3"))
+    if family == "gemma3":
+        assert cfg.layer_types == ("sliding_attention", "full_attention")
+        assert [cfg.layer_window(i) for i in range(2)] == [16, None]
+        assert (cfg.rope_theta, cfg.rope_local_theta, cfg.hidden_act) == (1e6, 1e4, "gelu_tanh")
+        assert cfg.attention_scale == 24**-0.5 and cfg.embedding_scale == 64**0.5
 
 
 def test_logits_match_transformers(family_models):
@@ -88,12 +93,15 @@ def test_mixed_flat_batch_equals_each_alone(family_models):
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                         ("gemma3", "gemma3")])
 def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
     """A GGUF of each tensor type loads to the same logits as transformers with the weights the file
     holds (K-quant blocks are random; the others are quantized from a random model)."""
     cfg = hf_config(family)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64  # K-quants need rows of 256
+    if family == "gemma3":  # llama.cpp scales Gemma 3's queries by head_dim (27B aside): no key says otherwise
+        cfg.query_pre_attn_scalar = 64
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     held = write_gguf(hf, tmp_path / "m.gguf", qtype, arch)

@@ -22,7 +22,9 @@ from tiny_models import make_hf_model
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("w8a8")
     dirs = {}
-    for family in ("llama3", "qwen2"):  # qwen2: tied embeddings (smoothing unties the head) and q/k/v biases
+    # qwen2: tied embeddings (smoothing unties the head) and q/k/v biases; gemma3: the MLP's input comes from
+    # pre_feedforward_layernorm, the attention's output goes through post_attention_layernorm
+    for family in ("llama3", "qwen2", "gemma3"):
         make_hf_model(family, root / family)
         dirs[family] = root / family
     return dirs
@@ -66,7 +68,7 @@ def _logits(module, token_ids: list[list[int]]) -> torch.Tensor:
     return seqs.step(token_ids, all_rows=True)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "gemma3"])
 def test_smoothing_leaves_the_float_model_unchanged(tiny_dirs, family):
     module = load(tiny_dirs[family]).module
     prompts = [[5, 9, 30, 31, 2], [7, 7, 8, 100, 250, 3, 4]]

