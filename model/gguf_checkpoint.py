@@ -4,7 +4,8 @@ Dequantization (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the other types
 knows) is done by the `gguf` package in numpy. Names are mapped from llama.cpp's (`blk.0.attn_q.weight`)
 to Hugging Face's (`layers.0.self_attn.q_proj.weight`).
 
-Linear weights stored as Q4_0, Q4_1 or Q8_0 can also be read as they are (`read_blocks`), for the W4A8
+The file itself is read by model/gguf_file.py. Linear weights stored as Q4_0, Q4_1 or Q8_0 can also be
+read as they are (`read_blocks`), for the W4A8
 layers that compute on the file's own blocks (model/block_quantization.py).
 
 `read_tensors` and `read_blocks` hand out one tensor at a time, made when it is asked for (`LazyTensors`),
@@ -13,7 +14,6 @@ so loading never holds a dequantized copy of the whole model beside the module b
 
 from __future__ import annotations
 
-import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
+from model.gguf_file import GGUFFile, GGUFTensor
 from model.weights import LazyTensors
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
@@ -118,51 +119,10 @@ def linear_gguf_names(types: dict[str, str]) -> list[str]:
     return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
 
 
-# GGUF metadata value types -> their size in bytes; 8 (string) and 9 (array) are walked.
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
 def tensor_types(path: Path) -> dict[str, str]:
-    """Every tensor's name -> its GGML type name ("Q4_1", "F32", ...), from the header alone. Skips the
-    metadata without decoding it: `gguf.GGUFReader` decodes all of it (the default model's 100,000
-    tokenizer strings take it about 3 s), too slow for choosing a scheme before loading. ValueError for a
+    """Every tensor's name -> its GGML type name ("Q4_1", "F32", ...). ValueError (or struct.error) for a
     file that is not GGUF version 2 or 3."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", data, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path}: not a GGUF v2/v3 file")
-        offset = 24
-
-        def skip_value(kind: int, offset: int) -> int:
-            if kind in _SCALAR_BYTES:
-                return offset + _SCALAR_BYTES[kind]
-            if kind == 8:  # string: u64 length, bytes
-                return offset + 8 + struct.unpack_from("<Q", data, offset)[0]
-            if kind == 9:  # array: u32 element type, u64 count, elements
-                element, count = struct.unpack_from("<IQ", data, offset)
-                offset += 12
-                if element in _SCALAR_BYTES:
-                    return offset + count * _SCALAR_BYTES[element]
-                for _ in range(count):
-                    offset = skip_value(element, offset)
-                return offset
-            raise ValueError(f"{path}: unknown metadata value type {kind}")
-
-        for _ in range(num_fields):
-            offset = skip_value(8, offset)  # the key
-            (kind,) = struct.unpack_from("<I", data, offset)
-            offset = skip_value(kind, offset + 4)
-        types = {}
-        for _ in range(num_tensors):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            name = bytes(data[offset + 8:offset + 8 + length]).decode()
-            offset += 8 + length
-            (num_dims,) = struct.unpack_from("<I", data, offset)
-            offset += 4 + 8 * num_dims
-            (kind,) = struct.unpack_from("<I", data, offset)
-            offset += 4 + 8  # the type, then the data offset
-            types[name] = gguf.GGMLQuantizationType(kind).name
-        return types
+    return {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
 
 
 def linears_are_blocks(path: Path) -> bool:
@@ -183,18 +143,10 @@ class GGUFCheckpoint:
         if not path.is_file():
             raise ModelLoadError(f"{path}: no such file")
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # bad magic, truncated header or tensor data beyond the end of the file
+            self.reader = GGUFFile(path)
+        except (OSError, ValueError, struct.error) as e:  # bad magic, truncated header, data past the end
             raise ModelLoadError(f"{path}: not a readable GGUF file ({one_line(e)})") from None
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            try:
-                self.metadata[key] = field.contents()
-            except Exception as e:
-                raise ModelLoadError(f"{path}: unreadable metadata {key!r} ({one_line(e)})") from None
-        # The reader's own fields (numpy views of every part of every value, the token list's among them)
-        # are read now, and would otherwise stay beside the model being built.
-        self.reader.fields.clear()
+        self.metadata: dict[str, Any] = self.reader.metadata
         self.tensor_names = {t.name for t in self.reader.tensors}
         self.config = self._config()
 
@@ -321,7 +273,7 @@ class GGUFCheckpoint:
         shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in by_name.items()}
         return LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
 
-    def _read_tensor(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
+    def _read_tensor(self, name: str, tensor: GGUFTensor) -> torch.Tensor:
         array = np.ascontiguousarray(self._dequantize(tensor.name), dtype=np.float32)
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
@@ -348,7 +300,7 @@ class GGUFCheckpoint:
         shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in tensors.items()}
         return LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
 
-    def _read_blocks(self, name: str, tensor: gguf.ReaderTensor) -> BlockWeight:
+    def _read_blocks(self, name: str, tensor: GGUFTensor) -> BlockWeight:
         k, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest dimension first
         weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
         if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

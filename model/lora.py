@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,15 +172,13 @@ def _read_gguf(path: Path, config: ModelConfig) -> dict[tuple[int, str], LoRAWei
     import gguf
 
     from model.gguf_checkpoint import unpermute_rotary
+    from model.gguf_file import GGUFFile
 
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
+        reader = GGUFFile(path)
+    except (OSError, ValueError, struct.error) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({one_line(e)})") from None
-
-    def field(key: str):
-        entry = reader.fields.get(key)
-        return None if entry is None else entry.contents()
+    field = reader.metadata.get
 
     if field("general.type") != "adapter" or field("adapter.type") != "lora":
         raise ModelLoadError(f"{path}: not a GGUF LoRA adapter (general.type {field('general.type')!r}, "
