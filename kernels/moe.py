@@ -16,6 +16,11 @@ matmul over its gathered rows, and every token sums its k expert outputs in slot
 gave them). `fused_moe_triton` is the same function for CUDA: two grouped GEMMs over the pairs padded per
 expert to the kernel's row block, with no host sync. `fused_moe_ref` runs every expert on every token and
 masks by the routing weight: simple enough to be obviously right, and E / k times the arithmetic.
+
+Each of them takes an `expert_offset` (expert parallelism, parallel/shard.py): the stacked weights are then
+experts expert_offset .. expert_offset + len(w13) - 1 of the E the router scores, routing still picks the
+top k over all E, and a pair routed to an expert outside that range contributes 0; the ranks' partial
+outputs are summed by the all-reduce after the block. With the whole stack (the default) nothing changes.
 """
 
 from __future__ import annotations
@@ -60,9 +65,14 @@ def grouped_moe(
     top_k: int,
     renormalize: bool,
     expert: Callable[[int, torch.Tensor, torch.Tensor], None],  # (e, rows [n, H], out [n, H]): out = e(rows)
+    experts_held: range | None = None,  # the experts `expert` computes (indices into the router's E); None: all
 ) -> torch.Tensor:  # [T, H], x's dtype
     """The MoE feed-forward over the routed (token, expert) pairs only, whatever form the experts' weights
-    take (`expert` computes one expert on its rows).
+    take (`expert` computes one expert on its rows, `e` counted from experts_held.start).
+
+    With `experts_held` a part of the router's experts, only the pairs routed to those are computed; the
+    others' rows are 0, so the result is this part's share of the whole sum (every token still adds its k
+    rows in slot order, and adding an exact 0 changes no bit).
 
     Deterministic: no atomics and no scatter-add. Each pair's output is written to its own row, then every
     token gathers and adds its k rows in slot order with elementwise adds, so a token's sum is formed the
@@ -74,12 +84,18 @@ def grouped_moe(
     flat_experts = experts.reshape(-1)  # [T*k] pair p = (token p // k, slot p % k)
     order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert, token order inside a group
     counts = torch.bincount(flat_experts, minlength=router_logits.shape[1]).tolist()
-    rows = x.index_select(0, order // top_k)  # [T*k, H] each pair's token, grouped by expert
-    out = torch.empty_like(rows)  # [T*k, H] each pair's expert output, same order
-    start = 0
-    for e, n in enumerate(counts):
+    held = range(len(counts)) if experts_held is None else experts_held
+    begin = sum(counts[:held.start])  # the held experts' pairs are order[begin:end] (grouped by expert)
+    end = begin + sum(counts[held.start:held.stop])
+    rows = x.index_select(0, order[begin:end] // top_k)  # [P, H] each held pair's token, grouped by expert
+    out = x.new_empty(order.numel(), x.shape[1])  # [T*k, H] each pair's expert output, same order
+    out[:begin].zero_()  # pairs of experts held elsewhere
+    out[end:].zero_()
+    start = begin
+    for e in held:
+        n = counts[e]
         if n:
-            expert(e, rows[start:start + n], out[start:start + n])
+            expert(e - held.start, rows[start - begin:start - begin + n], out[start:start + n])
             start += n
     out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))  # scale by the routing weight
     # position [T, k]: where pair (t, j) sits in `out`
@@ -98,6 +114,7 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     top_k: int,
     renormalize: bool = True,
+    expert_offset: int = 0,  # w13[0] is the router's expert `expert_offset` (see the module's docstring)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """`grouped_moe` over float experts: per expert one matmul for gate and up, one for down."""
 
@@ -105,7 +122,18 @@ def fused_moe(
         gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
         torch.mm(F.silu(gate) * up, w2[e].t(), out=out)  # straight into the pair rows
 
-    return grouped_moe(x, router_logits, top_k, renormalize, expert)
+    return grouped_moe(x, router_logits, top_k, renormalize, expert,
+                       held_experts(router_logits, w13.shape[0], expert_offset))
+
+
+def held_experts(router_logits: torch.Tensor, num_held: int, expert_offset: int) -> range | None:
+    """The router's experts a stack of `num_held` from `expert_offset` holds; None when it holds all E.
+    ValueError when the range does not fit in E."""
+    num_experts = router_logits.shape[-1]
+    if expert_offset < 0 or expert_offset + num_held > num_experts:
+        raise ValueError(f"experts {expert_offset}..{expert_offset + num_held - 1} are not among the router's "
+                         f"{num_experts}")
+    return None if num_held == num_experts else range(expert_offset, expert_offset + num_held)
 
 
 def int8_moe(
@@ -117,6 +145,7 @@ def int8_moe(
     w2_scale: torch.Tensor,  # [E, H] float32
     top_k: int,
     renormalize: bool = True,
+    expert_offset: int = 0,  # w13_packed[0] is the router's expert `expert_offset`
 ) -> torch.Tensor:  # [T, H]
     """`grouped_moe` over weight-only int8 experts (kernels/cpu_int8_linear.py: int8 weights widened to
     float32 in registers, so an expert reads a quarter of its float32 bytes)."""
@@ -126,7 +155,8 @@ def int8_moe(
         gate, up = int8_linear(rows, w13_packed[e], w13_scale[e], None, inter2).chunk(2, dim=-1)
         out.copy_(int8_linear(F.silu(gate) * up, w2_packed[e], w2_scale[e], None, hidden))
 
-    return grouped_moe(x, router_logits, top_k, renormalize, expert)
+    return grouped_moe(x, router_logits, top_k, renormalize, expert,
+                       held_experts(router_logits, w13_scale.shape[0], expert_offset))
 
 
 def pack_int8_experts(weight_int8: torch.Tensor) -> torch.Tensor:
@@ -141,16 +171,16 @@ def fused_moe_ref(
     w2: torch.Tensor,  # [E, H, I]
     top_k: int,
     renormalize: bool = True,
+    expert_offset: int = 0,  # w13[0] is the router's expert `expert_offset`
 ) -> torch.Tensor:  # [T, H]
     """Every expert on every token, masked by the routing weight (0 for an expert a token does not use)."""
     weights, experts = route(router_logits, top_k, renormalize)
-    num_experts = w13.shape[0]
     # dense [T, E]: the routing weight of each expert for each token, 0 where not routed
-    dense = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    dense = torch.zeros(x.shape[0], router_logits.shape[1], dtype=torch.float32, device=x.device)
     dense.scatter_(1, experts, weights)
     out = torch.zeros_like(x, dtype=torch.float32)
-    for e in range(num_experts):
-        out += dense[:, e:e + 1] * _expert(x, w13[e], w2[e]).float()
+    for e in range(w13.shape[0]):
+        out += dense[:, expert_offset + e:expert_offset + e + 1] * _expert(x, w13[e], w2[e]).float()
     return out.to(x.dtype)
 
 
@@ -253,23 +283,37 @@ def fused_moe_triton(
     top_k: int,
     renormalize: bool = True,
     block_m: int = 16,
+    expert_offset: int = 0,  # w13[0] is the router's expert `expert_offset`
 ) -> torch.Tensor:  # [T, H], x's dtype
     """`fused_moe` as two grouped GEMMs (gate/up, then down) over the pairs aligned per expert; routing,
-    SiLU * up, the weighting and the slot-order sum stay in torch. No host sync, so it can be captured."""
+    SiLU * up, the weighting and the slot-order sum stay in torch. No host sync, so it can be captured.
+    Pairs routed to experts outside the stack (`expert_offset`) go to one extra group whose slots are
+    padding: computed by no program, and 0 in the sum."""
     require_triton()
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         check_tensor(name, t, ndim=2 if name == "x" else 3, dtypes=FLOAT_DTYPES)
     check_devices(x=x, router_logits=router_logits, w13=w13, w2=w2)
     num_tokens, hidden = x.shape
     weights, experts = route(router_logits, top_k, renormalize)
-    slot_pair, block_expert, pair_slot = align_pairs(experts, w13.shape[0], block_m)
+    num_held = w13.shape[0]
+    foreign = None
+    if held_experts(router_logits, num_held, expert_offset) is not None:
+        experts = experts - expert_offset
+        foreign = (experts < 0) | (experts >= num_held)  # [T, k]
+        experts = torch.where(foreign, num_held, experts)  # one more group, after the held experts
+    slot_pair, block_expert, pair_slot = align_pairs(experts, num_held + (foreign is not None), block_m)
+    if foreign is not None:  # the extra group's slots become padding (its blocks: expert E_held, clamped)
+        slot_pair = torch.where((slot_pair >= 0) & foreign.reshape(-1)[slot_pair.clamp(min=0)], -1, slot_pair)
     # The first GEMM reads each slot's token row; -1 // k stays -1, so padding stays padding.
     gate_up = _grouped_matmul(x, w13, slot_pair // top_k, block_expert, block_m)  # [S, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate) * up).contiguous()  # [S, I]; padding rows hold garbage that nothing reads
     own_rows = torch.where(slot_pair >= 0, torch.arange(slot_pair.shape[0], device=x.device), -1)
     down = _grouped_matmul(act, w2, own_rows, block_expert, block_m)  # [S, H]
-    per_pair = (down[pair_slot] * weights.reshape(-1, 1).to(down.dtype)).view(num_tokens, top_k, hidden)
+    down = down[pair_slot]  # [T*k, H]
+    if foreign is not None:  # unwritten rows: replaced, not multiplied (they may hold NaN)
+        down = torch.where(foreign.reshape(-1, 1), 0.0, down)
+    per_pair = (down * weights.reshape(-1, 1).to(down.dtype)).view(num_tokens, top_k, hidden)
     total = per_pair[:, 0]
     for slot in range(1, top_k):
         total = total + per_pair[:, slot]

@@ -11,6 +11,10 @@ The loader (model/moe_checkpoint.py, model/weights.py) builds w13 and w2 from wh
 stores the experts in. The arithmetic is kernels/moe.py `fused_moe` (`fused_moe_triton` on the Triton side
 of the kernels): only routed (token, expert) pairs are computed, grouped by expert. `--quantization int8`
 swaps each block for an Int8SparseMoeBlock (`quantize_experts`, from model/quantization.py).
+
+Under expert parallelism (parallel/shard.py) a rank's block holds a contiguous part of the experts: w13 and
+w2 stack experts `expert_offset` .. `expert_offset` + len(w13) - 1 while the router stays whole, and the
+block returns that part's share of the output (0 from experts held elsewhere).
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * inter, h))
         self.w2 = nn.Parameter(torch.empty(e, h, inter))
         self.moe = fused_moe_triton if ops is not None and ops.name == "triton" else fused_moe
+        self.expert_offset = 0  # the router's index of w13[0] (expert parallelism; 0 in one process)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> [T, H]
-        return self.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+        return self.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize,
+                        expert_offset=self.expert_offset)
 
 
 class Int8SparseMoeBlock(nn.Module):
@@ -61,12 +67,14 @@ class Int8SparseMoeBlock(nn.Module):
         # The CPU kernel's layout of each expert, rebuilt from w13 and w2 by `pack()` (not saved).
         self.register_buffer("w13_packed", None, persistent=False)
         self.register_buffer("w2_packed", None, persistent=False)
+        self.expert_offset = 0  # as SparseMoeBlock's
 
     @classmethod
     def from_float(cls, block: SparseMoeBlock) -> Int8SparseMoeBlock:
         e, inter2, h = block.w13.shape
         module = cls(e, h, inter2 // 2, block.top_k, block.renormalize)
         module.gate = block.gate
+        module.expert_offset = block.expert_offset
         module.w13, module.w13_scale = _quantize_stack(block.w13.detach())
         module.w2, module.w2_scale = _quantize_stack(block.w2.detach())
         return module.pack()
@@ -77,7 +85,7 @@ class Int8SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
         return int8_moe(x, self.gate(x), self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
-                        self.top_k, self.renormalize)
+                        self.top_k, self.renormalize, expert_offset=self.expert_offset)
 
 
 def _quantize_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,9 @@ rank holds 1 KV head, the other 2); the remainder goes to the last ranks, since 
 and samples. A size above the number of KV heads would leave a rank without attention work and is
 refused.
 
+Experts (mixture-of-experts layers) are split whole: rank r holds a contiguous E / size of them, and a
+size that does not divide E is refused (an uneven split would leave the ranks unequal work per token).
+
 Split by sequences instead (parallel/sequence_split.py), every rank holds every head, and the KV cache
 is split by blocks: rank r holds pool r of the engine's blocks.
 """
@@ -38,6 +41,7 @@ class TensorParallelLayout:
     heads_per_kv: int  # query heads per KV head (GQA group)
     head_dim: int
     by_sequences: bool = False  # attention split by sequences: every rank holds every head
+    experts: tuple[range, ...] = ()  # per rank, the experts of each sparse layer it holds; () for a dense model
 
     @classmethod
     def for_model(cls, config: ModelConfig, size: int, attention: str = "heads") -> TensorParallelLayout:
@@ -47,15 +51,20 @@ class TensorParallelLayout:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
         if attention not in ATTENTION_SPLITS:
             raise ValueError(f"attention is split by one of {', '.join(ATTENTION_SPLITS)}, not {attention!r}")
+        if config.num_experts % size:
+            raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {config.num_experts} "
+                             "experts: each rank must hold the same number of whole experts")
+        experts = tuple(split(config.num_experts, size)) if config.num_experts else ()
         if attention == "sequences":
             return cls(size, [range(config.num_kv_heads)] * size, split(config.intermediate_size, size),
                        split(config.vocab_size, size), config.num_heads // config.num_kv_heads, config.head_dim,
-                       by_sequences=True)
+                       by_sequences=True, experts=experts)
         if size > config.num_kv_heads:
             raise ValueError(f"--tensor-parallel-size {size} exceeds the model's {config.num_kv_heads} KV heads "
                              f"({config.num_heads} query heads): each rank must hold at least one KV head")
         return cls(size, split(config.num_kv_heads, size), split(config.intermediate_size, size),
-                   split(config.vocab_size, size), config.num_heads // config.num_kv_heads, config.head_dim)
+                   split(config.vocab_size, size), config.num_heads // config.num_kv_heads, config.head_dim,
+                   experts=experts)
 
     def q_heads(self, rank: int) -> range:
         kv = self.kv_heads[rank]

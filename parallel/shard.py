@@ -10,6 +10,12 @@ Per decoder layer (Megatron style):
   all-reduce, so the MLP needs one collective;
 - the embedding and the LM head are split by vocabulary rows: the lookup ends in an all-reduce, the LM
   head's logits are gathered on rank 0.
+A mixture-of-experts layer (model/moe.py) is split by experts instead (expert parallelism): a rank keeps
+the stacked w13 and w2 (and int8 scales) of its contiguous E / size experts, the router whole. The
+hidden states are the same on every rank, so each routes every token over all E experts, computes its own
+experts' (token, expert) pairs and leaves the others' at 0; the all-reduce after the block, the one a
+dense layer has after down_proj, sums the ranks' parts and is the whole token exchange. A model's dense
+layers (Qwen3-MoE's `dense_layers`) are split as above.
 Norms, rotary tables and the residual stream are replicated. The same slicing serves float and int8
 linears (model/quantization.py): their weights are [out, in] with one scale per output row, so a
 column-parallel layer slices the scales with the rows and a row-parallel one keeps them all.
@@ -35,6 +41,7 @@ from torch import nn
 from kernels.ops import Ops
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
+from model.moe import Int8SparseMoeBlock, SparseMoeBlock
 from model.quantization import INT8_LINEARS, Int8Weights, W8A8Linear, int8_skeleton, pack_all
 from parallel.collectives import Collectives
 from parallel.layout import TensorParallelLayout
@@ -43,6 +50,7 @@ from parallel.sequence_split import SequenceSplitAttention
 from parallel.vocab_parallel_embedding import VocabParallelEmbedding
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+EXPERT_STACKS = ("w13", "w2", "w13_scale", "w2_scale")  # a sparse block's tensors with one row per expert
 
 
 def replicates_o_proj(quantization: str) -> bool:
@@ -70,6 +78,8 @@ def shard_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: 
         module, _, kind = name.rpartition(".")
         if module in ("embed_tokens", "lm_head"):  # weight [V, H], scale [V]
             shards[name] = _rows(t, [layout.vocab[rank]])
+        elif module.endswith("mlp") and kind in EXPERT_STACKS:  # [E, ...]: the rank's experts
+            shards[name] = _rows(t, [layout.experts[rank]])
         elif module.endswith("self_attn.qkv_proj"):  # weight [q + 2 kv, H], bias and scale [q + 2 kv]
             shards[name] = _rows(t, qkv_rows)
         elif module.endswith("self_attn.o_proj") and (replicates_o_proj(quantization) or layout.by_sequences):
@@ -106,6 +116,11 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
         module = LlamaForCausalLM(config, block_size=block_size, ops=ops)
         if quantization in INT8_LINEARS:
             int8_skeleton(module, quantization)
+            for layer in module.layers:  # the int8 experts' buffers, to assign the rank's stacks to
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    block = layer.mlp
+                    layer.mlp = Int8SparseMoeBlock(len(layout.experts[rank]), config.hidden_size,
+                                                   config.moe_intermediate_size, block.top_k, block.renormalize)
         module.embed_tokens = VocabParallelEmbedding(torch.empty(len(layout.vocab[rank]), config.hidden_size),
                                                      layout.vocab[rank], collectives)
     for name, tensor in state.items():
@@ -127,7 +142,11 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
             m.out_features, m.in_features = m.weight.shape
     pack_all(module)
     for layer in module.layers:
-        if isinstance(layer.mlp.down_proj, W8A8Linear):
+        if isinstance(layer.mlp, (SparseMoeBlock, Int8SparseMoeBlock)):
+            layer.mlp.expert_offset = layout.experts[rank].start
+            if isinstance(layer.mlp, Int8SparseMoeBlock):
+                layer.mlp.pack()
+        if isinstance(getattr(layer.mlp, "down_proj", None), W8A8Linear):  # a sparse layer has none
             layer.mlp.down_proj = RowParallelW8A8(layer.mlp.down_proj, collectives)
         if layout.by_sequences:
             layer.self_attn = SequenceSplitAttention(layer.self_attn, collectives)
@@ -136,14 +155,18 @@ def build_rank_module(config: ModelConfig, block_size: int, ops: Ops, quantizati
 
 
 def row_parallel_layers(layer: nn.Module, layout: TensorParallelLayout, quantization: str) -> list[nn.Module]:
+    """The layer's modules whose output is a partial sum over the ranks: o_proj (unless whole), and the MLP's
+    down_proj or, for a sparse layer, the whole mixture of experts (each rank's experts' share)."""
+    mlp = layer.mlp if isinstance(layer.mlp, (SparseMoeBlock, Int8SparseMoeBlock)) else layer.mlp.down_proj
     if layout.by_sequences or replicates_o_proj(quantization):
-        return [layer.mlp.down_proj]
-    return [layer.self_attn.o_proj, layer.mlp.down_proj]
+        return [mlp]
+    return [layer.self_attn.o_proj, mlp]
 
 
 def hook_collectives(module: LlamaForCausalLM, layout: TensorParallelLayout, collectives: Collectives,
                      quantization: str) -> None:
-    """An all-reduce after each float or int8 row-parallel layer (W8A8's reduce inside RowParallelW8A8),
+    """An all-reduce after each float or int8 row-parallel layer and mixture of experts (W8A8's reduce inside
+    RowParallelW8A8),
     an all-gather before W8A8's whole o_proj (heads split; split by sequences, the attention module
     gathers its output rows itself), a gather of the vocabulary shards after the LM head."""
 

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 SPLIT_QUANTIZATIONS = ("none", *INT8_LINEARS)  # the linears `shard.py` knows how to split
+EXPERT_QUANTIZATIONS = ("int8", "none")  # the forms of a mixture of experts' weights (model/moe.py)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,8 @@ class TensorParallelModel(BaseStepModel):
 
 def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, attention: str = "heads") -> LoadedModel:
     """`loaded` (an eager LlamaForCausalLM, float or quantized at load) served by `size` ranks, attention
-    split by "heads" or "sequences": the same LoadedModel with a TensorParallelModel as its module.
+    split by "heads" or "sequences" (a mixture of experts' layers split by experts, parallel/shard.py): the
+    same LoadedModel with a TensorParallelModel as its module.
     `loaded` itself is left as it was. ValueError (one line) for a size the model cannot be split into,
     or more CUDA devices than there are."""
     full = loaded.module
@@ -232,9 +234,9 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, 
         raise ValueError(f"quantization {loaded.quantization} is not split across tensor-parallel ranks "
                          f"(choose {', '.join(INT8_LINEARS)} or none)")
     config = loaded.config
-    if config.num_experts:  # shard.py splits dense MLPs only; expert parallelism is not built yet
-        raise ValueError(f"tensor parallelism does not split mixture-of-experts layers ({config.architecture}); "
-                         "use --tensor-parallel-size 1")
+    if config.num_experts and loaded.quantization not in EXPERT_QUANTIZATIONS:  # loading refuses it first
+        raise ValueError(f"quantization {loaded.quantization} is not split across expert-parallel ranks "
+                         f"(choose {' or '.join(EXPERT_QUANTIZATIONS)})")
     layout = TensorParallelLayout.for_model(config, size, attention)
     if layout.by_sequences and config.layer_types is not None:
         raise ValueError(f"{config.architecture} has sliding-window layers beside full-attention ones, and a split "
@@ -296,8 +298,9 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, 
     del shards, state
     if device.type == "cpu":
         torch.set_num_threads(num_threads)
-    log.info("tensor parallel: %d ranks (%s), attention split by %s, KV heads per rank %s, %d CPU threads per rank",
-             size, backend, attention, [len(r) for r in layout.kv_heads], num_threads)
+    log.info("tensor parallel: %d ranks (%s), attention split by %s, KV heads per rank %s, %s%d CPU threads per "
+             "rank", size, backend, attention, [len(r) for r in layout.kv_heads],
+             f"{config.num_experts // size} experts per rank, " if config.num_experts else "", num_threads)
     model = TensorParallelModel(module, config, layout, collectives, workers, pipes, threads_before)
     return dataclasses.replace(loaded, module=model)
 

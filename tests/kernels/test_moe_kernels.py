@@ -86,6 +86,53 @@ def test_int8_experts_match_reference_on_their_dequantized_weights(num_tokens):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("size", [2, 4])
+def test_parts_of_the_experts_sum_to_the_whole(top_k, size):
+    """Expert parallelism: each rank's stack of E / size experts (`expert_offset`) gives its share, 0 for
+    pairs routed elsewhere; the shares add up to the whole, bit for bit up to two slots (adding an exact
+    0 changes nothing, and a + b = b + a)."""
+    from kernels.int8_matmul import quantize_int8_ref
+    from kernels.moe import int8_moe, pack_int8_experts
+
+    w13, w2 = weights(6)
+    g = torch.Generator().manual_seed(size)
+    x, logits = torch.randn(33, H, generator=g), torch.randn(33, E, generator=g) * 3
+    n = E // size
+    held = [slice(r * n, (r + 1) * n) for r in range(size)]
+    parts = [fused_moe(x, logits, w13[s], w2[s], top_k, True, expert_offset=s.start) for s in held]
+    for s, part in zip(held, parts):
+        torch.testing.assert_close(part, fused_moe_ref(x, logits, w13[s], w2[s], top_k, True, expert_offset=s.start),
+                                   rtol=1e-5, atol=1e-6)
+    whole = fused_moe(x, logits, w13, w2, top_k, True)
+    if top_k <= 2:
+        assert torch.equal(sum(parts[1:], parts[0]), whole)
+    torch.testing.assert_close(sum(parts[1:], parts[0]), whole, rtol=1e-5, atol=1e-6)
+    (q13, s13), (q2, s2) = (quantize_int8_ref(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
+    q13, s13, q2, s2 = q13.view(w13.shape), s13.view(E, -1), q2.view(w2.shape), s2.view(E, -1)
+    int8_parts = [int8_moe(x, logits, pack_int8_experts(q13[s]), s13[s], pack_int8_experts(q2[s]), s2[s], top_k,
+                           expert_offset=s.start) for s in held]
+    int8_whole = int8_moe(x, logits, pack_int8_experts(q13), s13, pack_int8_experts(q2), s2, top_k)
+    torch.testing.assert_close(sum(int8_parts[1:], int8_parts[0]), int8_whole, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not among the router's 8"):
+        fused_moe(x, logits, w13[:n], w2[:n], top_k, expert_offset=E - n + 1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (13, 2), (40, 3)])
+def test_triton_grouped_gemm_runs_a_part_of_the_experts(num_tokens, top_k):
+    """`expert_offset` on the Triton form: pairs routed to other experts stay 0 (interpreted on a CPU)."""
+    from kernels.moe import fused_moe_triton
+
+    w13, w2 = weights(7)
+    x, logits = torch.randn(num_tokens, H, device=DEVICE), torch.randn(num_tokens, E, device=DEVICE) * 3
+    w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
+    for s in (slice(0, 4), slice(4, 8), slice(2, 5)):
+        out = fused_moe_triton(x, logits, w13[s], w2[s], top_k, expert_offset=s.start)
+        ref = fused_moe_ref(x, logits, w13[s], w2[s], top_k, expert_offset=s.start)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (13, 2), (40, 3)])
 def test_triton_grouped_gemm_matches_reference(num_tokens, top_k):

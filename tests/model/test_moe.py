@@ -184,11 +184,12 @@ def test_int8_quantizes_the_experts_and_keeps_the_router_float(moe_models):
     assert relative_error(Generator(low.module, 64).step(ids), Generator(ref, 64).step(ids)) < 1e-4
 
 
-def test_tensor_parallel_refuses_moe(moe_models):
+def test_tensor_parallel_refuses_a_size_that_does_not_divide_the_experts(moe_models):
+    """Expert parallelism (tests/parallel/test_expert_parallel.py) holds E / size whole experts a rank."""
     from parallel.tensor_parallel_model import start
 
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        start(moe_models[2], 2)
+    with pytest.raises(ValueError, match="does not divide the model's 8 experts"):
+        start(moe_models[2], 3, attention="sequences")  # refused before any worker starts
 
 
 @pytest.mark.parametrize("family,arch,qtype", [("qwen3_moe", "qwen3moe", "F32"), ("mixtral", "llama", "F32"),
