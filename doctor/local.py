@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -112,7 +113,10 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     operating = operating_point("the load's steps", evidence_load.steps, machine, kind)
     breakdown = measure_breakdown(engine, machine.memory_bandwidth, cost.precision, config.input_len,
                                   seed=config.seed, serialize_token=serialize_token, on_progress=on_progress)
-    verdict = classify(evidence_for(evidence_load, operating, cost, machine, is_artifact=config.artifact is not None))
+    evidence = evidence_for(evidence_load, operating, cost, machine, is_artifact=config.artifact is not None)
+    # A model whose layers have different attention windows runs eager only (model/attention/install.py).
+    compilable = getattr(loaded.module, "local_attention", None) is None
+    verdict = classify(dataclasses.replace(evidence, compilable=compilable))
     notes = [note] if (note := contention_note()) else []
     return DoctorReport(loaded.name, str(machine.device), cost, kernels_of(loaded), machines, sweep, evidence_load,
                         operating, verdict, notes=notes, quantization=quantization_of(config, loaded, cost),

@@ -39,6 +39,7 @@ class Evidence:
     weight_bytes: float | None = None
     precision: str | None = None  # what the linears run in (model/precision.py); None: not known
     is_artifact: bool = False  # a compiled artifact: its precision changes by compiling another one
+    compilable: bool = True  # False: `ladder compile` refuses the model (Gemma 3's per-layer windows)
     faster_kinds: dict[str, float] = field(default_factory=dict)  # matmul kind -> peak ratio to the model's kind
 
 
@@ -124,6 +125,9 @@ def overhead_step(e: Evidence) -> str:
             "requests)")
     if e.is_artifact:
         return step + "; on a GPU, graph capture removes the launch cost"
+    if not e.compilable:
+        return (step + "; `ladder compile` takes one attention window per step and this model's layers have two, so "
+                "the Python between the eager step's operations (the step breakdown) is what is left to cut")
     if e.precision is not None and not PRECISIONS[e.precision].compiled:
         return (step + f"; `ladder compile` builds no {e.precision} artifact, so the Python between the eager "
                 "step's operations (the step breakdown) is what is left to cut")

@@ -54,6 +54,10 @@ def test_the_next_step_follows_the_numbers():
     assert "w8a8" in faster.next_step and "4.0x" in faster.next_step
     assert "GPU" in classify(Evidence(**{**UNDER_MEMORY, "roof": "compute"})).next_step
     assert "540 MB" in classify(Evidence(**UNDER_MEMORY)).next_step
+    overhead = {**UNDER_MEMORY, "overhead_share": 0.6, "precision": "w8a8"}
+    assert "ladder compile --backend torch-compile" in classify(Evidence(**overhead)).next_step
+    eager_only = classify(Evidence(**overhead, compilable=False)).next_step  # Gemma 3's two windows
+    assert "ladder compile --backend" not in eager_only and "one attention window" in eager_only
 
 
 def test_no_measured_step_is_an_error_not_a_guess():
