@@ -27,6 +27,8 @@ from kernels.kv_layout import blocks_for_tokens
 class CachedPrefix(NamedTuple):
     block_ids: list[int]
     num_tokens: int
+    # The windowed layers' cached blocks the prefix's first query reads (engine/window_blocks.py); () else.
+    window_block_ids: list[int] | tuple[int, ...] = ()
 
 
 class KVBlockManager:

@@ -223,26 +223,67 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
 
     `num_pools`: the blocks split into that many equal pools (one per rank, tensor parallelism by
     sequences), of which one sequence uses one: the longest sequence must fit a pool."""
-    max_model_len = config.max_model_len or model.max_position_embeddings
-    if max_model_len > model.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
-                         f"{model.max_position_embeddings} tokens")
+    max_model_len = _max_model_len(config, model)
     per_block = bytes_per_block(model, config.block_size, dtype)
-    if config.kv_cache_memory_gib is not None:
-        budget, source = int(config.kv_cache_memory_gib * GIB), "--kv-cache-memory"
-    elif device.type == "cuda":
-        budget = gpu_kv_budget(device, config.gpu_memory_utilization)
-        source = f"--gpu-memory-utilization {config.gpu_memory_utilization:g}"
-    else:
-        budget = int(available_memory() * config.kv_cache_memory_fraction)
-        source = f"{config.kv_cache_memory_fraction:.0%} of available memory"
-        if budget > CPU_DEFAULT_KV_GIB * GIB:
-            budget, source = CPU_DEFAULT_KV_GIB * GIB, f"the CPU default of {CPU_DEFAULT_KV_GIB} GiB"
+    budget, source = kv_budget(config, device)
     blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.
     num_blocks = min(budget // per_block, blocks_per_seq * max(config.max_num_seqs, num_pools))
     num_blocks -= num_blocks % num_pools
-    pool = num_blocks // num_pools
+    max_model_len = _fit(config, max_model_len, num_blocks // num_pools, num_pools, per_block, budget, source)
+    return num_blocks, max_model_len
+
+
+def plan_window_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+                         device: torch.device) -> tuple[int, int, int]:
+    """(num_blocks, num_window_blocks, max_model_len) when the sliding-window layers keep only their window
+    in a pool of their own (engine/window_blocks.py). That pool needs no more than every running sequence's
+    window, a block boundary and a block for its drafts, plus one step's new tokens; the full-attention
+    layers' blocks get the rest of the budget. ValueError as plan_kv_cache."""
+    max_model_len = _max_model_len(config, model)
+    per_layer = bytes_per_block(model, config.block_size, dtype) // model.num_layers
+    num_windowed = sum(model.layer_window(i) is not None for i in range(model.num_layers))
+    full_bytes, window_bytes = (model.num_layers - num_windowed) * per_layer, num_windowed * per_layer
+    budget, source = kv_budget(config, device)
+    bs = config.block_size
+    per_seq = blocks_for_tokens(model.sliding_window - 1, bs) + 3
+    window_need = config.max_num_seqs * per_seq + blocks_for_tokens(config.max_num_batched_tokens, bs)
+    blocks_per_seq = blocks_for_tokens(max_model_len, bs)
+    num_blocks = budget // (full_bytes + window_bytes)  # as many of each, when the budget is that small
+    if num_blocks > window_need:
+        num_blocks = (budget - window_need * window_bytes) // full_bytes
+    num_blocks = min(num_blocks, blocks_per_seq * config.max_num_seqs)
+    num_window_blocks = min(num_blocks, window_need)
+    max_model_len = _fit(config, max_model_len, num_blocks, 1, full_bytes + window_bytes, budget, source)
+    return num_blocks, num_window_blocks, max_model_len
+
+
+def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
+                         f"{model.max_position_embeddings} tokens")
+    return max_model_len
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> tuple[int, str]:
+    """The KV cache's bytes, and the rule that gave them."""
+    if config.kv_cache_memory_gib is not None:
+        return int(config.kv_cache_memory_gib * GIB), "--kv-cache-memory"
+    if device.type == "cuda":
+        return gpu_kv_budget(device, config.gpu_memory_utilization), \
+            f"--gpu-memory-utilization {config.gpu_memory_utilization:g}"
+    budget = int(available_memory() * config.kv_cache_memory_fraction)
+    if budget > CPU_DEFAULT_KV_GIB * GIB:
+        return CPU_DEFAULT_KV_GIB * GIB, f"the CPU default of {CPU_DEFAULT_KV_GIB} GiB"
+    return budget, f"{config.kv_cache_memory_fraction:.0%} of available memory"
+
+
+def _fit(config: EngineConfig, max_model_len: int, pool: int, num_pools: int, per_block: int, budget: int,
+         source: str) -> int:
+    """max_model_len as served: lowered to what a pool of `pool` blocks holds when none was asked for;
+    ValueError when an asked-for length does not fit."""
+    blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     if config.max_model_len is None and pool < blocks_per_seq:
         # No length was asked for: serve the longest sequence the cache (a pool of it) holds.
         max_model_len, blocks_per_seq = pool * config.block_size, pool
@@ -254,4 +295,4 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
             f"fewer than max_model_len={max_model_len}; give --kv-cache-memory {need:.3f} or more, "
             f"or lower --max-model-len"
         )
-    return num_blocks, max_model_len
+    return max_model_len

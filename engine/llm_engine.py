@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
-from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache
+from engine.window_blocks import WindowedBlockManager
+from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache, plan_window_kv_cache
 from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
@@ -97,16 +98,27 @@ class LLMEngine:
         if self.sampling_defaults:
             log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
         module = self.model.module
-        num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
-                                                       module.device, module.kv_pools)
-        self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching, module.kv_pools)
+        num_window_blocks = None
+        if getattr(module, "local_attention", None) is not None:
+            # Sliding-window layers beside full ones (Gemma 3), in this process: they keep only their window.
+            num_blocks, num_window_blocks, self.max_model_len = plan_window_kv_cache(
+                config, self.model.config, module.kv_cache_dtype, module.device)
+            self.blocks = WindowedBlockManager(num_blocks, num_window_blocks, config.block_size,
+                                               self.model.config.sliding_window, config.enable_prefix_caching)
+            log.info("KV cache: %d blocks for the full-attention layers, %d for the %d-token windows", num_blocks,
+                     num_window_blocks, self.model.config.sliding_window)
+        else:
+            num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
+                                                           module.device, module.kv_pools)
+            self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         module.kv_pools)
         bound = config.max_prefill_tokens
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                            prefill_bound)
         lora_slots = self._set_up_lora(config)
         self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora)
-        self.runner = ModelRunner(module, num_blocks, lora_slots)
+        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
         self.speculator = self._set_up_speculation(config)

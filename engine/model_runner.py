@@ -26,10 +26,15 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, module: StepModel, num_blocks: int, lora: LoRASlots | None = None) -> None:
+    def __init__(self, module: StepModel, num_blocks: int, lora: LoRASlots | None = None,
+                 num_window_blocks: int | None = None) -> None:
         self.module = module
         self.lora = lora  # the model's LoRA slots, told each step's rows
-        self.kv_caches = module.allocate_kv_caches(num_blocks)
+        # The sliding-window layers' own pool (engine/window_blocks.py): each step then gives them the
+        # requests' window_block_ids as their block tables.
+        self.windowed = num_window_blocks is not None
+        self.kv_caches = (module.allocate_kv_caches(num_blocks, num_window_blocks) if self.windowed
+                          else module.allocate_kv_caches(num_blocks))
         # A cache split into pools (one per rank, tensor parallelism by sequences): the step's sequences go
         # pool by pool, so each rank's rows are one contiguous run of the batch (a view, not a gather).
         self.num_pools = module.kv_pools
@@ -53,7 +58,8 @@ class ModelRunner:
             # drafts' rows, each of which gives the token after it).
             is_sampled = end == request.num_tokens
             tokens = request.all_token_ids[start:end] + list(draft)
-            chunks.append(SeqChunk(tokens, start, request.block_ids, (1 + len(draft)) * is_sampled, request.lora_slot))
+            chunks.append(SeqChunk(tokens, start, request.block_ids, (1 + len(draft)) * is_sampled, request.lora_slot,
+                                   request.window_block_ids if self.windowed else None))
             if is_sampled:
                 sample_requests.append(request)
                 drafts.append(draft)

@@ -65,6 +65,9 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     kv_pool: int = 0  # the block manager's pool its blocks come from (chosen at each admission)
+    # The sliding-window layers' blocks, one entry per block of the sequence, -1 once out of every later
+    # query's window (engine/window_blocks.py); empty for a model whose layers share `block_ids`.
+    window_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -108,3 +111,4 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions += 1
         self.block_ids = []
+        self.window_block_ids = []

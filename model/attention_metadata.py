@@ -29,6 +29,8 @@ class AttentionMetadata:
         valid block id (they are masked out).
     slot_mapping: [T] int64, cache slot where each new token's key and value are written.
     max_query_len, max_seq_len: Python ints, so shapes are known without a device sync.
+    window: the same step in the sliding-window layers' own cache, when they have one
+        (engine/window_blocks.py): other block tables and slots, the same tokens; None: they share these.
     """
 
     query_start_loc: torch.Tensor
@@ -37,6 +39,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    window: AttentionMetadata | None = None
 
     @classmethod
     def build(

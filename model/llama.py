@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         layers' plan): a plan may hold the window's mask."""
         if self.local_attention is None:
             return self.attention.plan(attn_metadata)
-        return self.attention.plan(attn_metadata), self.local_attention.plan(attn_metadata)
+        return self.attention.plan(attn_metadata), self.local_attention.plan(attn_metadata.window or attn_metadata)
 
     def run(
         self,
@@ -238,5 +238,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         """One step as the engine runs it: write the cache, return the logits of the rows to sample."""
         return self.compute_logits(self.run(input_ids, positions, kv_caches, plan)[sample_rows])
 
-    def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(self.config, self.block_size, num_blocks, self.kv_cache_dtype, self.device)
+    def allocate_kv_caches(self, num_blocks: int, num_window_blocks: int | None = None) -> list[torch.Tensor]:
+        """`num_window_blocks`: the sliding-window layers' own pool (engine/window_blocks.py); None: every
+        layer takes `num_blocks` under the same block ids."""
+        return allocate_kv_caches(self.config, self.block_size, num_blocks, self.kv_cache_dtype, self.device,
+                                  num_window_blocks)

@@ -10,6 +10,7 @@ Runtime, TensorRT); the engine names none of them. Every driver (the engine's ru
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,6 +66,9 @@ class SeqChunk:
     block_table: list[int]  # the sequence's blocks, enough for num_cached + len(token_ids) tokens
     num_sampled: int = 1  # how many of the new tokens, counted from the last, give logits
     adapter: int = -1  # the LoRA slot its tokens run with (model/lora_slots.py); -1: the base model
+    # The sliding-window layers' blocks when they have a cache of their own (engine/window_blocks.py): one
+    # entry per block of the sequence, negative for a block no query of the step can see.
+    window_block_table: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
+    window_tables: list[list[int]] = []
     adapters: list[int] = []
     for chunk in chunks:
         if not chunk.token_ids:
@@ -95,9 +100,18 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         query_lens.append(len(chunk.token_ids))
         seq_lens.append(end)
         tables.append(chunk.block_table)
+        if chunk.window_block_table is not None:
+            # A block out of every query's window is never read: any valid id stands in for it.
+            window = chunk.window_block_table
+            window_tables.append([b if b >= 0 else window[-1] for b in window])
         sample_rows.extend(range(len(input_ids) - chunk.num_sampled, len(input_ids)))
         adapters.extend([chunk.adapter] * len(chunk.token_ids))
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    if window_tables:
+        if len(window_tables) != len(tables):
+            raise ValueError("either every chunk of a step has a window block table or none has")
+        window = AttentionMetadata.build(query_lens, seq_lens, window_tables, block_size, device)
+        meta = dataclasses.replace(meta, window=window)
     as_long = {"dtype": torch.long, "device": device}
     rows = torch.tensor(adapters, **as_long) if any(a >= 0 for a in adapters) else None
     return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
@@ -137,7 +151,12 @@ class BaseStepModel:
 
 
 def allocate_kv_caches(config: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
-                       device: torch.device | str) -> list[torch.Tensor]:
-    """Zeroed paged caches, one per layer."""
-    shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+                       device: torch.device | str, num_window_blocks: int | None = None) -> list[torch.Tensor]:
+    """Zeroed paged caches, one per layer; with `num_window_blocks`, the sliding-window layers' hold that
+    many blocks (their own block ids, engine/window_blocks.py) and the others `num_blocks`."""
+    def blocks(layer: int) -> int:
+        windowed = num_window_blocks is not None and config.layer_window(layer) is not None
+        return num_window_blocks if windowed else num_blocks
+
+    return [torch.zeros(kv_cache_shape(blocks(i), block_size, config.num_kv_heads, config.head_dim), dtype=dtype,
+                        device=device) for i in range(config.num_layers)]

@@ -56,11 +56,13 @@ def test_deterministic_and_batch_invariant_sum():
     """The same call twice gives the same bits; a token's row alone equals its row in a batch up to the
     GEMM's own rounding (its k expert outputs are summed in slot order either way)."""
     w13, w2 = weights(2)
-    x, logits = torch.randn(40, H), torch.randn(40, E)
+    generator = torch.Generator().manual_seed(2)
+    x, logits = torch.randn(40, H, generator=generator), torch.randn(40, E, generator=generator)
     first = fused_moe(x, logits, w13, w2, 2)
     assert torch.equal(first, fused_moe(x, logits, w13, w2, 2))
     alone = torch.cat([fused_moe(x[i:i + 1], logits[i:i + 1], w13, w2, 2) for i in range(40)])
-    torch.testing.assert_close(alone, first, rtol=1e-6, atol=1e-6)
+    # A GEMM of one row and one of many may round a last bit differently (a 1.2e-6 difference was seen).
+    torch.testing.assert_close(alone, first, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_stays_close_to_float32():
