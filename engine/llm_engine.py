@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
-from engine.window_blocks import WindowedBlockManager
 from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache, plan_window_kv_cache
 from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
@@ -28,6 +27,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_dec
 from engine.speculative import NgramProposer, Proposer
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
+from engine.window_blocks import WindowedBlockManager
 from model.chat_template import read_chat_template
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
