@@ -141,15 +141,14 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         # One backend per window: `attention` plans the full-attention layers (all layers, in a model whose
         # layers are alike) and `local_attention`, when the layers differ, the sliding-window ones. Each
         # layer runs the backend of its window, with the plan that backend made (see `plan`).
-        self.attention = attention_for(self.ops, block_size, config.layer_window(0) if config.layer_types is None
-                                       else None)
-        self.local_attention = (attention_for(self.ops, block_size, config.sliding_window)
-                                if config.layer_types is not None else None)
-        self.local_layers = [i for i in range(config.num_layers) if config.layer_types is not None
-                             and config.layer_types[i] == "sliding_attention"]
+        mixed = config.layer_types is not None
+        self.attention = attention_for(self.ops, block_size, None if mixed else config.sliding_window)
+        self.local_attention = attention_for(self.ops, block_size, config.sliding_window) if mixed else None
+        # Per layer: a sliding-window layer among full ones (its own backend, plan and rotary frequencies).
+        self.windowed = [mixed and kind == "sliding_attention" for kind in config.layer_types or ()]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.local_attention if i in self.local_layers else self.attention, self.ops,
+            DecoderLayer(config, self.local_attention if mixed and self.windowed[i] else self.attention, self.ops,
                          layer_index=i)
             for i in range(config.num_layers)
         )
@@ -214,8 +213,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         else:
             full_plan, local_plan = plan
             local = rotary_cos_sin_ref(positions, self.local_inv_freq)
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                windowed = i in self.local_layers
+            for layer, kv_cache, windowed in zip(self.layers, kv_caches, self.windowed, strict=True):
                 x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
                                     local_plan if windowed else full_plan)
         x, _ = self.norm(x, residual)
