@@ -42,6 +42,9 @@ class EngineStats:
     kv_usage: float = 0.0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    # The sliding-window layers' own pool (engine/window_blocks.py); 0 and 0 where the layers share one.
+    num_window_blocks: int = 0
+    num_free_window_blocks: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
@@ -87,6 +90,8 @@ class EngineStats:
             self.kv_usage = blocks.usage
             self.num_blocks = blocks.num_blocks
             self.num_free_blocks = blocks.num_free_blocks
+            self.num_window_blocks = getattr(blocks, "num_window_blocks", 0)
+            self.num_free_window_blocks = getattr(blocks, "num_free_window_blocks", 0)
             self.prefix_queries = blocks.prefix_queries
             self.prefix_hits = blocks.prefix_hits
             self.num_preemptions = scheduler.num_preemptions

@@ -31,6 +31,10 @@ class EngineCollector(Collector):
             "ladder_kv_cache_usage_ratio": ("Fraction of KV blocks held by requests", s["kv_usage"]),
             "ladder_kv_cache_blocks": ("KV blocks in the cache", s["num_blocks"]),
             "ladder_kv_cache_free_blocks": ("KV blocks held by no request", s["num_free_blocks"]),
+            "ladder_kv_window_blocks": ("KV blocks of the sliding-window layers' own pool (0: they share the cache)",
+                                        s["num_window_blocks"]),
+            "ladder_kv_window_free_blocks": ("Sliding-window KV blocks held by no request",
+                                             s["num_free_window_blocks"]),
             "ladder_lora_adapters_resident": ("LoRA adapters in a slot", s["num_loras_resident"]),
             "ladder_spec_decode_acceptance_ratio": (
                 "Fraction of speculative draft tokens accepted since start (0 before any)",

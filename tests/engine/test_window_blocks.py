@@ -107,6 +107,8 @@ def test_engine_tokens_equal_the_shared_table_model(gemma):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(), params)] == expected
     assert blocks.prefix_hits > hits
     assert blocks.num_free_window_blocks == blocks.num_window_blocks
+    stats = llm.engine.stats.snapshot()  # what /metrics reports (ladder_kv_window_blocks, ..._free_blocks)
+    assert stats["num_window_blocks"] == stats["num_free_window_blocks"] == blocks.num_window_blocks
 
 
 def test_engine_under_a_small_cache_preempts_and_keeps_the_tokens(gemma):
