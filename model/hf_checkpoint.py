@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
+from model.weights import LazyTensors
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -52,19 +53,33 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint under their names without the `model.` prefix."""
-    tensors: dict[str, torch.Tensor] = {}
+def read_tensors(files: list[Path]) -> LazyTensors[torch.Tensor]:
+    """Every tensor of the checkpoint under its name without the `model.` prefix, read from its file when it
+    is asked for (shapes from the headers): loading holds the module being built and one tensor's sources,
+    not the whole checkpoint beside it. ModelLoadError for a file whose header, or a tensor, is unreadable."""
+    where: dict[str, tuple[Path, str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
             # safe_open validates the header against the file size, so a truncated file fails here
-            # or on the first tensor read below.
+            # or when one of its tensors is read.
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name.removeprefix("model.")] = f.get_tensor(name)
+                for key in f.keys():
+                    name = key.removeprefix("model.")
+                    where[name] = (path, key)
+                    shapes[name] = tuple(f.get_slice(key).get_shape())
         except Exception as e:  # the safetensors error types differ between versions
             raise ModelLoadError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
-    return tensors
+
+    def read(name: str) -> torch.Tensor:
+        path, key = where[name]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {key!r} is unreadable ({one_line(e)})") from None
+
+    return LazyTensors(shapes, read)
 
 
 # The sampling fields of a generation_config.json that a request's own fields default to (vLLM's choice).

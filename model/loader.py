@@ -95,12 +95,10 @@ def load(
     if path.is_dir():
         config, _ = read_config(path)
         check_moe_quantization(config, quantization, str(path))
-        tensors = read_tensors(safetensors_files(path))
+        tensors = read_tensors(safetensors_files(path))  # each read when build_model asks for it
         if config.architecture == "gemma3":
-            shift_norm_weights(tensors)
-        # The tensors (q, k, v apart) go once the module holds them fused, before any quantization.
+            tensors = shift_norm_weights(tensors)
         module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size)
-        del tensors
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
     else:  # a .gguf file (check_source)

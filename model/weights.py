@@ -86,12 +86,13 @@ class LazyTensors(Mapping[str, T]):
         return len(self.shapes)
 
 
-def shift_norm_weights(tensors: dict[str, torch.Tensor]) -> None:
+def shift_norm_weights(tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.Tensor]:
     """Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the decoder's RMSNorm scales by its
-    weight, so each norm weight becomes 1 + w, in float32, in place. (GGUF files store 1 + w already.)"""
-    for name, tensor in tensors.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = tensor.float() + 1.0
+    weight, so each norm weight is read as 1 + w, in float32. (GGUF files store 1 + w already.)"""
+    def read(name: str) -> torch.Tensor:
+        return tensors[name].float() + 1.0 if name.endswith("norm.weight") else tensors[name]
+
+    return LazyTensors(tensors.shapes, read)
 
 
 def check_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str, config_name: str) -> None:

@@ -93,3 +93,18 @@ def test_w4a8_never_dequantizes_the_linears(q4_gguf, monkeypatch):
 def test_load_resolves_auto_dtype(tiny_hf_dir):
     loaded = model.load(tiny_hf_dir("llama3"), dtype="auto")
     assert loaded.module.embed_tokens.weight.dtype == torch.float32  # on a CPU
+
+
+def test_a_hugging_face_directory_is_read_tensor_by_tensor(tiny_hf_dir):
+    """Shapes come from the headers; each tensor is read when asked for, so loading never holds the whole
+    checkpoint beside the module being built (Gemma 3 270M in float32: peak RSS 672 MiB against 911)."""
+    from model.hf_checkpoint import read_tensors, safetensors_files
+    from model.weights import LazyTensors
+
+    directory = tiny_hf_dir("llama3")
+    tensors = read_tensors(safetensors_files(directory))
+    assert isinstance(tensors, LazyTensors)
+    name = "layers.0.self_attn.q_proj.weight"
+    assert tensors.shapes[name] == (64, 64)
+    first, second = tensors[name], tensors[name]
+    assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()  # made afresh, not kept
