@@ -137,3 +137,23 @@ def test_engine_under_a_small_cache_preempts_and_keeps_the_tokens(gemma):
     assert engine.scheduler.num_preemptions > 0
     assert list(out.values()) == reference(gemma, prompts(), 40)
     assert 0 < most_held <= MOST_HELD + 1  # what the last query saw, and the block of the next token
+
+
+def test_shared_prefixes_in_a_small_cache_keep_every_prompts_tokens(gemma):
+    """Twelve prompts that share prefixes of several lengths (some inside the window, some past it), four
+    running at a time in 40 full-attention blocks and a window pool to match: prefix hits, evictions and
+    preemptions all happen, and every prompt's greedy tokens are the model's without the engine."""
+    from engine.config import bytes_per_block
+
+    generator = torch.Generator().manual_seed(3)
+    stems = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (8, 30, 52)]
+    batch = [stems[i % 3] + torch.randint(3, 320, (1 + 5 * i % 11,), generator=generator).tolist()
+             for i in range(12)]
+    per_block = bytes_per_block(gemma.config, BLOCK, torch.float32)
+    llm = LLM(loaded=gemma, kv_cache_memory_gib=40 * per_block / 2**30, max_model_len=96, block_size=BLOCK,
+              max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == reference(gemma, batch, 24)
+    blocks = llm.engine.blocks
+    assert blocks.prefix_hits > 0 and llm.engine.scheduler.num_preemptions > 0
+    assert blocks.num_free_window_blocks == blocks.num_window_blocks and blocks.num_free_blocks == blocks.num_blocks
