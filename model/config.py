@@ -20,6 +20,14 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+# A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
+# defaults, which the multimodal checkpoints' text_config relies on).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+}
 # What a layer's `layer_types` entry may be (Hugging Face's names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -171,8 +179,13 @@ class ModelConfig:
         """
         model_type = cfg.get("model_type")
         if model_type == "gemma3" and "text_config" in cfg:
-            raise ValueError("a multimodal Gemma 3 checkpoint (model_type gemma3): ladder serves the text "
-                             "models, model_type gemma3_text")
+            # A multimodal Gemma 3 (4B and up): its language model is a Gemma 3 text model, served alone
+            # (the vision tower's tensors are never read, hf_checkpoint.py).
+            text = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg},
+                    **cfg["text_config"], "model_type": "gemma3_text"}
+            return cls.from_hf(text)
+        if model_type == "gemma3_text":  # hub configs leave out the fields that keep their defaults
+            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         arch = HF_MODEL_TYPES.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

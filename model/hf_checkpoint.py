@@ -53,6 +53,23 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+# A multimodal checkpoint's language model sits under one of these (transformers 4 and 5 spellings); the
+# rest of it (vision tower, projector) is not the decoder's.
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def decoder_name(key: str) -> str | None:
+    """A checkpoint tensor's name as the decoder knows it (`layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
+    or None for a tensor of another tower."""
+    if key.startswith(OTHER_TOWERS):
+        return None
+    for prefix in LANGUAGE_MODEL_PREFIXES:
+        if key.startswith(prefix):
+            return key.removeprefix(prefix)
+    return key.removeprefix("model.")
+
+
 def read_tensors(files: list[Path]) -> LazyTensors[torch.Tensor]:
     """Every tensor of the checkpoint under its name without the `model.` prefix, read from its file when it
     is asked for (shapes from the headers): loading holds the module being built and one tensor's sources,
@@ -65,9 +82,10 @@ def read_tensors(files: list[Path]) -> LazyTensors[torch.Tensor]:
             # or when one of its tensors is read.
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    name = key.removeprefix("model.")
-                    where[name] = (path, key)
-                    shapes[name] = tuple(f.get_slice(key).get_shape())
+                    name = decoder_name(key)
+                    if name is not None:
+                        where[name] = (path, key)
+                        shapes[name] = tuple(f.get_slice(key).get_shape())
         except Exception as e:  # the safetensors error types differ between versions
             raise ModelLoadError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
 
