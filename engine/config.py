@@ -249,6 +249,16 @@ def plan_window_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.
     per_seq = blocks_for_tokens(model.sliding_window - 1, bs) + 3
     window_need = config.max_num_seqs * per_seq + blocks_for_tokens(config.max_num_batched_tokens, bs)
     blocks_per_seq = blocks_for_tokens(max_model_len, bs)
+    if not full_bytes:  # every layer windowed: the full-attention blocks are bookkeeping (prefix hashes) only
+        num_window_blocks = min(budget // window_bytes, window_need)
+        # One sequence's window and a step's chunk must fit, or its allocation could never succeed.
+        least = min(blocks_per_seq, per_seq + blocks_for_tokens(config.max_num_batched_tokens, bs))
+        if num_window_blocks < least:
+            raise ValueError(f"the KV cache ({source}: {budget / GIB:.3f} GiB) holds {num_window_blocks} blocks of "
+                             f"{bs} tokens, fewer than one sequence's window and step need ({least}); give "
+                             f"--kv-cache-memory {least * window_bytes / GIB:.3f} or more, or lower "
+                             "--max-num-batched-tokens")
+        return blocks_per_seq * config.max_num_seqs, num_window_blocks, max_model_len
     num_blocks = budget // (full_bytes + window_bytes)  # as many of each, when the budget is that small
     if num_blocks > window_need:
         num_blocks = (budget - window_need * window_bytes) // full_bytes

@@ -28,6 +28,7 @@ from engine.speculative import NgramProposer, Proposer
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
 from engine.window_blocks import WindowedBlockManager
+from model.llama import LlamaForCausalLM
 from model.chat_template import read_chat_template
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
@@ -99,8 +100,9 @@ class LLMEngine:
             log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
         module = self.model.module
         num_window_blocks = None
-        if getattr(module, "local_attention", None) is not None:
-            # Sliding-window layers beside full ones (Gemma 3), in this process: they keep only their window.
+        if isinstance(module, LlamaForCausalLM) and module.windowed_layers:
+            # Sliding-window layers (Gemma 3's beside full ones, or every layer of a Mistral with a window), in
+            # this process: they keep only their window.
             num_blocks, num_window_blocks, self.max_model_len = plan_window_kv_cache(
                 config, self.model.config, module.kv_cache_dtype, module.device)
             self.blocks = WindowedBlockManager(num_blocks, num_window_blocks, config.block_size,

@@ -157,3 +157,25 @@ def test_shared_prefixes_in_a_small_cache_keep_every_prompts_tokens(gemma):
     blocks = llm.engine.blocks
     assert blocks.prefix_hits > 0 and llm.engine.scheduler.num_preemptions > 0
     assert blocks.num_free_window_blocks == blocks.num_window_blocks and blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_model_whose_every_layer_is_windowed_keeps_only_windows(tmp_path):
+    """A Mistral with a 16-token window on every layer: every cache is the windowed pool (the full-attention
+    blocks are bookkeeping for the prefix cache only), and the tokens are the model's without the engine."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                        initializer_range=0.2, sliding_window=WINDOW)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    mistral = model.load(tmp_path, block_size=BLOCK)
+    llm = LLM(loaded=mistral, kv_cache_memory_gib=0.001, max_model_len=256, block_size=BLOCK, max_num_seqs=4)
+    blocks = llm.engine.blocks
+    assert isinstance(blocks, WindowedBlockManager)
+    assert [cache.shape[1] for cache in llm.engine.runner.kv_caches] == [blocks.num_window_blocks] * 2
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = reference(mistral, prompts(), 40)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), params)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), params)] == expected
+    assert blocks.prefix_hits > 0
