@@ -44,6 +44,9 @@ class WindowedBlockManager(KVBlockManager):
         self.window_hash: list[bytes | None] = [None] * num_window_blocks
         self.window_cached: dict[bytes, int] = {}
         self.window_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_window_blocks))
+        # Per request, how many of its leading entries are DROPPED already: each step then looks at the blocks
+        # that just left the window, not at the whole context.
+        self.dropped: dict[Request, int] = {}
 
     @property
     def num_free_window_blocks(self) -> int:
@@ -108,13 +111,18 @@ class WindowedBlockManager(KVBlockManager):
 
     def release(self, request: Request) -> None:
         super().release(request)
-        for index in range(len(request.window_block_ids) - 1, -1, -1):
+        for index in range(len(request.window_block_ids) - 1, self.dropped.pop(request, 0) - 1, -1):
             self._give_back(request, index)
         request.window_block_ids = []
 
     def _drop_unseen(self, request: Request, first_visible: int) -> None:
-        for index in range(min(first_visible, len(request.window_block_ids))):
+        done = self.dropped.get(request, 0)
+        if not request.window_block_ids:
+            done = 0  # a request that was preempted (its list emptied) starts again
+        end = min(first_visible, len(request.window_block_ids))
+        for index in range(done, end):
             self._give_back(request, index)
+        self.dropped[request] = max(done, end)
 
     def _give_back(self, request: Request, index: int) -> None:
         block = request.window_block_ids[index]
