@@ -50,6 +50,10 @@ class KVBlockManager:
         # Per pool, blocks with no reference, oldest first; the allocator takes from the front.
         self.free: list[OrderedDict[int, None]] = [
             OrderedDict.fromkeys(range(p * self.pool_size, (p + 1) * self.pool_size)) for p in range(num_pools)]
+        # Per request, how many of its leading full blocks `register_computed_blocks` has seen: each step then
+        # looks at the blocks it completed, not at the whole context. (A block whose tokens were cached under
+        # another block when it completed stays unregistered, even once that other block is evicted.)
+        self.registered: dict[Request, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -126,17 +130,24 @@ class KVBlockManager:
             return
         self._update_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        for index in range(num_full):
-            block = request.block_ids[index]
-            block_hash = request.block_hashes[index]
-            cached = self.cached[self.pool_of(block)]
-            if self.block_hash[block] is None and block_hash not in cached:
-                self.block_hash[block] = block_hash
-                cached[block_hash] = block
+        done = self.registered.get(request, 0) if request.block_ids else 0
+        for index in range(done, num_full):
+            self._register(request, index)
+        self.registered[request] = max(done, num_full)
+
+    def _register(self, request: Request, index: int) -> None:
+        """Put the request's computed full block `index` into the prefix cache (unless one like it is there)."""
+        block = request.block_ids[index]
+        block_hash = request.block_hashes[index]
+        cached = self.cached[self.pool_of(block)]
+        if self.block_hash[block] is None and block_hash not in cached:
+            self.block_hash[block] = block_hash
+            cached[block_hash] = block
 
     def release(self, request: Request) -> None:
         """Drop the request's references. Its last blocks are freed first so they are evicted first:
         the prefix, shared more often, stays cached longer."""
+        self.registered.pop(request, None)
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
@@ -152,8 +163,10 @@ class KVBlockManager:
                 del cached[block_hash]
 
     def _update_hashes(self, request: Request) -> None:
-        tokens = request.all_token_ids
         hashes = request.block_hashes
+        if len(hashes) >= request.num_tokens // self.block_size:
+            return  # no new full block (and no copy of the whole token list to find that out)
+        tokens = request.all_token_ids
         for index in range(len(hashes), len(tokens) // self.block_size):
             chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
             parent = hashes[-1] if hashes else request.cache_salt

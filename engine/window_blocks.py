@@ -97,17 +97,16 @@ class WindowedBlockManager(KVBlockManager):
             held.append(block)
         return True
 
-    def register_computed_blocks(self, request: Request) -> None:
-        super().register_computed_blocks(request)
-        if not self.enable_prefix_caching:
+    def _register(self, request: Request, index: int) -> None:
+        """The full-attention block's registration (the base class), and the windowed block of the same
+        tokens under the same hash."""
+        super()._register(request, index)
+        if index >= len(request.window_block_ids):
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes),
-                       len(request.window_block_ids))
-        for index in range(num_full):
-            block, block_hash = request.window_block_ids[index], request.block_hashes[index]
-            if block != DROPPED and self.window_hash[block] is None and block_hash not in self.window_cached:
-                self.window_hash[block] = block_hash
-                self.window_cached[block_hash] = block
+        block, block_hash = request.window_block_ids[index], request.block_hashes[index]
+        if block != DROPPED and self.window_hash[block] is None and block_hash not in self.window_cached:
+            self.window_hash[block] = block_hash
+            self.window_cached[block_hash] = block
 
     def release(self, request: Request) -> None:
         super().release(request)
