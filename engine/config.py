@@ -242,8 +242,8 @@ def plan_window_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.
     layers' blocks get the rest of the budget. ValueError as plan_kv_cache."""
     max_model_len = _max_model_len(config, model)
     per_layer = bytes_per_block(model, config.block_size, dtype) // model.num_layers
-    num_windowed = sum(model.layer_window(i) is not None for i in range(model.num_layers))
-    full_bytes, window_bytes = (model.num_layers - num_windowed) * per_layer, num_windowed * per_layer
+    full_bytes = (model.num_layers - model.windowed_layers) * per_layer
+    window_bytes = model.windowed_layers * per_layer
     budget, source = kv_budget(config, device)
     bs = config.block_size
     per_seq = blocks_for_tokens(model.sliding_window - 1, bs) + 3

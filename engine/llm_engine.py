@@ -100,7 +100,7 @@ class LLMEngine:
             log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
         module = self.model.module
         num_window_blocks = None
-        if isinstance(module, LlamaForCausalLM) and module.windowed_layers:
+        if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:
             # Sliding-window layers (Gemma 3's beside full ones, or every layer of a Mistral with a window), in
             # this process: they keep only their window.
             num_blocks, num_window_blocks, self.max_model_len = plan_window_kv_cache(

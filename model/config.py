@@ -136,6 +136,11 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    @property
+    def windowed_layers(self) -> int:
+        """How many layers see a sliding window (all of them in a Mistral with one, 15 of 18 in Gemma 3 270M)."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (model/moe.py) rather than a dense one."""
         return self.num_experts > 0 and layer not in self.dense_layers

@@ -179,11 +179,6 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
     # -- the step interface (model/step.py; BaseStepModel gives the rest: one pool, warm-up, close) -----
 
     @property
-    def windowed_layers(self) -> int:
-        """How many layers see a sliding window (all of them in a Mistral with one, 15 of 18 in Gemma 3 270M)."""
-        return sum(self.config.layer_window(i) is not None for i in range(self.config.num_layers))
-
-    @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
