@@ -5,8 +5,8 @@ knows) is done by the `gguf` package in numpy. Names are mapped from llama.cpp's
 to Hugging Face's (`layers.0.self_attn.q_proj.weight`).
 
 The file itself is read by model/gguf_file.py. Linear weights stored as Q4_0, Q4_1 or Q8_0 can also be
-read as they are (`read_blocks`), for the W4A8
-layers that compute on the file's own blocks (model/block_quantization.py).
+read as they are (`read_blocks`), for the W4A8 layers that compute on the file's own blocks
+(model/block_quantization.py).
 
 `read_tensors` and `read_blocks` hand out one tensor at a time, made when it is asked for (`LazyTensors`),
 so loading never holds a dequantized copy of the whole model beside the module being built.
