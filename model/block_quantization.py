@@ -7,40 +7,19 @@ fly (kernels/cpu_w4a8_linear.py). The weights carry no error beyond the file's o
 damage to its own block. A batch-1 decode step reads 5/8 of the bytes the W8A8 layers read for the
 4-bit projections (and the file's Q8_0 LM head as it is).
 
-A module swap applied from outside model/llama.py, like model/quantization.py's INT8 forms: q/k/v and
+The module (model/w4a8_linear.py) is a swap applied from outside model/llama.py, like model/quantization.py's INT8 forms: q/k/v and
 gate/up are fused here the way model/weights.py fuses the float weights (rows concatenated).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from kernels import cpu_w4a8_linear
 from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.gguf_checkpoint import BlockWeight
 from model.llama import LlamaForCausalLM
-
-
-class W4A8Linear(nn.Module):
-    """y [..., N] float32 = x [..., K] times w = d * u + m (or d * (u - zero)) per 32-block of each row,
-    activations quantized per 32-block to int8; bit for bit `cpu_w4a8_linear.w4a8_matmul_ref`."""
-
-    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.codes.shape
-        self.bits, self.zero = weight.bits, weight.zero
-        codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits)
-        self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 256 or 512] uint8
-        self.register_buffer("scales", scales)  # [ceil(N / 16), K / 32, 1 or 2, 16] float16
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_w4a8_linear.w4a8_linear(x, self.codes, self.scales, self.bias, self.out_features, self.zero)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+from model.w4a8_linear import W4A8Linear
 
 
 def linear_sources(config: ModelConfig) -> dict[str, list[str]]:

@@ -20,6 +20,7 @@ from kernels.rotary import rotary_cos_sin_ref
 from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
+from model.cpu_step import CpuDecoderStep, step_support, structure_version
 from model.moe import SparseMoeBlock
 from model.rope import inverse_frequencies, local_inverse_frequencies
 from model.step import BaseStepModel, allocate_kv_caches
@@ -159,6 +160,13 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.make_rotary(torch.get_default_device())
+        # The layers as one C++ call (model/cpu_step.py), built at the first step that can use it and again
+        # after any module, parameter or buffer is registered; `cpu_step_reason` says why there is none.
+        # use_cpu_step False: always the eager layers (benchmarks compare the two in one process).
+        self.use_cpu_step = True
+        self.cpu_step: CpuDecoderStep | None = None
+        self.cpu_step_reason: str | None = "not built yet"
+        self._cpu_step_version = -1
 
     def forward(
         self,
@@ -207,6 +215,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
+        if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self._decoder_step() is not None:
+            return self.cpu_step(x, cos, sin, kv_caches, plan)
         residual = None
         if self.local_attention is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -219,6 +229,14 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                                     local_plan if windowed else full_plan)
         x, _ = self.norm(x, residual)
         return x
+
+    def _decoder_step(self) -> CpuDecoderStep | None:
+        """The layers' C++ step for the modules as they are now, or None (`cpu_step_reason` says why)."""
+        if self._cpu_step_version != structure_version():
+            self._cpu_step_version = structure_version()
+            self.cpu_step_reason = step_support(self)
+            self.cpu_step = CpuDecoderStep(self) if self.cpu_step_reason is None else None
+        return self.cpu_step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (only for the rows that need sampling)."""

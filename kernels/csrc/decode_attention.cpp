@@ -9,6 +9,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -24,11 +26,13 @@ namespace {
 // seq_lens [S] int64 (tokens in the cache, the query's own included); out [S, H, D] T. T is float,
 // c10::BFloat16 or c10::Half; arithmetic is float32 throughout. Query head j reads KV head j / (H / KVH).
 // Tokens [first, len) are attended (first > 0 only with a sliding window).
+// Query row s starts at q + s * q_stride and output row s at out + s * out_stride (H * D when contiguous).
 template <typename T>
 struct Problem {
   const T* q; const T* k; const T* v; const int64_t* tables; T* out;
   int64_t H, D, KVH, G, BS, max_blocks;
   float scale;
+  int64_t q_stride, out_stride;
 };
 
 // Portable version: any G and D, vectorised by the compiler where it can. `query` holds the G query rows
@@ -40,7 +44,7 @@ void task_generic(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int6
   scores.assign(G * n, 0.f);
   acc.assign(G * D, 0.f);
   query.resize(G * D);
-  const T* qs = p.q + (s * p.H + h * G) * D;
+  const T* qs = p.q + s * p.q_stride + h * G * D;
   for (int64_t i = 0; i < G * D; ++i) query[i] = static_cast<float>(qs[i]);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = first + t;
@@ -74,7 +78,7 @@ void task_generic(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int6
       for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
     }
   }
-  T* os = p.out + (s * p.H + h * G) * D;
+  T* os = p.out + s * p.out_stride + h * G * D;
   for (int64_t i = 0; i < G * D; ++i) os[i] = static_cast<T>(acc[i]);  // round to nearest even
 }
 
@@ -161,7 +165,7 @@ void task_avx512(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
   auto attended = [&](int64_t b) {
     return std::make_pair(std::max<int64_t>(first - b * BS, 0), std::min<int64_t>(len - b * BS, BS));
   };
-  const T* qs = p.q + (s * p.H + h * G) * D;
+  const T* qs = p.q + s * p.q_stride + h * G * D;
   __m512 qv[G][DV];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(load16(qs + g * D + 16 * d), _mm512_set1_ps(p.scale));
@@ -220,7 +224,7 @@ void task_avx512(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
       }
     }
   }
-  T* os = p.out + (s * p.H + h * G) * D;
+  T* os = p.out + s * p.out_stride + h * G * D;
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) store16(os + g * D + 16 * d, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv_total[g])));
 }
@@ -283,7 +287,8 @@ void run_typed(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   const T* kp = kv_cache.data_ptr<T>();
   const Problem<T> p{q.data_ptr<T>(), kp, kp + num_blocks * BS * KVH * D, block_tables.data_ptr<int64_t>(),
-                     out.data_ptr<T>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale)};
+                     out.data_ptr<T>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale),
+                     H * D, H * D};
   run(p, q.size(0), seq_lens.data_ptr<int64_t>(), sliding_window, portable);
 }
 
@@ -314,6 +319,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cach
 }
 
 }  // namespace
+
+void decode_attention_rows(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
+                           int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH,
+                           int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride) {
+  const Problem<float> p{q, k, v, tables, out, H, D, KVH, H / KVH, BS, max_blocks, scale, q_stride, out_stride};
+  run(p, S, seq_lens, window, false);
+}
 
 bool has_avx512() {
 #if defined(__AVX512F__)

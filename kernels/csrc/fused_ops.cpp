@@ -1,5 +1,5 @@
-// RMSNorm (with the residual add) and the rotary embedding for float32 rows, each one call that reads its
-// inputs once. Every row (token) is computed alone, in the same order whatever the batch.
+// RMSNorm (with the residual add), the rotary embedding and SiLU x up for float32 rows, each one call that
+// reads its inputs once. Every row (token) is computed alone, in the same order whatever the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -7,16 +7,15 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+
+#include "cpu_kernels.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace ladder {
-namespace {
 
-// out[d] = w[d] * (x[d] * rsqrt(mean(x^2) + eps)) for one row of D floats.
-inline void rms_row(const float* __restrict x, const float* __restrict w, float eps, int64_t D,
-                           float* __restrict out) {
+void rms_norm_row(const float* __restrict x, const float* __restrict w, float eps, int64_t D, float* __restrict out) {
   int64_t d = 0;
   float ss = 0.f;
 #ifdef __AVX512F__
@@ -38,11 +37,86 @@ inline void rms_row(const float* __restrict x, const float* __restrict w, float 
   for (; d < D; ++d) out[d] = w[d] * (x[d] * r);
 }
 
+void add_rms_norm_row(const float* x, const float* residual, const float* w, float eps, int64_t D, float* sum,
+                      float* out) {
+  for (int64_t d = 0; d < D; ++d) sum[d] = x[d] + residual[d];
+  rms_norm_row(sum, w, eps, D, out);
+}
+
+void rotate_rows(float* x, int64_t T, int64_t H, int64_t token_stride, int64_t head_stride, const float* cos,
+                 const float* sin, int64_t half) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float* row = x + t * token_stride + h * head_stride;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = row[i], b = row[i + half];
+        row[i] = a * c[i] - b * s[i];
+        row[i + half] = b * c[i] + a * s[i];
+      }
+    }
+}
+
+#ifdef __AVX512F__
+namespace {
+// exp(x) as 2^k * e^r, k = round(x / ln 2) and r = x - k ln 2 (|r| <= ln(2) / 2, ln 2 in two parts), e^r
+// by its Taylor series to degree 7 (relative error under 1e-8). x is clamped to [-87, 100]: 0 stays out of
+// reach below (1 + e^x is 1 there anyway), and above 88.7 the scaling overflows to inf as exp does. A NaN
+// stays NaN through the caller's use of x itself.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(100.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 e = _mm512_set1_ps(1.f / 5040);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(e, k);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u, 16 lanes.
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+}
+}  // namespace
+#endif
+
+void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gate_up + t * 2 * I;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= I; i += 16) _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+    if (i < I) {  // the tail through the same lanes' arithmetic
+      const __mmask16 m = static_cast<__mmask16>((1u << (I - i)) - 1u);
+      _mm512_mask_storeu_ps(o + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#else
+    for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
+  }
+}
+
+namespace {
+
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(-1) == w.numel(), "x [..., D] contiguous, weight [D]");
 }
+
+// Rows per task: about 32 K floats of work each, so small batches stay on one thread.
+int64_t row_grain(int64_t D) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)); }
 
 // ladder::rms_norm: x [..., D] float32 contiguous -> rms_norm(x) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -50,8 +124,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto out = at::empty_like(x);
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
+  at::parallel_for(0, rows, row_grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
   });
   return out;
 }
@@ -67,34 +141,15 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   const float* xp = x.data_ptr<float>(); const float* rp = residual.data_ptr<float>(); const float* wp = w.data_ptr<float>();
   float* sp = sum.data_ptr<float>(); float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t d = 0; d < D; ++d) sp[r * D + d] = xp[r * D + d] + rp[r * D + d];
-      rms_row(sp + r * D, wp, static_cast<float>(eps), D, op + r * D);
-    }
+  at::parallel_for(0, rows, row_grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      add_rms_norm_row(xp + r * D, rp + r * D, wp, static_cast<float>(eps), D, sp + r * D, op + r * D);
   });
   return {out, sum};
 }
 
-// In place: x [T, H, D] (last dim contiguous, any token/head strides) rotated by cos, sin [T, D/2]:
-// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), halves of the head.
-void rotate_(at::Tensor& x, const float* cp, const float* sp, int64_t half) {
-  const int64_t T = x.size(0), H = x.size(1), st = x.stride(0), sh = x.stride(1);
-  float* xp = x.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * half, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t h = 0; h < H; ++h) {
-        float* row = xp + t * st + h * sh;
-        const float* c = cp + t * half; const float* s = sp + t * half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = row[i], b = row[i + half];
-          row[i] = a * c[i] - b * s[i];
-          row[i + half] = b * c[i] + a * s[i];
-        }
-      }
-  });
-}
-
+// ladder::rotary, in place: q [T, Hq, D], k [T, Hk, D] (last dim contiguous, any token/head strides) rotated
+// by cos, sin [T, D/2].
 void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   for (auto* x : {&q, &k}) {
     TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kFloat && x->dim() == 3 && x->stride(2) == 1,
@@ -105,8 +160,31 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == half &&
               sin.sizes() == cos.sizes(), "cos, sin: [T, head_dim / 2] float32 contiguous");
-  rotate_(q, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
-  rotate_(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (auto* x : {&q, &k}) {
+    const int64_t H = x->size(1), st = x->stride(0), sh = x->stride(1);
+    float* xp = x->data_ptr<float>();
+    at::parallel_for(0, x->size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(H * half, 1)), [&](int64_t t0, int64_t t1) {
+      rotate_rows(xp + t0 * st, t1 - t0, H, st, sh, cp + t0 * half, sp + t0 * half, half);
+    });
+  }
+}
+
+// ladder::silu_and_mul: gate_up [..., 2 I] float32 contiguous -> silu(gate) * up [..., I].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+              gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up: [..., 2 I] float32 CPU contiguous");
+  const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(I), [&](int64_t r0, int64_t r1) {
+    silu_and_mul_rows(gp + r0 * 2 * I, r1 - r0, I, op + r0 * I);
+  });
+  return out;
 }
 
 }  // namespace
@@ -116,4 +194,5 @@ TORCH_LIBRARY_IMPL(ladder, CPU, m) {
   m.impl("rms_norm", &ladder::rms_norm);
   m.impl("fused_add_rms_norm", &ladder::fused_add_rms_norm);
   m.impl("rotary", &ladder::rotary);
+  m.impl("silu_and_mul", &ladder::silu_and_mul);
 }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu_kernels.h"
 #include "tile.h"
 
 // Bit-equal to the torch reference: no multiply-add contraction anywhere.
@@ -337,6 +338,63 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
   }
 }
 
+}  // namespace
+
+void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8Scratch& scratch, bool portable) {
+  const int64_t K = w.K, KB = w.K / QK, N = w.N, NBLK = w.NBLK, CB = w.four ? 256 : 512;
+  if (M == 0 || N == 0) return;
+#if !defined(LADDER_VNNI) && !defined(LADDER_AVX2_INT8)
+  portable = true;
+#endif
+  scratch.xq.resize(M * K);
+  scratch.xs.resize(M * KB);
+  scratch.xc.resize(M * KB);
+  scratch.xsum.resize(M * KB);
+  int8_t* xq = scratch.xq.data();
+  float* xs = scratch.xs.data();
+  float* xc = scratch.xc.data();
+  int32_t* xsum = scratch.xsum.data();
+  auto quantize = quantize_row_portable;
+#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
+  if (!portable) quantize = quantize_row;
+#endif
+  if (M == 1) {  // a decode row: no task for so little work
+    quantize(xp, KB, xq, xs, xc, xsum);
+  } else {
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) quantize(xp + m * K, KB, xq + m * K, xs + m * KB, xc + m * KB, xsum + m * KB);
+    });
+  }
+  const uint8_t* cp = w.codes;
+  const uint16_t* sp = w.scales;
+  const int S = w.S;
+  const int32_t z = w.zero;
+  const float* bp = w.bias;
+  const int64_t work_per_block = M * K * BN, min_work = 262144;
+  if (portable) {
+    const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
+    at::parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        portable_block(xq, K, xs, xc, xsum, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, w.four, bp, op, N,
+                       b * BN, N, M);
+    });
+    return;
+  }
+#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
+  auto call = [&](auto tile, int64_t m, int64_t b) {
+    tile(xq + m * K, K, xs + m * KB, xc + m * KB, xsum + m * KB, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, bp,
+         op + m * N, N, b * BN, N);
+  };
+  if (w.four) {
+    for_each_tile<W4A8Tiles<true>>(M, NBLK, work_per_block, min_work, call);
+  } else {
+    for_each_tile<W4A8Tiles<false>>(M, NBLK, work_per_block, min_work, call);
+  }
+#endif
+}
+
+namespace {
+
 // ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit, 512
 // for 8-bit); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d); bias [N] or none.
 // Returns [..., N] float32. portable: the portable loop even where the VNNI or AVX2 tiles exist (tests).
@@ -351,56 +409,15 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
               scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(3) == BN &&
               (scales.size(2) == 1 || scales.size(2) == 2), "scales: [NBLK, KB, 1 or 2, 16] float16");
   const int64_t M = x.size(0), K = x.size(1), NBLK = codes.size(0), KB = codes.size(1);
-  const bool four = codes.size(2) == 256;
-  const int S = static_cast<int>(scales.size(2));
   TORCH_CHECK(K == KB * QK, "the weight holds ", KB * QK, " input channels, x has ", K);
   check_blocks(N, NBLK);
   const auto bias = float_vector(bias_in);
-  const float* bp = optional_vector_data(bias, N, "bias");
+  const W4A8Weight w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                     optional_vector_data(bias, N, "bias"), N, K, NBLK, static_cast<int>(scales.size(2)),
+                     codes.size(2) == 256, static_cast<int32_t>(zero)};
   auto out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out.view(sizes_with_last(x_in, N));
-#if !defined(LADDER_VNNI) && !defined(LADDER_AVX2_INT8)
-  portable = true;
-#endif
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * KB), xc(M * KB);
-  std::vector<int32_t> xsum(M * KB);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      auto quantize = quantize_row_portable;
-#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
-      if (!portable) quantize = quantize_row;
-#endif
-      quantize(xp + m * K, KB, xq.data() + m * K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB);
-    }
-  });
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  float* op = out.data_ptr<float>();
-  const int64_t CB = codes.size(2);
-  const int32_t z = static_cast<int32_t>(zero);
-  const int64_t work_per_block = M * K * BN, min_work = 262144;
-  if (portable) {
-    const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
-    at::parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b)
-        portable_block(xq.data(), K, xs.data(), xc.data(), xsum.data(), KB, cp + b * KB * CB, sp + b * KB * S * BN,
-                       S, z, four, bp, op, N, b * BN, N, M);
-    });
-    return out.view(sizes_with_last(x_in, N));
-  }
-#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
-  auto call = [&](auto tile, int64_t m, int64_t b) {
-    tile(xq.data() + m * K, K, xs.data() + m * KB, xc.data() + m * KB, xsum.data() + m * KB, KB, cp + b * KB * CB,
-         sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N);
-  };
-  if (four) {
-    for_each_tile<W4A8Tiles<true>>(M, NBLK, work_per_block, min_work, call);
-  } else {
-    for_each_tile<W4A8Tiles<false>>(M, NBLK, work_per_block, min_work, call);
-  }
-#endif
+  W4A8Scratch scratch;
+  w4a8_rows(x.data_ptr<float>(), M, w, out.data_ptr<float>(), scratch, portable);
   return out.view(sizes_with_last(x_in, N));
 }
 

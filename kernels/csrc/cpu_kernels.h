@@ -1,0 +1,64 @@
+// The kernels' bodies on raw float32 rows, shared by their custom ops and by the decoder step
+// (decoder_step.cpp), which chains them with no Python or dispatcher between them. Each is defined once,
+// in its kernel's source, and never inlined into a caller (LADDER_SHARED): the op and the step then run
+// the same machine code, so their results are equal bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#define LADDER_SHARED __attribute__((noinline))
+
+namespace ladder {
+
+// fused_ops.cpp --------------------------------------------------------------------------------------
+
+// out[d] = w[d] * (x[d] * rsqrt(mean(x^2) + eps)), one row of D floats.
+LADDER_SHARED void rms_norm_row(const float* x, const float* w, float eps, int64_t D, float* out);
+
+// sum = x + residual, out = rms_norm_row(sum): one row of D floats.
+LADDER_SHARED void add_rms_norm_row(const float* x, const float* residual, const float* w, float eps, int64_t D, float* sum,
+                      float* out);
+
+// In place: T tokens of H heads of 2 * half floats, token t's head h at x + t * token_stride + h *
+// head_stride, rotated by cos, sin [T, half]: (a, b) -> (a cos - b sin, b cos + a sin) for halves a, b.
+LADDER_SHARED void rotate_rows(float* x, int64_t T, int64_t H, int64_t token_stride, int64_t head_stride, const float* cos,
+                 const float* sin, int64_t half);
+
+// out [T, I] = silu(gate) * up for gate_up [T, 2 * I] (gate first); silu(g) = g / (1 + exp(-g)).
+LADDER_SHARED void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out);
+
+// w4a8_linear.cpp ------------------------------------------------------------------------------------
+
+// A packed W4A8 weight (kernels/cpu_w4a8_linear.py `pack`): codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit,
+// 512 for 8-bit), scales [NBLK, KB, S, 16] float16 bits, bias [N] or nullptr.
+struct W4A8Weight {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const float* bias;
+  int64_t N, K, NBLK;
+  int S;
+  bool four;
+  int32_t zero;
+};
+
+// The activations of M rows quantized per 32-block, reused from call to call.
+struct W4A8Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> xs, xc;
+  std::vector<int32_t> xsum;
+};
+
+// out [M, N] = x [M, K] times the weight; `portable`: the portable loop even where tiles exist.
+LADDER_SHARED void w4a8_rows(const float* x, int64_t M, const W4A8Weight& w, float* out, W4A8Scratch& scratch, bool portable);
+
+// decode_attention.cpp -------------------------------------------------------------------------------
+
+// Paged decode attention over a float32 cache, one query row per sequence entry: q row s at q + s *
+// q_stride holds H heads of D floats; k, v the cache's halves [num_blocks, BS, KVH, D]; tables [S,
+// max_blocks], seq_lens [S]; out row s at out + s * out_stride. `window` > 0: the last `window` keys only.
+LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
+                           int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH,
+                           int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride);
+
+}  // namespace ladder

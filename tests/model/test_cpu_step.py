@@ -1,0 +1,139 @@
+"""The decoder's layers as one C++ call (model/cpu_step.py): the same hidden states as the eager layers, bit
+for bit, on every step shape the engine makes, and the eager layers wherever the step does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from kernels import cpu_extension
+from model.cpu_step import step_support
+from model.lora_slots import LoRASlots
+from model.sequences import Sequences
+from tiny_models import make_hf_model, write_gguf
+
+pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels do not build here")
+
+
+def _run(module, use_step: bool, turns: list[list[list[int]]], max_len: int = 256) -> list[torch.Tensor]:
+    """Logits of every new token of each turn (one list of new tokens per sequence), on a fresh cache."""
+    module.use_cpu_step = use_step
+    try:
+        seqs = Sequences(module, len(turns[0]), max_len)
+        return [seqs.step(turn, all_rows=True) for turn in turns]
+    finally:
+        module.use_cpu_step = True
+
+
+def _assert_same(module, turns, max_len: int = 256) -> None:
+    eager = _run(module, False, turns, max_len)
+    step = _run(module, True, turns, max_len)
+    assert module.cpu_step is not None, module.cpu_step_reason
+    for a, b in zip(eager, step, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def default_w4a8():
+    """The embedded default model as `ladder serve` runs it on a CPU: W4A8 over the GGUF's blocks."""
+    return model.load(quantization="w4a8")
+
+
+def test_default_model_equals_the_eager_layers(default_w4a8):
+    """Prompts of different lengths in one step, then decodes beside a prompt's chunk: the step's logits
+    are the eager layers' bits, on the real weights (SmolLM2: 9 heads on 3 KV heads of 64, the AVX-512
+    attention task)."""
+    module = default_w4a8.module
+    assert step_support(module) is None
+    prompts = [list(range(100, 160)), list(range(300, 305)), [42]]
+    turns = [prompts, [[7], [8], list(range(500, 540))]] + [[[t], [t + 1], [t + 2]] for t in range(900, 906)]
+    _assert_same(module, turns)
+
+
+@pytest.mark.parametrize("family,qtype", [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("mistral", "Q4_0")])
+def test_tiny_models_equal_the_eager_layers(tmp_path, family, qtype):
+    """4-bit codes with d and m (Q4_1), with an implied m (Q4_0), 8-bit codes with q/k/v biases (Qwen2's
+    Q8_0); head size 16 runs the attention's portable task."""
+    hf = make_hf_model(family, tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", qtype, "llama" if family != "qwen2" else family)
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    turns = [[[5, 9, 30, 31, 2, 17, 40], [7, 7, 8]], [[11], [12, 13, 14]], [[15], [16]]]
+    _assert_same(module, turns, max_len=64)
+
+
+def test_a_sliding_window_reaches_the_kernel(tmp_path):
+    """Every layer windowed (a Mistral with sliding_window): the step passes the window to the kernel."""
+    hf = make_hf_model("mistral", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    module.attention.sliding_window = 8  # the backend every layer shares; the step is built after this
+    prompt = list(range(3, 40))
+    turns = [[prompt]] + [[[t]] for t in range(50, 60)]
+    _assert_same(module, turns, max_len=64)
+    window = _run(module, True, turns, 64)
+    module.attention.sliding_window = None
+    module.cpu_step, module._cpu_step_version = None, -1  # a rebuilt step without the window
+    full = _run(module, True, turns, 64)
+    assert not torch.equal(window[-1], full[-1])  # the window changed what the last tokens see
+
+
+def test_long_chunks_and_other_models_run_the_eager_layers(tmp_path, default_w4a8):
+    """A prompt over 1,024 tokens gathers its keys (not kernel rows): that step runs the eager layers, and
+    still equals itself; float linears, LoRA slots and hooks each name why the step does not apply."""
+    hf = make_hf_model("llama3", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    calls = []
+    module.cpu_step = None
+    _run(module, True, [[[1] * 8]], 2048)
+    assert module.cpu_step is not None
+    original = module.cpu_step.step.forward
+    module.cpu_step.step = type("Counting", (), {"forward": lambda self, *a: calls.append(1) or original(*a)})()
+    _run(module, True, [[list(range(1, 301)) * 4]], 2048)  # 1,200 tokens: a gathered chunk
+    assert calls == []
+    _run(module, True, [[list(range(1, 101))]], 2048)
+    assert calls == [1]
+
+    float_model = model.load(tmp_path / "m.gguf").module
+    assert "Linear linear" in step_support(float_model)
+
+    handle = module.layers[1].mlp.down_proj.register_forward_hook(lambda *args: None)
+    assert step_support(module) == "layer 1 has forward hooks"
+    handle.remove()
+    LoRASlots.attach(module, max_loras=2, max_rank=4)  # registers modules: the next step checks again
+    _run(module, True, [[[1, 2, 3]]], 64)
+    assert module.cpu_step is None and "LoRALinear" in module.cpu_step_reason
+
+
+def test_served_greedy_text_is_the_same(default_w4a8):
+    """Through the engine (prefix cache, batches of several requests): the same greedy tokens with the
+    step as with the eager layers."""
+    llm = LLM(loaded=default_w4a8, kv_cache_memory_gib=0.05)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is a city"]
+    with_step = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    default_w4a8.module.use_cpu_step = False
+    try:
+        eager = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    finally:
+        default_w4a8.module.use_cpu_step = True
+    assert with_step == eager
+
+
+def test_bad_step_inputs_raise_one_line(default_w4a8):
+    module = default_w4a8.module
+    seqs = Sequences(module, 1, 32)
+    seqs.step([[1, 2, 3]])
+    step = module.cpu_step.step
+    x = torch.zeros(1, module.config.hidden_size)
+    cos = sin = torch.zeros(1, module.config.head_dim // 2)
+    slots, tables, lens = torch.tensor([10**9]), torch.zeros(1, 2, dtype=torch.long), torch.tensor([1])
+    with pytest.raises(RuntimeError, match="slot 1000000000 outside the cache"):
+        step.forward(x, cos, sin, seqs.kv_caches, slots, tables, lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="x \\[T, 576\\] float32"):
+        step.forward(torch.zeros(1, 5), cos, sin, seqs.kv_caches, torch.tensor([0]), tables, lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="one KV cache per layer"):
+        step.forward(x, cos, sin, seqs.kv_caches[:2], torch.tensor([0]), tables, lens, 0.125, 0)
