@@ -6,7 +6,10 @@ instrumented and bare. An instrumented step times, with `time.perf_counter` arou
 layers by kind (forward hooks, summed over the layers), the RMSNorms and the embedding (hooks), the
 attention backend's plan and forward (a wrapper installed with `model.attention.install`), the rotary and
 SiLU-times-up ops (a timed copy of the layers' `Ops`, plus the rotary cos/sin the decoder computes once a
-step) and the request's `TextStream.push` (detokenizing). A bare step runs untouched and gives the step's
+step) and the request's `TextStream.push` (detokenizing). Where the layers run as one C++ call
+(model/cpu_step.py), as `ladder serve` runs a W4A8 model on a CPU, the step times its own parts inside
+that call (norms, each linear, rotary, attention with the cache write, SiLU x up) and the same rows report
+them; the attention wrapper and the timed ops are then left out, so both kinds of step run the C++ call. A bare step runs untouched and gives the step's
 wall time and the engine's own split of it (EngineStats: schedule, prepare, forward, sample). With
 medians over each kind of step,
 
@@ -40,6 +43,7 @@ from kernels.timing import synchronize
 from model import llama
 from model.attention.base import BaseAttention
 from model.attention.install import wrapped
+from model.cpu_step import CpuDecoderStep
 
 # The decoder's linear modules by the last part of their name -> the kind the breakdown reports.
 LINEAR_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head"}
@@ -194,31 +198,50 @@ def linear_weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for name, t in tensors if t is not None and name not in skip)
 
 
+def cpu_step_of(module: object) -> CpuDecoderStep | None:
+    """The C++ step a decoder's decode steps run (model/cpu_step.py), or None: the eager layers."""
+    if isinstance(module, llama.LlamaForCausalLM) and module.use_cpu_step:
+        return module._decoder_step()
+    return None
+
+
 @contextlib.contextmanager
 def instrumented(module: nn.Module, stopwatch: Stopwatch) -> Iterator[None]:
     """Every op of the decoder timed into `stopwatch`, for the length of the block."""
     handles, swapped = [], []
     patched_rotary = None
+    cpu_step = cpu_step_of(module)
     with contextlib.ExitStack() as stack:
         try:
             # An artifact runtime's forward is no module tree: nothing in it to hook.
             for name, sub in module.named_modules() if isinstance(module, nn.Module) else ():
                 if (phase := phase_of(name, sub)) is not None:
-                    handles += stopwatch.hooks(sub, phase)
+                    handles += stopwatch.hooks(sub, phase)  # inside the C++ step only the head's and embedding's run
                 ops = getattr(sub, "ops", None)
-                if isinstance(ops, Ops):  # rotary and the gated activation run inside attention and MLP modules
+                if isinstance(ops, Ops) and cpu_step is None:  # rotary and the gated activation run inside attention and MLP modules
                     swapped.append((sub, ops))
                     sub.ops = dataclasses.replace(
                         ops, apply_rotary=stopwatch.wrap("rotary", ops.apply_rotary),
                         silu_and_mul=stopwatch.wrap("silu_and_mul", ops.silu_and_mul),
                         gelu_tanh_and_mul=stopwatch.wrap("silu_and_mul", ops.gelu_tanh_and_mul))
-            if isinstance(module, nn.Module) and isinstance(getattr(module, "attention", None), BaseAttention):
+            if cpu_step is not None:
+                cpu_step.set_profiling(True)
+                stack.callback(cpu_step.set_profiling, False)
+                for backend in {id(b): b for b in (module.attention, module.local_attention) if b is not None}.values():
+                    backend.plan = stopwatch.wrap("attention plan", backend.plan)  # the plans stay Python's
+                    stack.callback(vars(backend).pop, "plan")
+            elif isinstance(module, nn.Module) and isinstance(getattr(module, "attention", None), BaseAttention):
                 stack.enter_context(wrapped(module, lambda backend: TimedAttention(backend, stopwatch)))
             if isinstance(module, llama.LlamaForCausalLM):  # the cos/sin tables, once a step
                 patched_rotary = llama.rotary_cos_sin_ref
                 llama.rotary_cos_sin_ref = stopwatch.wrap("rotary", patched_rotary)
             stopwatch.active = True
             yield
+            if cpu_step is not None:  # the parts timed inside the C++ call, with the calls the eager layers make
+                layers = module.config.num_layers
+                for part, seconds in cpu_step.take_profile().items():
+                    stopwatch.seconds[part] += seconds
+                    stopwatch.calls[part] += 2 * layers + 1 if part == "rms_norm" else layers
         finally:
             stopwatch.active = False
             if patched_rotary is not None:
@@ -328,6 +351,9 @@ def summarize(bare: list[dict], timed: list[dict], module: nn.Module, quantizati
     engine_phases = {p: median(bare, p) for p in ENGINE_PHASES}
     detokenize = median(timed, "detokenize")
     step = median(bare, "wall")
+    if cpu_step_of(module) is not None:
+        notes.append("the layers ran as one C++ call a step (model/cpu_step.py): their rows are its parts, timed "
+                     "inside it")
     if phases:
         phases.append(Phase("forward python", engine_phases["forward"] - ops))
     else:  # an artifact runtime: no decoder modules in this process to time

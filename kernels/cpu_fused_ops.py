@@ -8,12 +8,12 @@ microseconds of dispatch on a shared CPU, sixty norms and thirty rotations a ste
 that reads its inputs once. Every row (token) is computed alone, in the same order whatever the batch, so
 results do not depend on what else is in the step.
 
-SiLU x up is one C++ call too, and its own arithmetic (an AVX-512 exp, within 2e-7 of torch's silu): it is
-the function the decoder step (model/cpu_step.py) runs, and the eager model must compute what the step
-computes, bit for bit.
+SiLU x up and GELU (tanh form) x up are one C++ call each too, with their own arithmetic (an AVX-512 exp,
+within a few roundings of torch's): they are the functions the decoder step (model/cpu_step.py) runs, and
+the eager model must compute what the step computes, bit for bit.
 
-Each is a custom op (ladder::rms_norm, ladder::fused_add_rms_norm, ladder::rotary, ladder::silu_and_mul;
-kernels/csrc/fused_ops.cpp,
+Each is a custom op (ladder::rms_norm, ladder::fused_add_rms_norm, ladder::rotary, ladder::silu_and_mul,
+ladder::gelu_tanh_and_mul; kernels/csrc/fused_ops.cpp,
 kernels/cpu_extension.py), called in eager mode only: under torch.compile the references are traced and
 Inductor fuses their element-wise work into its own loops. Other dtypes and non-CPU tensors use the
 references too, and so does every call where the extension cannot be built or LADDER_CPU_KERNELS=0.
@@ -26,7 +26,7 @@ import torch
 from kernels.cpu_extension import cpu_kernels_enabled, cpu_op, load  # noqa: F401  (load: callers build through it)
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotate_ref
-from kernels.swiglu import silu_and_mul_ref
+from kernels.swiglu import gelu_tanh_and_mul_ref, silu_and_mul_ref
 
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -41,6 +41,8 @@ _fused_add_rms_norm = cpu_op("fused_add_rms_norm", fused_add_rms_norm_ref,
 _rotary = cpu_op("rotary", rotary_ref, lambda q, k, cos, sin: None, mutates_args=("q", "k"))
 _silu_and_mul = cpu_op("silu_and_mul", silu_and_mul_ref,
                        lambda gate_up: gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
+_gelu_tanh_and_mul = cpu_op("gelu_tanh_and_mul", gelu_tanh_and_mul_ref,
+                            lambda gate_up: gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
 
 
 def _native(*tensors: torch.Tensor) -> bool:
@@ -78,3 +80,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not _native(gate_up) or gate_up.shape[-1] % 2:
         return silu_and_mul_ref(gate_up)
     return _silu_and_mul(gate_up.contiguous())
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first) -> gelu_tanh(gate) * up [..., I]; `gelu_tanh_and_mul_ref` up to float
+    rounding."""
+    if not _native(gate_up) or gate_up.shape[-1] % 2:
+        return gelu_tanh_and_mul_ref(gate_up)
+    return _gelu_tanh_and_mul(gate_up.contiguous())

@@ -54,11 +54,12 @@ TORCH_OPS = Ops(
     name="torch", rms_norm=rms_norm_ref, fused_add_rms_norm=fused_add_rms_norm_ref, apply_rotary=_rotate_both_ref,
     silu_and_mul=silu_and_mul_ref, gelu_tanh_and_mul=gelu_tanh_and_mul_ref,
 )
-# The CPU default: RMSNorm, the rotary embedding and SiLU x up as one C++ call each for float32 (the
-# references otherwise, and under torch.compile), and decode attention on the C++ kernel when it builds.
+# The CPU default: RMSNorm, the rotary embedding and the gated activations as one C++ call each for
+# float32 (the references otherwise, and under torch.compile), and decode attention on the C++ kernel
+# when it builds.
 CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", rms_norm=cpu_fused.rms_norm,
                               fused_add_rms_norm=cpu_fused.fused_add_rms_norm, apply_rotary=cpu_fused.rotary,
-                              silu_and_mul=cpu_fused.silu_and_mul)
+                              silu_and_mul=cpu_fused.silu_and_mul, gelu_tanh_and_mul=cpu_fused.gelu_tanh_and_mul)
 TRITON_OPS = Ops(
     name="triton", rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, apply_rotary=_rotate_both_,
     silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul,

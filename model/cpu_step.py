@@ -6,16 +6,19 @@ dispatch beside a few microseconds of work: a third of the step. `CpuDecoderStep
 stack to C++ once per step instead; the embedding, the LM head and sampling stay in Python.
 
 It runs the same kernel functions as the eager ops, in the eager order, so its hidden states equal the
-eager model's bit for bit (tests/kernels/test_decoder_step.py); the eager module stays the definition and
-runs whenever the step cannot. `step_support(model)` says why a model cannot (None: it can): the step
-covers the Llama layout that `ladder serve` runs by default on a CPU (float32 activations, W4A8 linears
-over a GGUF's blocks, the C++ attention kernel, SiLU, no q/k norms, no mixture of experts), nothing
-wrapped or hooked (LoRA slots, tensor-parallel all-reduces, the doctor's timers), and per step a float32
-cache and a plan whose every token is a kernel row (`CpuAttentionPlan` without a gathered part).
+eager model's bit for bit (tests/model/test_cpu_step.py); the eager module stays the definition and runs
+whenever the step cannot. `step_support(model)` says why a model cannot (None: it can). The step covers
+the decoders `ladder serve` runs on a CPU by default: float32 activations; W4A8 (a GGUF's blocks) or W8A8
+linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and Gemma 3's (q/k norms,
+sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); nothing wrapped or
+hooked (LoRA slots, tensor-parallel all-reduces). Not covered: mixtures of experts, float or weight-only
+int8 linears. Per step it takes a float32 cache and plans whose every token is a kernel row
+(`CpuAttentionPlan` without a gathered part: chunks up to 1,024 tokens).
 
 The step holds the modules' tensors as they were when it was built. A module, parameter or buffer
 registered anywhere afterwards (a swapped linear, LoRA slots attached, weights reloaded) bumps
-`structure_version()`, and the model checks it before each step and builds again.
+`structure_version()`, and the model checks it before each step and builds again. Forward hooks added
+after the build are not seen: the step does not call the modules (the doctor times the parts inside it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.nn.modules import module as nn_module
 
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
+from model.quantization import W8A8Linear
 from model.w4a8_linear import W4A8Linear
 
 _version = itertools.count(1)
@@ -52,6 +56,22 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _norms(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
+    attn = layer.self_attn
+    extra = [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if model.config.sandwich_norms else []
+    qk = [attn.q_norm, attn.k_norm] if model.config.qk_norm else []
+    return [layer.input_layernorm, layer.post_attention_layernorm, *extra, *qk]
+
+
+def _linear_kind(linear: nn.Module) -> int | None:
+    """0 for a W4A8 linear, 1 for a W8A8 one packed for the CPU kernel, None for any other."""
+    if type(linear) is W4A8Linear:
+        return 0
+    if type(linear) is W8A8Linear and linear.packed is not None:
+        return 1
+    return None
+
+
 def step_support(model: nn.Module) -> str | None:
     """None if `model` (a LlamaForCausalLM) can run its layers as one C++ step, else why not, in words."""
     config = model.config
@@ -59,66 +79,88 @@ def step_support(model: nn.Module) -> str | None:
         return "the C++ CPU kernels are not built here"
     if model.ops.name != "cpu" or model.device.type != "cpu":
         return f"ops {model.ops.name!r} on {model.device.type}: the step is the CPU kernels' own"
-    if model.local_attention is not None:
-        return "sliding-window layers beside full ones"
-    if config.qk_norm or config.sandwich_norms or config.hidden_act != "silu":
-        return "q/k norms, sandwich norms or a gate other than SiLU"
+    if config.hidden_act not in ("silu", "gelu_tanh"):
+        return f"the gate {config.hidden_act}"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global forward hooks are registered"
-    if _hooked(model):
-        return "the model has forward hooks"
+    if _hooked(model) or _hooked(model.norm) or model.norm.weight.dtype != torch.float32:
+        return "the model or its final norm has forward hooks, or the norm is not float32"
+    for backend in (model.attention, model.local_attention):
+        if backend is not None and type(backend) is not CpuPagedAttention:
+            return f"attention {type(backend).__name__}, not the C++ kernel's backend"
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn.backend) is not CpuPagedAttention:
-            return f"layer {i}: attention {type(attn.backend).__name__}, not the C++ kernel's backend"
         linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
         for linear in linears:
-            if type(linear) is not W4A8Linear:
-                return f"layer {i}: a {type(linear).__name__} linear (the step takes W4A8 linears)"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if _linear_kind(linear) is None:
+                return f"layer {i}: a {type(linear).__name__} linear (the step takes W4A8 and W8A8 linears)"
+        norms = _norms(model, layer)
         if any(_hooked(m) for m in (layer, attn, mlp, *linears, *norms)):
             return f"layer {i} has forward hooks"
         if any(n.weight.dtype != torch.float32 or n.eps != config.rms_norm_eps for n in norms):
             return f"layer {i}: norms not float32"
-    if model.norm.weight.dtype != torch.float32 or _hooked(model.norm):
-        return "the final norm is not a plain float32 RMSNorm"
     return None
 
 
 class CpuDecoderStep:
     """The layers of one model as `ladder_cpu::DecoderStep`; call it in place of the layer loop."""
 
+    # The parts the C++ step times when profiling (its `take_profile` order), under the doctor's names.
+    PARTS = ("rms_norm", "qkv", "rotary", "attention", "o", "gate_up", "silu_and_mul", "down")
+
     def __init__(self, model: nn.Module) -> None:
         config = model.config
         tensors: list[torch.Tensor] = []
-        zeros: list[int] = []
+        ints = [config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
+                int(config.hidden_act == "gelu_tanh")]
         empty = torch.empty(0)
-        for layer in model.layers:
+        # Every layer reads the windowed tables in a model whose layers are all windowed (a Mistral with
+        # sliding_window: its one backend plans them); in a mixed one, the layers the model marks.
+        mixed = model.local_attention is not None
+        uniform_window = not mixed and bool(model.attention.sliding_window)
+        for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            tensors.append(layer.input_layernorm.weight.detach())
-            for linear in (attn.qkv_proj, attn.o_proj):
-                tensors += [linear.codes, linear.scales, empty if linear.bias is None else linear.bias]
-                zeros.append(linear.zero)
-            tensors.append(layer.post_attention_layernorm.weight.detach())
-            for linear in (mlp.gate_up_proj, mlp.down_proj):
-                tensors += [linear.codes, linear.scales, empty if linear.bias is None else linear.bias]
-                zeros.append(linear.zero)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+            tensors += [empty if n is None else n.weight.detach() for n in norms]
+            ints.append(int(model.windowed[i] if mixed else uniform_window))
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                kind = _linear_kind(linear)
+                bias = empty if linear.bias is None else linear.bias
+                if kind == 0:
+                    tensors += [linear.codes, linear.scales, empty, bias]
+                else:
+                    tensors += [linear.packed, linear.wsum, linear.scale, bias]
+                ints += [kind, getattr(linear, "zero", 0)]
         tensors.append(model.norm.weight.detach())
-        ints = [config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                config.intermediate_size, *zeros]
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)
         self.scale = config.attention_scale
-        self.window = model.attention.sliding_window or 0
+        self.window = (model.local_attention or model.attention).sliding_window or 0
 
     @staticmethod
     def takes(plan: object, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step's plan and caches are the step's: every token a kernel row, a float32 cache."""
-        return (isinstance(plan, CpuAttentionPlan) and plan.gather is None
+        """Whether a step's plan (or pair of plans) and caches are the step's: every token a kernel row, a
+        float32 cache, no autograd, not under torch.compile."""
+        plans = plan if isinstance(plan, tuple) else (plan,)
+        return (all(isinstance(p, CpuAttentionPlan) and p.gather is None for p in plans)
                 and kv_caches[0].dtype == torch.float32 and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling())
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-                 plan: CpuAttentionPlan) -> torch.Tensor:
-        """x [T, hidden] embeddings, cos/sin [T, head_dim / 2] -> the final norm's output [T, hidden]."""
-        return self.step.forward(x, cos, sin, kv_caches, plan.slot_mapping, plan.row_block_tables, plan.row_seq_lens,
-                                 self.scale, self.window)
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, local_cos: torch.Tensor,
+                 local_sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                 plan: CpuAttentionPlan | tuple[CpuAttentionPlan, CpuAttentionPlan]) -> torch.Tensor:
+        """x [T, hidden] embeddings, cos/sin [T, head_dim / 2] of the full and of the windowed layers, the
+        plan (a pair with windowed layers among full ones) -> the final norm's output [T, hidden]."""
+        full, local = plan if isinstance(plan, tuple) else (plan, plan)
+        return self.step.forward(x, cos, sin, local_cos, local_sin, kv_caches, full.slot_mapping,
+                                 full.row_block_tables, full.row_seq_lens, local.slot_mapping,
+                                 local.row_block_tables, local.row_seq_lens, self.scale, self.window)
+
+    def set_profiling(self, on: bool) -> None:
+        """Time each part of the coming steps inside C++ (a clock read between parts), or stop."""
+        self.step.set_profiling(on)
+        self.step.take_profile()
+
+    def take_profile(self) -> dict[str, float]:
+        """Seconds per part (PARTS; attention includes the cache write) since the last call."""
+        return dict(zip(self.PARTS, self.step.take_profile(), strict=True))

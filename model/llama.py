@@ -216,7 +216,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
         if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self._decoder_step() is not None:
-            return self.cpu_step(x, cos, sin, kv_caches, plan)
+            local = (cos, sin) if self.local_attention is None else rotary_cos_sin_ref(positions, self.local_inv_freq)
+            return self.cpu_step(x, cos, sin, *local, kv_caches, plan)
         residual = None
         if self.local_attention is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

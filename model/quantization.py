@@ -24,6 +24,7 @@ model/block_quantization.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,9 +32,11 @@ from torch import nn
 from kernels import cpu_int8_linear, cpu_w4a8_linear, cpu_w8a8_linear
 from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
-from model.llama import LlamaForCausalLM
 from model.moe import is_moe_checkpoint, quantize_experts
 from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS, parse_dtype
+
+if TYPE_CHECKING:  # the decoder imports its C++ step, which takes this module's W8A8 linears
+    from model.llama import LlamaForCausalLM
 
 
 def resolve_quantization(quantization: str, dtype: str, device: str | torch.device,

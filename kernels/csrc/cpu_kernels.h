@@ -28,6 +28,10 @@ LADDER_SHARED void rotate_rows(float* x, int64_t T, int64_t H, int64_t token_str
 // out [T, I] = silu(gate) * up for gate_up [T, 2 * I] (gate first); silu(g) = g / (1 + exp(-g)).
 LADDER_SHARED void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out);
 
+// The same with gelu's tanh approximation (Gemma's GeGLU): gelu(g) = g / (1 + exp(-2 sqrt(2 / pi) (g +
+// 0.044715 g^3))), which is 0.5 g (1 + tanh(...)).
+LADDER_SHARED void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out);
+
 // w4a8_linear.cpp ------------------------------------------------------------------------------------
 
 // A packed W4A8 weight (kernels/cpu_w4a8_linear.py `pack`): codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit,
@@ -51,6 +55,27 @@ struct W4A8Scratch {
 
 // out [M, N] = x [M, K] times the weight; `portable`: the portable loop even where tiles exist.
 LADDER_SHARED void w4a8_rows(const float* x, int64_t M, const W4A8Weight& w, float* out, W4A8Scratch& scratch, bool portable);
+
+// w8a8_linear.cpp ------------------------------------------------------------------------------------
+
+// A packed W8A8 weight (kernels/cpu_w8a8_linear.py `pack`): packed [NBLK, ceil(K / 4), 16, 4] int8, wsum
+// [NBLK * 16] int32, scale [N] and bias [N] (or nullptr) float32.
+struct W8A8Weight {
+  const int8_t* packed;
+  const int32_t* wsum;
+  const float* scale;
+  const float* bias;
+  int64_t N, K, NBLK;
+};
+
+// Each row's activations quantized to int8 (as unsigned bytes), and its scale.
+struct W8A8Scratch {
+  std::vector<uint8_t> xq;
+  std::vector<float> xs;
+};
+
+// out [M, N] = x [M, K] times the weight, each row quantized with its own max |x|.
+LADDER_SHARED void w8a8_rows(const float* x, int64_t M, const W8A8Weight& w, float* out, W8A8Scratch& scratch);
 
 // decode_attention.cpp -------------------------------------------------------------------------------
 

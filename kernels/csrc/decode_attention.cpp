@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -263,7 +264,7 @@ void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_wind
 #if defined(__AVX512F__)
   const Avx512Task<T> fast = portable ? nullptr : pick_avx512<T>(p.G, p.D, BS);
 #endif
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, query;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, len = sl[s];

@@ -1,26 +1,36 @@
-// The Llama decoder's layers as one C++ call, for float32 activations and W4A8 linears on the CPU: a step's
-// rows go through every layer (norms, the four linears, the rotary embedding, the cache write, paged
-// attention, SiLU x up) with no Python and no dispatcher between the kernels, into buffers kept from step
-// to step. At batch 1 a decode step of a small model was a third Python and dispatch (about 600 calls of a
-// few microseconds each); here it is one call.
+// The decoder's layers as one C++ call, for float32 activations and int8 linears on the CPU: a step's rows go
+// through every layer (norms, the four linears, the rotary embedding, the cache write, paged attention, the
+// gated activation) with no Python and no dispatcher between the kernels, into buffers kept from step to
+// step. At batch 1 a decode step of a small model was a third Python and dispatch (about 600 calls of a few
+// microseconds each); here it is one call.
 //
-// Each part runs the same function as its custom op (cpu_kernels.h), in the order the eager module calls
-// them, so the hidden states equal the eager model's bit for bit (tests/kernels/test_decoder_step.py), and
-// they keep its batch invariance: every row is computed alone.
+// Each part runs the same function as its custom op (cpu_kernels.h), in the order the eager module
+// (model/llama.py) calls them, so the hidden states equal the eager model's bit for bit
+// (tests/model/test_cpu_step.py), and they keep its batch invariance: every row is computed alone. The
+// layouts it covers: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 (q/k norms, sandwich
+// norms, GeGLU, sliding-window layers with their own rotary tables and KV blocks beside full ones), each
+// linear W4A8 (a GGUF's blocks) or W8A8.
 //
 // DecoderStep(tensors, ints, eps), built once per model (model/cpu_step.py):
-//   tensors: per layer, in order, input_layernorm [hidden]; qkv codes, scales, bias; o codes, scales,
-//            bias; post_attention_layernorm [hidden]; gate_up codes, scales, bias; down codes, scales, bias
-//            (a bias is an empty tensor when the linear has none); then the final norm [hidden].
-//   ints:    hidden, heads, kv_heads, head_dim, intermediate, then each layer's four linears' `zero`.
-// forward(x [T, hidden], cos, sin [T, head_dim / 2], kv_caches (one [2, blocks, block_size, kv_heads,
-//   head_dim] float32 per layer), slot_mapping [T], block_tables [T, max_blocks], seq_lens [T] (each row a
-//   decode row: it sees seq_lens[t] keys, its own included), scale, window) -> final hidden [T, hidden].
+//   tensors: per layer kTensorsPerLayer, in order: input_layernorm, post_attention_layernorm,
+//            pre_feedforward_layernorm, post_feedforward_layernorm ([hidden] each; the last two Gemma's
+//            sandwich norms), q_norm, k_norm ([head_dim]); then qkv, o, gate_up, down, four tensors each:
+//            W4A8 (codes, scales, -, bias), W8A8 (packed, wsum, scale, bias). An absent one is an empty
+//            tensor. Then the final norm [hidden].
+//   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), then per layer: windowed (1:
+//            the layer reads the local tables and rotates by the local cos/sin), and per linear kind (0 W4A8,
+//            1 W8A8) and zero (W4A8's implied offset).
+// forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2], kv_caches (one [2, blocks,
+//   block_size, kv_heads, head_dim] float32 per layer), slot_mapping [T], block_tables [T, max_blocks],
+//   seq_lens [T] and the same three for the windowed layers, scale, window) -> final hidden [T, hidden].
+//   Each row is a decode row: token t sees seq_lens[t] keys, its own included; a windowed layer the last
+//   `window` of them.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -29,152 +39,259 @@
 namespace ladder {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 14;
+constexpr int64_t kTensorsPerLayer = 22;
+constexpr int64_t kIntsPerLayer = 9;
 
+// The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
+enum Part { kNorms, kQkv, kRotary, kAttention, kO, kGateUp, kAct, kDown, kParts };
+
+// One linear of a layer, W4A8 or W8A8.
 struct Linear {
-  at::Tensor codes, scales, bias;  // bias: empty when none
-  int64_t n = 0, zero = 0;
+  int64_t kind = 0;  // 0 W4A8, 1 W8A8
+  at::Tensor a, b, c, bias;
+  int64_t n = 0, k = 0, zero = 0;
 
-  W4A8Weight weight() const {
-    return W4A8Weight{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                      bias.numel() ? bias.data_ptr<float>() : nullptr, n, codes.size(1) * 32, codes.size(0),
-                      static_cast<int>(scales.size(2)), codes.size(2) == 256, static_cast<int32_t>(zero)};
+  void run(const float* x, int64_t M, float* out, W4A8Scratch& s4, W8A8Scratch& s8) const {
+    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (kind == 0) {
+      w4a8_rows(x, M, W4A8Weight{a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), bp,
+                                 n, k, a.size(0), static_cast<int>(b.size(2)), a.size(2) == 256,
+                                 static_cast<int32_t>(zero)}, out, s4, false);
+    } else {
+      w8a8_rows(x, M, W8A8Weight{a.data_ptr<int8_t>(), b.data_ptr<int32_t>(), c.data_ptr<float>(), bp, n, k, a.size(0)},
+                out, s8);
+    }
   }
 };
 
-struct Layer {
-  at::Tensor input_norm, post_norm;
-  Linear qkv, o, gate_up, down;
-};
+// A tensor that may be absent (empty): undefined then.
+at::Tensor optional(const at::Tensor& t) { return t.numel() ? t.contiguous() : at::Tensor(); }
 
-Linear make_linear(const std::vector<at::Tensor>& t, int64_t at, int64_t n, int64_t k, int64_t zero) {
-  Linear l{t[at].contiguous(), t[at + 1].contiguous(), t[at + 2].contiguous(), n, zero};
-  TORCH_CHECK(l.codes.scalar_type() == at::kByte && l.codes.dim() == 3 &&
-              (l.codes.size(2) == 256 || l.codes.size(2) == 512) && l.codes.size(1) * 32 == k &&
-              l.codes.size(0) * 16 >= n, "DecoderStep: codes of a [", n, ", ", k, "] W4A8 linear expected");
-  TORCH_CHECK(l.scales.scalar_type() == at::kHalf && l.scales.dim() == 4 && l.scales.size(0) == l.codes.size(0) &&
-              l.scales.size(1) == l.codes.size(1) && l.scales.size(3) == 16, "DecoderStep: W4A8 scales expected");
-  TORCH_CHECK(l.bias.numel() == 0 || (l.bias.scalar_type() == at::kFloat && l.bias.numel() == n),
+Linear make_linear(const std::vector<at::Tensor>& t, int64_t at, int64_t kind, int64_t zero, int64_t n, int64_t k) {
+  Linear l{kind, t[at].contiguous(), t[at + 1].contiguous(), optional(t[at + 2]), optional(t[at + 3]), n, k, zero};
+  const int64_t blocks = (n + 15) / 16;
+  if (kind == 0) {
+    TORCH_CHECK(l.a.scalar_type() == at::kByte && l.a.dim() == 3 && (l.a.size(2) == 256 || l.a.size(2) == 512) &&
+                l.a.size(1) * 32 == k && l.a.size(0) == blocks, "DecoderStep: W4A8 codes of a [", n, ", ", k,
+                "] linear expected");
+    TORCH_CHECK(l.b.scalar_type() == at::kHalf && l.b.dim() == 4 && l.b.size(0) == blocks && l.b.size(1) == l.a.size(1) &&
+                l.b.size(3) == 16 && (l.b.size(2) == 1 || l.b.size(2) == 2), "DecoderStep: W4A8 scales expected");
+  } else {
+    TORCH_CHECK(kind == 1, "DecoderStep: linear kind 0 (W4A8) or 1 (W8A8), got ", kind);
+    TORCH_CHECK(l.a.scalar_type() == at::kChar && l.a.dim() == 4 && l.a.size(0) == blocks &&
+                l.a.size(1) == (k + 3) / 4 && l.a.size(2) == 16 && l.a.size(3) == 4,
+                "DecoderStep: W8A8 packed weight of a [", n, ", ", k, "] linear expected");
+    TORCH_CHECK(l.b.scalar_type() == at::kInt && l.b.numel() == blocks * 16, "DecoderStep: W8A8 wsum expected");
+    TORCH_CHECK(l.c.defined() && l.c.scalar_type() == at::kFloat && l.c.numel() == n, "DecoderStep: W8A8 scale [", n,
+                "] float32 expected");
+  }
+  TORCH_CHECK(!l.bias.defined() || (l.bias.scalar_type() == at::kFloat && l.bias.numel() == n),
               "DecoderStep: a bias of ", n, " floats expected");
   return l;
 }
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm, q_norm, k_norm;
+  Linear qkv, o, gate_up, down;
+  bool windowed = false;
+};
+
+// One plan's tensors, as the kernels read them.
+struct Tables {
+  at::Tensor slots, tables, lens;
+  Tables(const at::Tensor& s, const at::Tensor& t, const at::Tensor& l, int64_t T)
+      : slots(s.to(at::kLong).contiguous()), tables(t.to(at::kLong).contiguous()), lens(l.to(at::kLong).contiguous()) {
+    TORCH_CHECK(slots.numel() == T && lens.numel() == T && tables.dim() == 2 && tables.size(0) == T,
+                "DecoderStep: slot_mapping [T], block_tables [T, max_blocks], seq_lens [T]");
+  }
+};
 
 }  // namespace
 
 class DecoderStep : public torch::CustomClassHolder {
  public:
   DecoderStep(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, double eps) : eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(ints.size() >= 5, "DecoderStep: ints = hidden, heads, kv_heads, head_dim, intermediate, zeros");
+    TORCH_CHECK(ints.size() >= 6, "DecoderStep: ints = hidden, heads, kv_heads, head_dim, intermediate, gelu, ...");
     hidden_ = ints[0], heads_ = ints[1], kv_heads_ = ints[2], head_dim_ = ints[3], inter_ = ints[4];
+    gelu_ = ints[5] != 0;
     const int64_t layers = static_cast<int64_t>(tensors.size() - 1) / kTensorsPerLayer;
     TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kTensorsPerLayer + 1 &&
-                static_cast<int64_t>(ints.size()) == 5 + 4 * layers, "DecoderStep: ", layers,
-                " layers need ", layers * kTensorsPerLayer + 1, " tensors and ", 5 + 4 * layers, " ints");
+                static_cast<int64_t>(ints.size()) == 6 + kIntsPerLayer * layers, "DecoderStep: ", layers,
+                " layers need ", layers * kTensorsPerLayer + 1, " tensors and ", 6 + kIntsPerLayer * layers, " ints");
     TORCH_CHECK(heads_ % kv_heads_ == 0 && head_dim_ % 2 == 0, "DecoderStep: heads a multiple of kv_heads, even head_dim");
     const int64_t q = heads_ * head_dim_, qkv = q + 2 * kv_heads_ * head_dim_;
-    auto norm = [&](const at::Tensor& w) {
-      TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == hidden_, "DecoderStep: float32 norm weights [hidden]");
+    auto norm = [&](const at::Tensor& w, int64_t size, bool required) {
+      if (!required && w.numel() == 0) return at::Tensor();
+      TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == size, "DecoderStep: float32 norm weights [", size, "]");
       return w.contiguous();
     };
     for (int64_t i = 0; i < layers; ++i) {
+      const auto& t = tensors;
       const int64_t at = i * kTensorsPerLayer;
-      const int64_t* z = ints.data() + 5 + 4 * i;
-      layers_.push_back(Layer{norm(tensors[at]), norm(tensors[at + 7]),
-                              make_linear(tensors, at + 1, qkv, hidden_, z[0]),
-                              make_linear(tensors, at + 4, hidden_, q, z[1]),
-                              make_linear(tensors, at + 8, 2 * inter_, hidden_, z[2]),
-                              make_linear(tensors, at + 11, hidden_, inter_, z[3])});
+      const int64_t* z = ints.data() + 6 + kIntsPerLayer * i;
+      Layer layer{norm(t[at], hidden_, true), norm(t[at + 1], hidden_, true), norm(t[at + 2], hidden_, false),
+                  norm(t[at + 3], hidden_, false), norm(t[at + 4], head_dim_, false), norm(t[at + 5], head_dim_, false),
+                  make_linear(t, at + 6, z[1], z[2], qkv, hidden_), make_linear(t, at + 10, z[3], z[4], hidden_, q),
+                  make_linear(t, at + 14, z[5], z[6], 2 * inter_, hidden_),
+                  make_linear(t, at + 18, z[7], z[8], hidden_, inter_), z[0] != 0};
+      TORCH_CHECK(layer.pre_feedforward_norm.defined() == layer.post_feedforward_norm.defined() &&
+                  layer.q_norm.defined() == layer.k_norm.defined(), "DecoderStep: sandwich norms and q/k norms in pairs");
+      layers_.push_back(std::move(layer));
     }
-    final_norm_ = norm(tensors.back());
+    final_norm_ = norm(tensors.back(), hidden_, true);
   }
 
   at::Tensor forward(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots_in, const at::Tensor& tables_in,
-                     const at::Tensor& lens_in, double scale, int64_t window) {
+                     const at::Tensor& local_cos_in, const at::Tensor& local_sin_in,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots, const at::Tensor& tables,
+                     const at::Tensor& lens, const at::Tensor& local_slots, const at::Tensor& local_tables,
+                     const at::Tensor& local_lens, double scale, int64_t window) {
     const int64_t H = hidden_, D = head_dim_, half = D / 2, QS = heads_ * D, KS = kv_heads_ * D;
     const int64_t QKV = QS + 2 * KS, I = inter_;
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                 "DecoderStep: x [T, ", H, "] float32 on the CPU");
     const int64_t T = x_in.size(0);
-    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == static_cast<int64_t>(layers_.size()),
-                "DecoderStep: one KV cache per layer");
-    const auto x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
-    const auto slots = slots_in.to(at::kLong).contiguous(), tables = tables_in.to(at::kLong).contiguous();
-    const auto lens = lens_in.to(at::kLong).contiguous();
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == T * half &&
-                sin.numel() == T * half, "DecoderStep: cos, sin [T, head_dim / 2] float32");
-    TORCH_CHECK(slots.numel() == T && lens.numel() == T && tables.dim() == 2 && tables.size(0) == T,
-                "DecoderStep: slot_mapping [T], block_tables [T, max_blocks], seq_lens [T]");
-    const auto& cache0 = kv_caches[0];
-    TORCH_CHECK(cache0.dim() == 5 && cache0.size(0) == 2 && cache0.size(3) == kv_heads_ && cache0.size(4) == D,
-                "DecoderStep: kv caches [2, blocks, block_size, ", kv_heads_, ", ", D, "]");
-    const int64_t blocks = cache0.size(1), BS = cache0.size(2), max_blocks = tables.size(1);
-    for (const auto& c : kv_caches)
-      TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.sizes() == cache0.sizes(),
-                  "DecoderStep: float32 contiguous kv caches of one shape");
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(sp[t] >= 0 && sp[t] < blocks * BS, "DecoderStep: slot ", sp[t], " outside the cache");
-    for (const auto& layer : layers_)
-      TORCH_CHECK(layer.input_norm.scalar_type() == at::kFloat && layer.post_norm.scalar_type() == at::kFloat,
-                  "DecoderStep: the model's norms are no longer float32");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "DecoderStep: one KV cache per layer");
+    const auto x = x_in.contiguous();
+    std::vector<at::Tensor> rotary;
+    for (const auto* c : {&cos_in, &sin_in, &local_cos_in, &local_sin_in}) {
+      rotary.push_back(c->contiguous());
+      TORCH_CHECK(rotary.back().scalar_type() == at::kFloat && rotary.back().numel() == T * half,
+                  "DecoderStep: cos, sin [T, head_dim / 2] float32");
+    }
+    const Tables full(slots, tables, lens, T), local(local_slots, local_tables, local_lens, T);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const auto& c = kv_caches[i];
+      TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == kv_heads_ && c.size(4) == D &&
+                  c.scalar_type() == at::kFloat && c.is_contiguous(), "DecoderStep: kv caches [2, blocks, block_size, ",
+                  kv_heads_, ", ", D, "] float32 contiguous");
+      const int64_t* sp = (layers_[i].windowed ? local : full).slots.data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t)
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < c.size(1) * c.size(2), "DecoderStep: slot ", sp[t], " outside layer ", i,
+                    "'s cache");
+      TORCH_CHECK(layers_[i].input_norm.scalar_type() == at::kFloat, "DecoderStep: the model's norms are no longer float32");
+    }
 
     residual_.resize(T * H), h_.resize(T * H), y_.resize(T * H);
     qkv_.resize(T * QKV), attn_.resize(T * QS), gate_up_.resize(T * 2 * I), act_.resize(T * I);
     float* res = residual_.data();
     float* h = h_.data();
-    float* y = y_.data();  // a linear's output that joins the residual stream
-    const float* cp = cos.data_ptr<float>();
-    const float* snp = sin.data_ptr<float>();
-    const int64_t* tp = tables.data_ptr<int64_t>();
-    const int64_t* lp = lens.data_ptr<int64_t>();
+    float* y = y_.data();  // a sublayer's output, before it joins the residual stream
+    float* qkv = qkv_.data();
+    auto data = [](const at::Tensor& t) { return t.data_ptr<float>(); };
     std::copy(x.data_ptr<float>(), x.data_ptr<float>() + T * H, y);  // the embeddings: layer 0's residual
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      float* cache = kv_caches[i].data_ptr<float>();
-      float* kc = cache;
-      float* vc = cache + blocks * BS * KS;
-      // residual += y (layer 0: residual = x), h = input_layernorm(residual)
-      for (int64_t t = 0; t < T; ++t) {
+      const Tables& plan = layer.windowed ? local : full;
+      const float* cp = data(rotary[layer.windowed ? 2 : 0]);
+      const float* snp = data(rotary[layer.windowed ? 3 : 1]);
+      Clock clock(profiling_ ? profile_.data() : nullptr);
+      for (int64_t t = 0; t < T; ++t) {  // residual += y (layer 0: residual = x), h = input_layernorm(residual)
         if (i == 0) {
           std::copy(y + t * H, y + (t + 1) * H, res + t * H);
-          rms_norm_row(res + t * H, layer.input_norm.data_ptr<float>(), eps_, H, h + t * H);
+          rms_norm_row(res + t * H, data(layer.input_norm), eps_, H, h + t * H);
         } else {
-          add_rms_norm_row(y + t * H, res + t * H, layer.input_norm.data_ptr<float>(), eps_, H, res + t * H, h + t * H);
+          add_rms_norm_row(y + t * H, res + t * H, data(layer.input_norm), eps_, H, res + t * H, h + t * H);
         }
       }
-      w4a8_rows(h, T, layer.qkv.weight(), qkv_.data(), scratch_, false);
-      rotate_rows(qkv_.data(), T, heads_, QKV, D, cp, snp, half);
-      rotate_rows(qkv_.data() + QS, T, kv_heads_, QKV, D, cp, snp, half);
+      clock.lap(kNorms);
+      layer.qkv.run(h, T, qkv, s4_, s8_);
+      clock.lap(kQkv);
+      if (layer.q_norm.defined()) {  // each head normalised before its rotation, in place
+        for (int64_t t = 0; t < T; ++t) {
+          float* row = qkv + t * QKV;
+          for (int64_t j = 0; j < heads_; ++j) rms_norm_row(row + j * D, data(layer.q_norm), eps_, D, row + j * D);
+          for (int64_t j = 0; j < kv_heads_; ++j)
+            rms_norm_row(row + QS + j * D, data(layer.k_norm), eps_, D, row + QS + j * D);
+        }
+        clock.lap(kNorms);
+      }
+      rotate_rows(qkv, T, heads_, QKV, D, cp, snp, half);
+      rotate_rows(qkv + QS, T, kv_heads_, QKV, D, cp, snp, half);
+      clock.lap(kRotary);
+      const auto& cache = kv_caches[i];
+      float* kc = cache.data_ptr<float>();
+      float* vc = kc + cache.size(1) * cache.size(2) * KS;
+      const int64_t* sp = plan.slots.data_ptr<int64_t>();
       for (int64_t t = 0; t < T; ++t) {  // the step's keys and values into their slots
-        const float* row = qkv_.data() + t * QKV;
+        const float* row = qkv + t * QKV;
         std::copy(row + QS, row + QS + KS, kc + sp[t] * KS);
         std::copy(row + QS + KS, row + QKV, vc + sp[t] * KS);
       }
-      decode_attention_rows(qkv_.data(), QKV, kc, vc, tp, max_blocks, lp, T, heads_, kv_heads_, D, BS,
-                            static_cast<float>(scale), window, attn_.data(), QS);
-      w4a8_rows(attn_.data(), T, layer.o.weight(), y, scratch_, false);
-      for (int64_t t = 0; t < T; ++t)
-        add_rms_norm_row(y + t * H, res + t * H, layer.post_norm.data_ptr<float>(), eps_, H, res + t * H, h + t * H);
-      w4a8_rows(h, T, layer.gate_up.weight(), gate_up_.data(), scratch_, false);
-      silu_and_mul_rows(gate_up_.data(), T, I, act_.data());
-      w4a8_rows(act_.data(), T, layer.down.weight(), y, scratch_, false);
+      decode_attention_rows(qkv, QKV, kc, vc, plan.tables.data_ptr<int64_t>(), plan.tables.size(1),
+                            plan.lens.data_ptr<int64_t>(), T, heads_, kv_heads_, D, cache.size(2),
+                            static_cast<float>(scale), layer.windowed ? window : 0, attn_.data(), QS);
+      clock.lap(kAttention);
+      layer.o.run(attn_.data(), T, y, s4_, s8_);
+      clock.lap(kO);
+      for (int64_t t = 0; t < T; ++t) {
+        if (layer.pre_feedforward_norm.defined()) {  // Gemma: the output normed, then added and normed again
+          rms_norm_row(y + t * H, data(layer.post_attention_norm), eps_, H, y + t * H);
+          add_rms_norm_row(y + t * H, res + t * H, data(layer.pre_feedforward_norm), eps_, H, res + t * H, h + t * H);
+        } else {
+          add_rms_norm_row(y + t * H, res + t * H, data(layer.post_attention_norm), eps_, H, res + t * H, h + t * H);
+        }
+      }
+      clock.lap(kNorms);
+      layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_);
+      clock.lap(kGateUp);
+      (gelu_ ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up_.data(), T, I, act_.data());
+      clock.lap(kAct);
+      layer.down.run(act_.data(), T, y, s4_, s8_);
+      clock.lap(kDown);
+      if (layer.post_feedforward_norm.defined()) {
+        for (int64_t t = 0; t < T; ++t) rms_norm_row(y + t * H, data(layer.post_feedforward_norm), eps_, H, y + t * H);
+        clock.lap(kNorms);
+      }
     }
+    Clock clock(profiling_ ? profile_.data() : nullptr);
     auto out = at::empty({T, H}, x.options());
     float* op = out.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t)
-      add_rms_norm_row(y + t * H, res + t * H, final_norm_.data_ptr<float>(), eps_, H, res + t * H, op + t * H);
+      add_rms_norm_row(y + t * H, res + t * H, data(final_norm_), eps_, H, res + t * H, op + t * H);
+    clock.lap(kNorms);
     return out;
   }
 
+  // Time each part of the steps from now on (on: a clock read between parts, about 20 ns each), or stop.
+  void set_profiling(bool on) { profiling_ = on; }
+
+  // Seconds in each part (norms, qkv, rotary, attention with the cache write, o, gate_up, the gated
+  // activation, down) over the steps since the last call, which starts the count again.
+  std::vector<double> take_profile() {
+    std::vector<double> seconds(profile_.begin(), profile_.end());
+    std::fill(profile_.begin(), profile_.end(), 0.0);
+    return seconds;
+  }
+
  private:
+  // Adds the time since the last lap to a part's total; does nothing without totals (profiling off).
+  struct Clock {
+    explicit Clock(double* totals) : totals(totals), last(totals ? now() : 0.0) {}
+    static double now() {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+    void lap(Part part) {
+      if (!totals) return;
+      const double t = now();
+      totals[part] += t - last;
+      last = t;
+    }
+    double* totals;
+    double last;
+  };
+
   float eps_;
   int64_t hidden_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0;
+  bool gelu_ = false;
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
   // Kept from step to step (one step at a time per model: the engine's loop).
   std::vector<float> residual_, h_, y_, qkv_, attn_, gate_up_, act_;
-  W4A8Scratch scratch_;
+  W4A8Scratch s4_;
+  W8A8Scratch s8_;
+  bool profiling_ = false;
+  std::vector<double> profile_ = std::vector<double>(kParts, 0.0);
 };
 
 }  // namespace ladder
@@ -182,5 +299,7 @@ class DecoderStep : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(ladder_cpu, m) {
   m.class_<ladder::DecoderStep>("DecoderStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())
-      .def("forward", &ladder::DecoderStep::forward);
+      .def("forward", &ladder::DecoderStep::forward)
+      .def("set_profiling", &ladder::DecoderStep::set_profiling)
+      .def("take_profile", &ladder::DecoderStep::take_profile);
 }

@@ -1,4 +1,4 @@
-// RMSNorm (with the residual add), the rotary embedding and SiLU x up for float32 rows, each one call that
+// RMSNorm (with the residual add), the rotary embedding and SiLU (GELU) x up for float32 rows, each one call that
 // reads its inputs once. Every row (token) is computed alone, in the same order whatever the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "cpu_kernels.h"
+#include "parallel.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -81,30 +82,47 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(e, k);
 }
 
-// silu(g) * u = g / (1 + exp(-g)) * u, 16 lanes.
-inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+// act(g) * u, 16 lanes: silu(g) = g / (1 + exp(-g)); gelu's tanh form 0.5 g (1 + tanh(a)) with a =
+// sqrt(2 / pi) (g + 0.044715 g^3) is the same shape, g / (1 + exp(-2a)), which keeps its precision where
+// 1 + tanh(a) cancels (large negative g).
+template <bool GELU>
+inline __m512 gated16(__m512 g, __m512 u) {
+  __m512 z = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  if constexpr (GELU) {
+    const __m512 inner = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(g, _mm512_mul_ps(g, g))));
+    z = _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f), inner);
+  }
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(z))), u);
 }
 }  // namespace
 #endif
 
-void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
+template <bool GELU>
+void gated_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
   for (int64_t t = 0; t < T; ++t) {
     const float* g = gate_up + t * 2 * I;
     const float* u = g + I;
     float* o = out + t * I;
     int64_t i = 0;
 #ifdef __AVX512F__
-    for (; i + 16 <= I; i += 16) _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+    for (; i + 16 <= I; i += 16) _mm512_storeu_ps(o + i, gated16<GELU>(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
     if (i < I) {  // the tail through the same lanes' arithmetic
       const __mmask16 m = static_cast<__mmask16>((1u << (I - i)) - 1u);
-      _mm512_mask_storeu_ps(o + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
+      _mm512_mask_storeu_ps(o + i, m, gated16<GELU>(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
     }
 #else
-    for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (; i < I; ++i) {
+      const float z = GELU ? -1.5957691216057308f * (g[i] + 0.044715f * (g[i] * (g[i] * g[i]))) : -g[i];
+      o[i] = g[i] / (1.f + std::exp(z)) * u[i];
+    }
 #endif
   }
+}
+
+void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) { gated_rows<false>(gate_up, T, I, out); }
+
+void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
+  gated_rows<true>(gate_up, T, I, out);
 }
 
 namespace {
@@ -124,7 +142,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto out = at::empty_like(x);
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, rows, row_grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
   });
   return out;
@@ -141,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   const float* xp = x.data_ptr<float>(); const float* rp = residual.data_ptr<float>(); const float* wp = w.data_ptr<float>();
   float* sp = sum.data_ptr<float>(); float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(D), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, rows, row_grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       add_rms_norm_row(xp + r * D, rp + r * D, wp, static_cast<float>(eps), D, sp + r * D, op + r * D);
   });
@@ -165,14 +183,14 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
   for (auto* x : {&q, &k}) {
     const int64_t H = x->size(1), st = x->stride(0), sh = x->stride(1);
     float* xp = x->data_ptr<float>();
-    at::parallel_for(0, x->size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(H * half, 1)), [&](int64_t t0, int64_t t1) {
+    parallel_for(0, x->size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(H * half, 1)), [&](int64_t t0, int64_t t1) {
       rotate_rows(xp + t0 * st, t1 - t0, H, st, sh, cp + t0 * half, sp + t0 * half, half);
     });
   }
 }
 
-// ladder::silu_and_mul: gate_up [..., 2 I] float32 contiguous -> silu(gate) * up [..., I].
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+// gate_up [..., 2 I] float32 contiguous -> act(gate) * up [..., I], act silu or gelu (tanh form).
+at::Tensor gated(const at::Tensor& gate_up, void (*rows_fn)(const float*, int64_t, int64_t, float*)) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
               gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up: [..., 2 I] float32 CPU contiguous");
   const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
@@ -181,11 +199,15 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   auto out = at::empty(sizes, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(I), [&](int64_t r0, int64_t r1) {
-    silu_and_mul_rows(gp + r0 * 2 * I, r1 - r0, I, op + r0 * I);
+  parallel_for(0, rows, row_grain(I), [&](int64_t r0, int64_t r1) {
+    rows_fn(gp + r0 * 2 * I, r1 - r0, I, op + r0 * I);
   });
   return out;
 }
+
+// ladder::silu_and_mul and ladder::gelu_tanh_and_mul.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return gated(gate_up, silu_and_mul_rows); }
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return gated(gate_up, gelu_tanh_and_mul_rows); }
 
 }  // namespace
 }  // namespace ladder
@@ -195,4 +217,5 @@ TORCH_LIBRARY_IMPL(ladder, CPU, m) {
   m.impl("fused_add_rms_norm", &ladder::fused_add_rms_norm);
   m.impl("rotary", &ladder::rotary);
   m.impl("silu_and_mul", &ladder::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &ladder::gelu_tanh_and_mul);
 }

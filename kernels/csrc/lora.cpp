@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "tile.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -289,7 +290,7 @@ void run_units(const std::vector<Unit>& units, int64_t total_work, const Run& ru
   const int64_t count = static_cast<int64_t>(units.size());
   if (count == 0) return;
   const int64_t per_unit = std::max<int64_t>(1, total_work / count);
-  at::parallel_for(0, count, std::max<int64_t>(1, (kMinWork + per_unit - 1) / per_unit), [&](int64_t i0, int64_t i1) {
+  parallel_for(0, count, std::max<int64_t>(1, (kMinWork + per_unit - 1) / per_unit), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) run(units[i]);
   });
 }

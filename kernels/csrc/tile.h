@@ -21,6 +21,8 @@
 #include <optional>
 #include <vector>
 
+#include "parallel.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -69,7 +71,7 @@ void for_each_tile(int64_t M, int64_t NBLK, int64_t work_per_block, int64_t min_
   const int group = K::kMaxNb[std::min<int64_t>(M, K::kMaxMr)];
   const int64_t work = std::max<int64_t>(1, work_per_block);
   const int64_t grain = std::max<int64_t>(1, (min_work + work - 1) / work);
-  at::parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b += group) {
       const int nb = static_cast<int>(std::min<int64_t>(group, b1 - b));
       for (int64_t m = 0; m < M; m += K::kMaxMr) {

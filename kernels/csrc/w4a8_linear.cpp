@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "cpu_kernels.h"
+#include "parallel.h"
 #include "tile.h"
 
 // Bit-equal to the torch reference: no multiply-add contraction anywhere.
@@ -361,7 +362,7 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
   if (M == 1) {  // a decode row: no task for so little work
     quantize(xp, KB, xq, xs, xc, xsum);
   } else {
-    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) quantize(xp + m * K, KB, xq + m * K, xs + m * KB, xc + m * KB, xsum + m * KB);
     });
   }
@@ -373,7 +374,7 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
   const int64_t work_per_block = M * K * BN, min_work = 262144;
   if (portable) {
     const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
-    at::parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
+    parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         portable_block(xq, K, xs, xc, xsum, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, w.four, bp, op, N,
                        b * BN, N, M);

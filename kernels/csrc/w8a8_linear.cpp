@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu_kernels.h"
+#include "parallel.h"
 #include "tile.h"
 
 // Bit-equal to the torch reference: no multiply-add contraction of the epilogue's (y * s) + bias.
@@ -236,6 +238,34 @@ struct W8A8Tiles {
 #endif
 };
 
+// The product of rows xp [M, K] (K <= KG * GK) with a packed weight into out (4-byte elements, float32, or
+// with `raw` the int32 sums), the rows quantized with their own max |x| or `given` maxima [M].
+void rows(const float* xp, int64_t M, int64_t K, const int8_t* wp, const int32_t* sump, int64_t NBLK, int64_t KG,
+          const float* sp, const float* bp, int64_t N, bool raw, const float* given, void* out,
+          std::vector<uint8_t>& xq, std::vector<float>& xs) {
+  if (M == 0 || N == 0) return;
+  const int64_t KP = KG * GK;
+  xq.resize(M * KP);
+  xs.resize(M);
+  if (M == 1) {  // a decode row: no task for so little work
+    quantize_row(xp, K, KP, xq.data(), xs.data(), given);
+  } else {
+    parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_row(xp + m * K, K, KP, xq.data() + m * KP, xs.data() + m, given ? given + m : nullptr);
+    });
+  }
+  uint8_t* op = static_cast<uint8_t*>(out);
+  auto call = [&](auto tile, int64_t m, int64_t b) {
+    tile(xq.data() + m * KP, KP, wp + b * KP * BN, KG, sump, xs.data() + m, sp, bp, op + 4 * m * N, N, b * BN, N);
+  };
+  if (raw) {
+    for_each_tile<W8A8Tiles<true>>(M, NBLK, M * KP * BN, 262144, call);
+  } else {
+    for_each_tile<W8A8Tiles<false>>(M, NBLK, M * KP * BN, 262144, call);
+  }
+}
+
 // x [M, K] float32 contiguous CPU; packed [NBLK, KG, 16, 4] int8; wsum [NBLK * 16] int32; scale [N]
 // float32 (ignored with `raw`); bias [N] float32 or none. Returns [M, N] float32, or with `raw` the int32
 // sums sum_k q w (a row-parallel layer sums them over its ranks exactly first). `row_max` [M] float32, if
@@ -252,26 +282,16 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
               wsum.numel() == NBLK * BN, "wsum: [NBLK * 16] int32");
   const float* given = optional_vector_data(row_max, M, "row_max");
   auto out = at::empty({M, N}, x.options().dtype(raw ? at::kInt : at::kFloat));
-  if (M == 0 || N == 0) return out;
-  const int64_t KP = KG * GK;
-  std::vector<uint8_t> xq(M * KP);
-  std::vector<float> xs(M);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(xp + m * K, K, KP, xq.data() + m * KP, xs.data() + m, given ? given + m : nullptr);
-  });
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* sump = wsum.data_ptr<int32_t>();
-  uint8_t* op = static_cast<uint8_t*>(out.data_ptr());  // 4-byte elements, float32 or int32
-  auto call = [&](auto tile, int64_t m, int64_t b) {
-    tile(xq.data() + m * KP, KP, wp + b * KP * BN, KG, sump, xs.data() + m, sp, bp, op + 4 * m * N, N, b * BN, N);
-  };
-  if (raw) {
-    for_each_tile<W8A8Tiles<true>>(M, NBLK, M * KP * BN, 262144, call);
-  } else {
-    for_each_tile<W8A8Tiles<false>>(M, NBLK, M * KP * BN, 262144, call);
+  if (!raw && !given) {
+    W8A8Scratch scratch;
+    w8a8_rows(x.data_ptr<float>(), M, W8A8Weight{packed.data_ptr<int8_t>(), wsum.data_ptr<int32_t>(), sp, bp, N, K,
+                                                 NBLK}, out.data_ptr<float>(), scratch);
+    return out;
   }
+  std::vector<uint8_t> xq;
+  std::vector<float> xs;
+  rows(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), wsum.data_ptr<int32_t>(), NBLK, KG, sp, bp, N, raw, given,
+       out.data_ptr(), xq, xs);
   return out;
 }
 
@@ -320,6 +340,12 @@ at::Tensor w8a8_epilogue(const at::Tensor& sums, const at::Tensor& row_max, cons
 }
 
 }  // namespace
+
+void w8a8_rows(const float* x, int64_t M, const W8A8Weight& w, float* out, W8A8Scratch& scratch) {
+  const int64_t KG = (w.K + GK - 1) / GK;
+  rows(x, M, w.K, w.packed, w.wsum, w.NBLK, KG, w.scale, w.bias, w.N, false, nullptr, out, scratch.xq, scratch.xs);
+}
+
 }  // namespace ladder
 
 TORCH_LIBRARY_IMPL(ladder, CPU, m) {

@@ -94,6 +94,8 @@ def test_the_step_breakdown_of_a_w4a8_model(q4_gguf, tmp_path, capsys):
         phases["forward python"]["seconds"] + phases["step python"]["seconds"])
     # Within each instrumented step the timed ops are disjoint parts of the forward: none is counted twice.
     assert 0.2 < b["coverage"] <= 1.0
+    # The layers ran as one C++ call (model/cpu_step.py), timed inside it under the same rows.
+    assert any("one C++ call" in note for note in b["notes"])
     assert all(p["seconds"] > 0 for name, p in phases.items() if "python" not in name)
     # 2 layers; 2 norms a layer and the final one; cos/sin once a step and the rotation per layer.
     assert {k: phases[k]["calls"] for k in ("qkv", "down", "lm_head", "rms_norm", "rotary", "detokenize")} == \

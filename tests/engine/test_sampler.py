@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, argmax_rows
+from engine.sampler import NON_FINITE_LOGITS, Sampler, argmax_rows
 from engine.sampler_ref import FullSortSampler
 from engine.sampling_params import SamplingParams
 
@@ -119,6 +119,20 @@ def test_out_of_range_top_k_and_tiny_temperature_are_safe():
     out = Sampler()(logits, requests(SamplingParams(top_k=10_000), SamplingParams(temperature=1e-30)))
     assert 0 <= out.token_ids[0] < 10
     assert out.token_ids[1] == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # NumPy's argmax, torch's
+def test_greedy_rows_take_the_first_maximum_and_report_nan(dtype):
+    """Greedy rows: the first index of the maximum (ties, +inf), a row all -inf gives token 0, and a row
+    with a NaN is its request's failure."""
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(5)).to(dtype)
+    logits[1, [70, 9000]] = 50.0
+    logits[2, 11] = float("nan")
+    logits[3] = float("-inf")
+    reqs = requests(*[SamplingParams(temperature=0)] * 4)
+    out = Sampler()(logits, reqs)
+    assert out.errors == [None, None, NON_FINITE_LOGITS, None]
+    assert [out.token_ids[i] for i in (0, 1, 3)] == [int(logits[0].argmax()), 70, 0]
 
 
 # --- The sampler against the full-sort algorithm it replaced (engine/sampler_ref.py) ------------------

@@ -53,15 +53,41 @@ def test_default_model_equals_the_eager_layers(default_w4a8):
     _assert_same(module, turns)
 
 
+TURNS = [[[5, 9, 30, 31, 2, 17, 40], [7, 7, 8]], [[11], [12, 13, 14]], [[15], [16]]]
+
+
 @pytest.mark.parametrize("family,qtype", [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("mistral", "Q4_0")])
-def test_tiny_models_equal_the_eager_layers(tmp_path, family, qtype):
+def test_tiny_w4a8_models_equal_the_eager_layers(tmp_path, family, qtype):
     """4-bit codes with d and m (Q4_1), with an implied m (Q4_0), 8-bit codes with q/k/v biases (Qwen2's
     Q8_0); head size 16 runs the attention's portable task."""
     hf = make_hf_model(family, tmp_path / "hf")
     write_gguf(hf, tmp_path / "m.gguf", qtype, "llama" if family != "qwen2" else family)
     module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
-    turns = [[[5, 9, 30, 31, 2, 17, 40], [7, 7, 8]], [[11], [12, 13, 14]], [[15], [16]]]
-    _assert_same(module, turns, max_len=64)
+    _assert_same(module, TURNS, max_len=64)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_tiny_w8a8_models_equal_the_eager_layers(tiny_hf_dir, family):
+    """W8A8 linears; Qwen3's q/k norms; Gemma 3's sandwich norms, q/k norms, GeGLU, scaled embedding and a
+    16-token window on its first layer (its own rotary base) beside a full layer."""
+    module = model.load(tiny_hf_dir(family), quantization="w8a8").module
+    long_turns = [[list(range(3, 40)), [7, 7, 8]]] + [[[t], [t + 1]] for t in range(50, 56)]
+    _assert_same(module, TURNS, max_len=64)
+    _assert_same(module, long_turns, max_len=64)
+
+
+def test_gemma3_through_the_engine_keeps_its_windowed_blocks(tiny_hf_dir):
+    """The engine gives Gemma's windowed layers a pool of their own (engine/window_blocks.py): the step reads
+    their tables, and the greedy tokens equal the eager layers' past the window."""
+    loaded = model.load(tiny_hf_dir("gemma3"), quantization="w8a8")
+    llm = LLM(loaded=loaded, kv_cache_memory_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [list(range(5, 30)), list(range(40, 45))]
+    with_step = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert loaded.module.cpu_step is not None, loaded.module.cpu_step_reason
+    loaded.module.use_cpu_step = False
+    eager = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert with_step == eager
 
 
 def test_a_sliding_window_reaches_the_kernel(tmp_path):
@@ -99,6 +125,7 @@ def test_long_chunks_and_other_models_run_the_eager_layers(tmp_path, default_w4a
 
     float_model = model.load(tmp_path / "m.gguf").module
     assert "Linear linear" in step_support(float_model)
+    assert "Int8Linear linear" in step_support(model.load(tmp_path / "m.gguf", quantization="int8").module)
 
     handle = module.layers[1].mlp.down_proj.register_forward_hook(lambda *args: None)
     assert step_support(module) == "layer 1 has forward hooks"
@@ -131,9 +158,12 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
     x = torch.zeros(1, module.config.hidden_size)
     cos = sin = torch.zeros(1, module.config.head_dim // 2)
     slots, tables, lens = torch.tensor([10**9]), torch.zeros(1, 2, dtype=torch.long), torch.tensor([1])
-    with pytest.raises(RuntimeError, match="slot 1000000000 outside the cache"):
-        step.forward(x, cos, sin, seqs.kv_caches, slots, tables, lens, 0.125, 0)
+    def forward(x, caches, slots):
+        return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0)
+
+    with pytest.raises(RuntimeError, match="slot 1000000000 outside layer 0's cache"):
+        forward(x, seqs.kv_caches, slots)
     with pytest.raises(RuntimeError, match="x \\[T, 576\\] float32"):
-        step.forward(torch.zeros(1, 5), cos, sin, seqs.kv_caches, torch.tensor([0]), tables, lens, 0.125, 0)
+        forward(torch.zeros(1, 5), seqs.kv_caches, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
-        step.forward(x, cos, sin, seqs.kv_caches[:2], torch.tensor([0]), tables, lens, 0.125, 0)
+        forward(x, seqs.kv_caches[:2], torch.tensor([0]))
