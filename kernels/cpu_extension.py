@@ -28,7 +28,8 @@ LADDER_KERNEL_BUILD_TIMEOUT seconds (default 900; a cold build takes about 65 s 
 extension's name, so a build directory is only ever shared by builders that take the flock.
 
 Switch. LADDER_CPU_KERNELS=0, read once when this module is imported, leaves the extension unloaded:
-every op then runs its torch reference.
+every op then runs its torch reference. LADDER_CPU_CFLAGS adds compiler flags (in the build's name too):
+`-mno-avx512f` builds the AVX2 code paths on an AVX-512 machine, to test or time them there.
 
 Ops. `cpu_op(name, reference, fake)` defines the custom op ladder::<name> from its plain-torch reference
 (the op's schema is the reference's signature). The op's own body runs the reference, on every device;
@@ -63,6 +64,7 @@ except ImportError:  # not a POSIX system: torch's own lock only
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("LADDER_CPU_KERNELS", "1") != "0"
+EXTRA_CFLAGS = os.environ.get("LADDER_CPU_CFLAGS", "").split()
 CSRC = Path(__file__).with_name("csrc")
 
 LOCK_PROTOCOL = "flock-1"  # in the build's name: see "Build lock" above
@@ -102,7 +104,7 @@ def build_name(name: str, source: str) -> str:
     """The module (and cache directory) name: `name`, this CPU's feature digest, and the digest of the
     source text, the torch installation it builds against and the build lock's protocol (a directory is
     shared only by builders that take `build_lock`)."""
-    key = f"{LOCK_PROTOCOL}\n{torch.__version__}\n{torch.__file__}\n{source}"
+    key = f"{LOCK_PROTOCOL}\n{torch.__version__}\n{torch.__file__}\n{' '.join(EXTRA_CFLAGS)}\n{source}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     return f"{name}_{cpu_build_key()}_{digest}"
 
@@ -212,7 +214,7 @@ class CpuExtension:
                             name=name,
                             sources=[str(p) for p in self.sources()],
                             # -fopenmp: at::parallel_for is OpenMP in the headers; without it loops run on one thread.
-                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                            extra_cflags=["-O3", "-march=native", "-fopenmp", *EXTRA_CFLAGS],
                             extra_ldflags=["-fopenmp"],
                             is_python_module=False,
                             verbose=False,

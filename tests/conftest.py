@@ -69,6 +69,7 @@ FIRST = (
     "server/test_server_limits.py",
     "server/test_structured_outputs.py",
     "doctor/test_doctor.py",
+    "kernels/test_avx2_build.py",
     "server/test_lora_serving.py",
     "engine/test_lora.py",
     "model/test_model_parity.py",

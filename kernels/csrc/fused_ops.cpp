@@ -10,7 +10,7 @@
 
 #include "cpu_kernels.h"
 #include "parallel.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -95,6 +95,39 @@ inline __m512 gated16(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(z))), u);
 }
 }  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+namespace {
+// exp16's arithmetic on 8 lanes, 2^k built in the exponent bits (k in [-126, 127], x clamped to [-87, 88]);
+// above 88.72 the result is inf, as exp's.
+inline __m256 exp8(__m256 x_in) {
+  const __m256 x = _mm256_min_ps(_mm256_max_ps(x_in, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 e = _mm256_set1_ps(1.f / 5040);
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 720));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 120));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 24));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 6));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 overflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(88.72284f), _CMP_GT_OQ);
+  return _mm256_blendv_ps(_mm256_mul_ps(e, _mm256_castsi256_ps(two_k)), _mm256_set1_ps(INFINITY), overflow);
+}
+
+template <bool GELU>
+inline __m256 gated8(__m256 g, __m256 u) {
+  __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), g);
+  if constexpr (GELU) {
+    const __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(g, _mm256_mul_ps(g, g))));
+    z = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f), inner);
+  }
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(z))), u);
+}
+}  // namespace
 #endif
 
 template <bool GELU>
@@ -109,6 +142,13 @@ void gated_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
     if (i < I) {  // the tail through the same lanes' arithmetic
       const __mmask16 m = static_cast<__mmask16>((1u << (I - i)) - 1u);
       _mm512_mask_storeu_ps(o + i, m, gated16<GELU>(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, gated8<GELU>(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < I) {  // the tail through the same lanes' arithmetic
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(I - i)),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      _mm256_maskstore_ps(o + i, m, gated8<GELU>(_mm256_maskload_ps(g + i, m), _mm256_maskload_ps(u + i, m)));
     }
 #else
     for (; i < I; ++i) {

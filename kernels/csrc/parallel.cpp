@@ -15,8 +15,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 #if defined(__x86_64__)
@@ -182,8 +184,18 @@ constexpr int kWindow = 32, kStallsToSolo = 3, kSoloLoops = 4096;
 std::atomic<int> solo_left{0};
 std::atomic<uint32_t> recent_stalls{0};  // one bit per pooled loop, the newest lowest
 
+// LADDER_CPU_POOL=0: OpenMP's at::parallel_for instead (benchmarks/shared_cores.py compares the two).
+const bool use_pool = [] {
+  const char* v = std::getenv("LADDER_CPU_POOL");
+  return v == nullptr || std::string(v) != "0";
+}();
+
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   if (begin >= end) return;
+  if (!use_pool) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
   const int64_t range = end - begin;
   const int threads = at::get_num_threads();
   grain = std::max<int64_t>(grain, 1);

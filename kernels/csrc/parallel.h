@@ -12,7 +12,7 @@
 //
 // The results never depend on who computes a piece: every kernel computes each output on its own, in a
 // fixed order, whatever the split. A loop inside a piece (nested) runs inline, and so does a loop started
-// while another thread's loop holds the pool.
+// while another thread's loop holds the pool. LADDER_CPU_POOL=0, read once, runs OpenMP's loop instead.
 #pragma once
 
 #include <cstdint>
