@@ -1,11 +1,11 @@
-"""One decode step when other processes share the cores: ladder's thread pool against OpenMP's loops, and the
-decoder's layers as one C++ call against the eager layers, in one run.
+"""One decode step when other processes share the cores: the kernels' loops with their stall guard against
+plain OpenMP loops, and the decoder's layers as one C++ call against the eager layers, in one run.
 
-For each thread scheme (`LADDER_CPU_POOL=1`: the kernels' own pool, kernels/csrc/parallel.h; `0`: OpenMP's
-at::parallel_for, what the kernels used before) and each number of competitors (busy processes, one
-spinning Python loop each), a child process loads the model, starts the competitors, and times batch-1
-decode steps (`Sequences.step`: the layers, the LM head, the step's inputs; no sampling) with the C++ step
-and with the eager layers, alternated. It prints a table of medians and writes JSON.
+For each setting of the guard (kernels/csrc/parallel.h; `LADDER_CPU_STALL_GUARD=0` turns it off, which is
+what the kernels ran before) and each number of competitors (busy processes, one spinning Python loop
+each), a child process loads the model, starts the competitors, and times batch-1 decode steps
+(`Sequences.step`: the layers, the LM head, the step's inputs; no sampling) with the C++ step and with the
+eager layers, alternated. It prints a table of medians (and 90th percentiles) and writes JSON.
 
     .venv/bin/python benchmarks/shared_cores.py [--model gemma-3-270m --quantization w8a8] [--steps 40]
 """
@@ -64,7 +64,7 @@ def child(args: argparse.Namespace) -> dict:
         for p in competitors:
             p.terminate()
     assert module.cpu_step is not None, module.cpu_step_reason
-    return {"pool": os.environ.get("LADDER_CPU_POOL", "1"), "competitors": args.competitors,
+    return {"guard": os.environ.get("LADDER_CPU_STALL_GUARD", "1"), "competitors": args.competitors,
             "threads": torch.get_num_threads(),
             **{f"{mode}_ms": statistics.median(t) * 1e3 for mode, t in times.items()},
             **{f"{mode}_p90_ms": sorted(t)[int(0.9 * len(t))] * 1e3 for mode, t in times.items()}}
@@ -86,26 +86,30 @@ def main() -> int:
         return 0
     rows = []
     for competitors in [int(c) for c in args.competitors.split(",")]:
-        for pool in ("1", "0"):
+        for guard in ("1", "0"):
             cmd = [sys.executable, __file__, "--child", "--quantization", args.quantization, "--steps",
                    str(args.steps), "--context", str(args.context), "--competitors", str(competitors)]
             if args.model:
                 cmd += ["--model", args.model]
-            out = subprocess.run(cmd, env={**os.environ, "LADDER_CPU_POOL": pool}, capture_output=True, text=True,
-                                 check=True)
+            out = subprocess.run(cmd, env={**os.environ, "LADDER_CPU_STALL_GUARD": guard}, capture_output=True,
+                                 text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"competitors {competitors}, {'pool  ' if pool == '1' else 'OpenMP'}: one C++ call "
+            print(f"competitors {competitors}, {'guard   ' if guard == '1' else 'no guard'}: one C++ call "
                   f"{r['step_ms']:7.2f} ms (p90 {r['step_p90_ms']:7.2f}), eager layers {r['eager_ms']:7.2f} ms "
                   f"(p90 {r['eager_p90_ms']:7.2f})", flush=True)
     print(f"\n{cpu_name()}, {os.cpu_count()} logical CPUs")
-    print("| competitors | threads | C++ step, pool | C++ step, OpenMP | eager, pool | eager, OpenMP |")
+    print("| competitors | threads | C++ step, guard | C++ step, no guard | eager, guard | eager, no guard |")
     print("|---|---|---|---|---|---|")
-    by = {(r["competitors"], r["pool"]): r for r in rows}
+    by = {(r["competitors"], r["guard"]): r for r in rows}
+
+    def cell(r: dict, mode: str) -> str:
+        return f"{r[f'{mode}_ms']:.2f} ms (p90 {r[f'{mode}_p90_ms']:.1f})"
+
     for competitors in sorted({r["competitors"] for r in rows}):
-        pool, omp = by[(competitors, "1")], by[(competitors, "0")]
-        print(f"| {competitors} | {pool['threads']} | {pool['step_ms']:.2f} ms | {omp['step_ms']:.2f} ms "
-              f"({omp['step_ms'] / pool['step_ms']:.1f}x) | {pool['eager_ms']:.2f} ms | {omp['eager_ms']:.2f} ms |")
+        on, off = by[(competitors, "1")], by[(competitors, "0")]
+        print(f"| {competitors} | {on['threads']} | {cell(on, 'step')} | {cell(off, 'step')} | {cell(on, 'eager')} | "
+              f"{cell(off, 'eager')} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
                                     "quantization": args.quantization, "cpu": cpu_name(), "logical_cpus": os.cpu_count(),

@@ -1,18 +1,17 @@
-// The kernels' parallel loop: ladder::parallel_for(begin, end, grain, f) calls f(b, e) on pieces of
-// [begin, end), each at least `grain` long, on this thread and the pool's workers (at::get_num_threads()
-// threads in all).
+// The kernels' parallel loop: ladder::parallel_for(begin, end, grain, f), at::parallel_for (OpenMP) with a
+// guard for cores that another process shares.
 //
-// Why not at::parallel_for (OpenMP): it hands each thread a fixed share and ends at a barrier, so the
-// caller waits for every thread to be scheduled and to finish its share. On a machine whose cores another
-// process shares, a decode step's ~100 loops each waited for a descheduled thread's next time slice: a
-// 5 ms step of Gemma 3 270M took 400 ms beside a busy server. Here the pieces are claimed one at a time,
-// the caller claims too, and it waits only for pieces a worker has actually taken: a worker that is not
-// running takes none, and the caller does its share. Workers spin briefly between loops (the loops of a
-// step follow each other within microseconds), then sleep.
+// OpenMP gives each thread a fixed share of a loop and ends it at a barrier, so the calling thread waits
+// for every thread to be scheduled and to finish its share. Beside another busy process on a 2-core
+// machine, each of a decode step's ~100 loops waited for a descheduled thread's next time slice: Gemma 3
+// 270M's layers took 400 ms a step instead of 4.5 ms. The guard times each loop: when the calling thread,
+// done with its own share, keeps waiting longer than it worked (kStallsToSolo such loops among the last
+// kWindow), the next kSoloLoops loops (tens of decode steps) run on the calling thread alone, and then
+// OpenMP is tried again. A thread alone there gets its core's share of the machine instead of waiting
+// on two.
 //
-// The results never depend on who computes a piece: every kernel computes each output on its own, in a
-// fixed order, whatever the split. A loop inside a piece (nested) runs inline, and so does a loop started
-// while another thread's loop holds the pool. LADDER_CPU_POOL=0, read once, runs OpenMP's loop instead.
+// The results never depend on the split: every kernel computes each output on its own, in a fixed order.
+// LADDER_CPU_STALL_GUARD=0, read once, turns the guard off (benchmarks/shared_cores.py compares the two).
 #pragma once
 
 #include <cstdint>
