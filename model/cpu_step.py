@@ -137,6 +137,10 @@ class CpuDecoderStep:
         self.scale = config.attention_scale
         self.window = (model.local_attention or model.attention).sliding_window or 0
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copied model holds other tensors: it builds a step of its own (LlamaForCausalLM.__setstate__)."""
+        return None
+
     @staticmethod
     def takes(plan: object, kv_caches: list[torch.Tensor]) -> bool:
         """Whether a step's plan (or pair of plans) and caches are the step's: every token a kernel row, a

@@ -231,6 +231,10 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         x, _ = self.norm(x, residual)
         return x
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.cpu_step, self._cpu_step_version = None, -1  # a copy's step is built over its own tensors
+
     def _decoder_step(self) -> CpuDecoderStep | None:
         """The layers' C++ step for the modules as they are now, or None (`cpu_step_reason` says why)."""
         if self._cpu_step_version != structure_version():

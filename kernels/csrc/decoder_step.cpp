@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "parallel.h"
 
 namespace ladder {
 namespace {
@@ -95,6 +96,16 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   bool windowed = false;
 };
+
+// fn(t) for each row t < T, rows split over threads as the eager ops split them (about 32 K floats of
+// work a piece; `width` floats a row): each row is computed alone, so the split changes no result.
+template <class Fn>
+void rows(int64_t T, int64_t width, const Fn& fn) {
+  if (T == 1) return fn(0);  // a decode row: no loop to split
+  parallel_for(0, T, std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(t);
+  });
+}
 
 // One plan's tensors, as the kernels read them.
 struct Tables {
@@ -186,28 +197,30 @@ class DecoderStep : public torch::CustomClassHolder {
       const float* cp = data(rotary[layer.windowed ? 2 : 0]);
       const float* snp = data(rotary[layer.windowed ? 3 : 1]);
       Clock clock(profiling_ ? profile_.data() : nullptr);
-      for (int64_t t = 0; t < T; ++t) {  // residual += y (layer 0: residual = x), h = input_layernorm(residual)
+      rows(T, H, [&](int64_t t) {  // residual += y (layer 0: residual = x), h = input_layernorm(residual)
         if (i == 0) {
           std::copy(y + t * H, y + (t + 1) * H, res + t * H);
           rms_norm_row(res + t * H, data(layer.input_norm), eps_, H, h + t * H);
         } else {
           add_rms_norm_row(y + t * H, res + t * H, data(layer.input_norm), eps_, H, res + t * H, h + t * H);
         }
-      }
+      });
       clock.lap(kNorms);
       layer.qkv.run(h, T, qkv, s4_, s8_);
       clock.lap(kQkv);
       if (layer.q_norm.defined()) {  // each head normalised before its rotation, in place
-        for (int64_t t = 0; t < T; ++t) {
+        rows(T, QS + KS, [&](int64_t t) {
           float* row = qkv + t * QKV;
           for (int64_t j = 0; j < heads_; ++j) rms_norm_row(row + j * D, data(layer.q_norm), eps_, D, row + j * D);
           for (int64_t j = 0; j < kv_heads_; ++j)
             rms_norm_row(row + QS + j * D, data(layer.k_norm), eps_, D, row + QS + j * D);
-        }
+        });
         clock.lap(kNorms);
       }
-      rotate_rows(qkv, T, heads_, QKV, D, cp, snp, half);
-      rotate_rows(qkv + QS, T, kv_heads_, QKV, D, cp, snp, half);
+      rows(T, QS + KS, [&](int64_t t) {
+        rotate_rows(qkv + t * QKV, 1, heads_, QKV, D, cp + t * half, snp + t * half, half);
+        rotate_rows(qkv + t * QKV + QS, 1, kv_heads_, QKV, D, cp + t * half, snp + t * half, half);
+      });
       clock.lap(kRotary);
       const auto& cache = kv_caches[i];
       float* kc = cache.data_ptr<float>();
@@ -224,31 +237,34 @@ class DecoderStep : public torch::CustomClassHolder {
       clock.lap(kAttention);
       layer.o.run(attn_.data(), T, y, s4_, s8_);
       clock.lap(kO);
-      for (int64_t t = 0; t < T; ++t) {
+      rows(T, H, [&](int64_t t) {
         if (layer.pre_feedforward_norm.defined()) {  // Gemma: the output normed, then added and normed again
           rms_norm_row(y + t * H, data(layer.post_attention_norm), eps_, H, y + t * H);
           add_rms_norm_row(y + t * H, res + t * H, data(layer.pre_feedforward_norm), eps_, H, res + t * H, h + t * H);
         } else {
           add_rms_norm_row(y + t * H, res + t * H, data(layer.post_attention_norm), eps_, H, res + t * H, h + t * H);
         }
-      }
+      });
       clock.lap(kNorms);
       layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_);
       clock.lap(kGateUp);
-      (gelu_ ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up_.data(), T, I, act_.data());
+      rows(T, I, [&](int64_t t) {
+        (gelu_ ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up_.data() + t * 2 * I, 1, I, act_.data() + t * I);
+      });
       clock.lap(kAct);
       layer.down.run(act_.data(), T, y, s4_, s8_);
       clock.lap(kDown);
       if (layer.post_feedforward_norm.defined()) {
-        for (int64_t t = 0; t < T; ++t) rms_norm_row(y + t * H, data(layer.post_feedforward_norm), eps_, H, y + t * H);
+        rows(T, H, [&](int64_t t) { rms_norm_row(y + t * H, data(layer.post_feedforward_norm), eps_, H, y + t * H); });
         clock.lap(kNorms);
       }
     }
     Clock clock(profiling_ ? profile_.data() : nullptr);
     auto out = at::empty({T, H}, x.options());
     float* op = out.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t)
+    rows(T, H, [&](int64_t t) {
       add_rms_norm_row(y + t * H, res + t * H, data(final_norm_), eps_, H, res + t * H, op + t * H);
+    });
     clock.lap(kNorms);
     return out;
   }

@@ -14,10 +14,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kWindow = 32, kStallsToSolo = 3, kSoloLoops = 4096;
-// Waits shorter than this are a worker waking, not a stall: a core lost to another process costs a time
-// slice, milliseconds.
-const auto kSlack = std::chrono::microseconds(300);
+constexpr int kWindow = 32, kStallsToSolo = 3, kSoloLoops = 4096, kShortGrains = 16;
+// Waits shorter than this are not stalls: a thread waking (hundreds of microseconds where a virtual CPU
+// has to be woken) is not a core lost to another process, which costs a time slice.
+const auto kSlack = std::chrono::milliseconds(2);
 
 const bool guard_on = [] {
   const char* v = std::getenv("LADDER_CPU_STALL_GUARD");
@@ -46,6 +46,13 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function
   if (begin >= end) return;
   const bool split = end - begin > std::max<int64_t>(grain, 1) && at::get_num_threads() > 1 && !at::in_parallel_region();
   if (!split || !guard_on) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  // Only short loops (a few grains: a decode step's at small batches) run alone; a long loop's split is
+  // worth an occasional wait (a large batch's, beside a busy server's own threads).
+  const bool short_loop = (end - begin) <= kShortGrains * std::max<int64_t>(grain, 1);
+  if (!short_loop) {
     at::parallel_for(begin, end, grain, f);
     return;
   }

@@ -150,6 +150,17 @@ def test_served_greedy_text_is_the_same(default_w4a8):
     assert with_step == eager
 
 
+def test_a_copied_model_builds_its_own_step(default_w4a8):
+    import copy
+
+    module = default_w4a8.module
+    Sequences(module, 1, 32).step([[1, 2, 3]])
+    twin = copy.deepcopy(module)
+    assert twin.cpu_step is None
+    a, b = Sequences(module, 1, 32).step([[4, 5, 6]]), Sequences(twin, 1, 32).step([[4, 5, 6]])
+    assert twin.cpu_step is not None and twin.cpu_step is not module.cpu_step and torch.equal(a, b)
+
+
 def test_bad_step_inputs_raise_one_line(default_w4a8):
     module = default_w4a8.module
     seqs = Sequences(module, 1, 32)
