@@ -239,9 +239,10 @@ def instrumented(module: nn.Module, stopwatch: Stopwatch) -> Iterator[None]:
             yield
             if cpu_step is not None:  # the parts timed inside the C++ call, with the calls the eager layers make
                 layers = module.config.num_layers
+                norms = sum(isinstance(m, llama.RMSNorm) for m in module.modules())  # each runs once a step
                 for part, seconds in cpu_step.take_profile().items():
                     stopwatch.seconds[part] += seconds
-                    stopwatch.calls[part] += 2 * layers + 1 if part == "rms_norm" else layers
+                    stopwatch.calls[part] += norms if part == "rms_norm" else layers
         finally:
             stopwatch.active = False
             if patched_rotary is not None:

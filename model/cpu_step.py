@@ -138,8 +138,7 @@ class CpuDecoderStep:
         self.window = (model.local_attention or model.attention).sliding_window or 0
 
     def __deepcopy__(self, memo: dict) -> None:
-        """A copied model holds other tensors: it builds a step of its own (LlamaForCausalLM.__setstate__)."""
-        return None
+        """None: a copied model holds other tensors and builds a step of its own (LlamaForCausalLM.__setstate__)."""
 
     @staticmethod
     def takes(plan: object, kv_caches: list[torch.Tensor]) -> bool:
