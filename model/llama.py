@@ -12,6 +12,8 @@ instead of three or two; the loader concatenates the weights).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -24,6 +26,8 @@ from model.cpu_step import CpuDecoderStep, step_support, structure_version
 from model.moe import SparseMoeBlock
 from model.rope import inverse_frequencies, local_inverse_frequencies
 from model.step import BaseStepModel, allocate_kv_caches
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -239,8 +243,11 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         """The layers' C++ step for the modules as they are now, or None (`cpu_step_reason` says why)."""
         if self._cpu_step_version != structure_version():
             self._cpu_step_version = structure_version()
-            self.cpu_step_reason = step_support(self)
-            self.cpu_step = CpuDecoderStep(self) if self.cpu_step_reason is None else None
+            reason = step_support(self)
+            if reason != self.cpu_step_reason:
+                log.info("decoder layers: %s", "one C++ call a step" if reason is None else f"eager ({reason})")
+            self.cpu_step_reason = reason
+            self.cpu_step = CpuDecoderStep(self) if reason is None else None
         return self.cpu_step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
