@@ -201,7 +201,7 @@ def linear_weight_bytes(module: nn.Module) -> int:
 def cpu_step_of(module: object) -> CpuDecoderStep | None:
     """The C++ step a decoder's decode steps run (model/cpu_step.py), or None: the eager layers."""
     if isinstance(module, llama.LlamaForCausalLM) and module.use_cpu_step:
-        return module._decoder_step()
+        return module.decoder_step()
     return None
 
 

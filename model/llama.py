@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
-        if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self._decoder_step() is not None:
+        if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self.decoder_step() is not None:
             local = (cos, sin) if self.local_attention is None else rotary_cos_sin_ref(positions, self.local_inv_freq)
             return self.cpu_step(x, cos, sin, *local, kv_caches, plan)
         residual = None
@@ -239,7 +239,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         super().__setstate__(state)
         self.cpu_step, self._cpu_step_version = None, -1  # a copy's step is built over its own tensors
 
-    def _decoder_step(self) -> CpuDecoderStep | None:
+    def decoder_step(self) -> CpuDecoderStep | None:
         """The layers' C++ step for the modules as they are now, or None (`cpu_step_reason` says why)."""
         if self._cpu_step_version != structure_version():
             self._cpu_step_version = structure_version()
