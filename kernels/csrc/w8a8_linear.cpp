@@ -241,10 +241,11 @@ struct W8A8Tiles {
 // The product of rows xp [M, K] (K <= KG * GK) with a packed weight into out (4-byte elements, float32, or
 // with `raw` the int32 sums), the rows quantized with their own max |x| or `given` maxima [M].
 void rows(const float* xp, int64_t M, int64_t K, const int8_t* wp, const int32_t* sump, int64_t NBLK, int64_t KG,
-          const float* sp, const float* bp, int64_t N, bool raw, const float* given, void* out,
-          std::vector<uint8_t>& xq, std::vector<float>& xs) {
+          const float* sp, const float* bp, int64_t N, bool raw, const float* given, void* out, W8A8Scratch& scratch) {
   if (M == 0 || N == 0) return;
   const int64_t KP = KG * GK;
+  std::vector<uint8_t>& xq = scratch.xq;
+  std::vector<float>& xs = scratch.xs;
   xq.resize(M * KP);
   xs.resize(M);
   if (M == 1) {  // a decode row: no task for so little work
@@ -282,16 +283,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
               wsum.numel() == NBLK * BN, "wsum: [NBLK * 16] int32");
   const float* given = optional_vector_data(row_max, M, "row_max");
   auto out = at::empty({M, N}, x.options().dtype(raw ? at::kInt : at::kFloat));
-  if (!raw && !given) {
-    W8A8Scratch scratch;
-    w8a8_rows(x.data_ptr<float>(), M, W8A8Weight{packed.data_ptr<int8_t>(), wsum.data_ptr<int32_t>(), sp, bp, N, K,
-                                                 NBLK}, out.data_ptr<float>(), scratch);
-    return out;
-  }
-  std::vector<uint8_t> xq;
-  std::vector<float> xs;
+  W8A8Scratch scratch;
   rows(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), wsum.data_ptr<int32_t>(), NBLK, KG, sp, bp, N, raw, given,
-       out.data_ptr(), xq, xs);
+       out.data_ptr(), scratch);
   return out;
 }
 
@@ -343,7 +337,7 @@ at::Tensor w8a8_epilogue(const at::Tensor& sums, const at::Tensor& row_max, cons
 
 void w8a8_rows(const float* x, int64_t M, const W8A8Weight& w, float* out, W8A8Scratch& scratch) {
   const int64_t KG = (w.K + GK - 1) / GK;
-  rows(x, M, w.K, w.packed, w.wsum, w.NBLK, KG, w.scale, w.bias, w.N, false, nullptr, out, scratch.xq, scratch.xs);
+  rows(x, M, w.K, w.packed, w.wsum, w.NBLK, KG, w.scale, w.bias, w.N, false, nullptr, out, scratch);
 }
 
 }  // namespace ladder
