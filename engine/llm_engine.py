@@ -28,7 +28,6 @@ from engine.speculative import NgramProposer, Proposer
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
 from engine.window_blocks import WindowedBlockManager
-from model.llama import LlamaForCausalLM
 from model.chat_template import read_chat_template
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load

@@ -1,9 +1,13 @@
 """Choosing the next token of every sequence in one batched call.
 
-Logits [B, V] go through penalties, temperature, top-k, top-p and min-p as tensor ops over per-row
-parameters. Each row then draws one uniform number (from the request's own generator when it has a
-seed, so a seeded request samples the same tokens whatever else is in the batch) and picks the token
-where that number falls in its cumulative distribution. Greedy rows take the argmax.
+Each row draws one uniform number (from the request's own generator when it has a seed, so a seeded
+request samples the same tokens whatever else is in the batch) and picks the token where that number
+falls in its cumulative distribution; greedy rows take the argmax. A row whose request takes no filter
+(the API's default, and every greedy row without penalties, bias or grammar) is drawn by one C++ call for
+all such rows (kernels/cpu_sampling.py) on a CPU: after a decode step each distinct torch op pays tens of
+microseconds to bring its code back into the caches, and the dozen ops below cost ~0.3 ms that way. The
+other rows go through penalties, temperature, top-k, top-p and min-p as tensor ops over per-row
+parameters. A row always takes the same way, whatever else its batch holds.
 
 Top-k and top-p need each row's most likely tokens in order. Sorting the whole vocabulary (49,152 tokens
 for the default model) every step costs milliseconds per row, so a filter looks only at the rows that
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,10 +46,12 @@ import torch
 
 from engine.guide_masks import StepMasks
 from engine.request import Request, TokenLogprobs
+from kernels import cpu_sampling
 
 log = logging.getLogger(__name__)
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 # The errors a row's request ends with when it cannot be sampled (the other rows keep their tokens).
 NON_FINITE_LOGITS = "the model produced non-finite logits for this request"
 SAMPLING_FAILED = "sampling the next token of this request failed"
@@ -84,8 +91,8 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
-        self.request_generators: dict[str, torch.Generator] = {}
+        self.generator = random.Random(seed)  # for requests without a seed
+        self.request_generators: dict[str, random.Random] = {}
 
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
@@ -95,14 +102,14 @@ class Sampler:
         rows (engine/guide_masks.py)."""
         # Every row draws first, greedy ones too, so each generator's stream does not depend on the batch,
         # and a row sampled again alone (below) uses the number it drew here.
-        uniform = torch.stack([self._uniform(r) for r in requests]).to(logits.device)  # [B]
+        uniform = [self._uniform(r) for r in requests]
         try:
             return self._sample(logits, requests, uniform, masks)
         except Exception:
             log.exception("sampling a batch of %d rows failed; sampling each row alone", len(requests))
             return self._sample_alone(logits, requests, uniform, masks)
 
-    def _sample_alone(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor,
+    def _sample_alone(self, logits: torch.Tensor, requests: list[Request], uniform: list[float],
                       masks: StepMasks | None) -> SamplerOutput:
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
@@ -120,8 +127,35 @@ class Sampler:
                 errors.append(SAMPLING_FAILED)
         return SamplerOutput(token_ids, logprobs, errors)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], uniform: torch.Tensor,
+    def _sample(self, logits: torch.Tensor, requests: list[Request], uniform: list[float],
                 masks: StepMasks | None = None) -> SamplerOutput:
+        """The rows without filters in one C++ call (kernels/cpu_sampling.py), the others through the
+        tensor ops below; each row always takes the same way, whatever its batch."""
+        direct = direct_rows(logits, requests, masks)
+        if len(direct) == len(requests):
+            return self._sample_direct(logits, requests, uniform)
+        if not direct:
+            return self._sample_filtered(logits, requests, uniform, masks)
+        others = [i for i in range(len(requests)) if i not in set(direct)]
+        parts = [(direct, self._sample_direct(logits[direct], [requests[i] for i in direct],
+                                              [uniform[i] for i in direct])),
+                 (others, self._sample_filtered(logits[others], [requests[i] for i in others],
+                                                [uniform[i] for i in others], subset_masks(masks, others)))]
+        return merge(len(requests), parts)
+
+    @staticmethod
+    def _sample_direct(logits: torch.Tensor, requests: list[Request], uniform: list[float]) -> SamplerOutput:
+        params = [r.params for r in requests]
+        temperature = [0.0 if p.is_greedy else p.temperature for p in params]
+        token_ids = cpu_sampling.sample_rows(logits if logits.stride(-1) == 1 else logits.contiguous(),
+                                             temperature, uniform)
+        broken = [i for i, t in enumerate(token_ids) if t < 0]
+        for i in broken:
+            token_ids[i] = 0
+        return finish(logits, token_ids, params, broken)
+
+    def _sample_filtered(self, logits: torch.Tensor, requests: list[Request], uniform_numbers: list[float],
+                         masks: StepMasks | None = None) -> SamplerOutput:
         raw_logits = logits
         device = logits.device
         params = [r.params for r in requests]
@@ -155,7 +189,7 @@ class Sampler:
         broken = logits.amax(dim=-1).isnan().nonzero()[:, 0].tolist()
         if broken:
             logits[broken] = 0.0  # so the rest of the batch samples as usual
-        sampled = draw(filtered_probs(logits, params), uniform)
+        sampled = draw(filtered_probs(logits, params), uniform_tensor(uniform_numbers, device))
         if any(p.is_greedy for p in params):
             greedy = torch.tensor([p.is_greedy for p in params], device=device)
             sampled = torch.where(greedy, argmax_rows(logits), sampled)
@@ -207,27 +241,28 @@ class Sampler:
             token_ids = []
             for j, p in enumerate(probs):
                 if j == len(draft):  # every draft kept: the model's own next token
-                    token_ids.append(int(draw(p[None], self._uniform(request)[None])[0]))
+                    token_ids.append(int(draw(p[None], uniform_tensor([self._uniform(request)], p.device))[0]))
                     break
                 if self._uniform(request) * p.sum() < p[draft[j]]:
                     token_ids.append(draft[j])
                     continue
                 residual = p.clone()
                 residual[draft[j]] = 0.0  # has mass: the draw fell past p(d), inside the rest
-                token_ids.append(int(draw(residual[None], self._uniform(request)[None])[0]))
+                token_ids.append(int(draw(residual[None], uniform_tensor([self._uniform(request)], p.device))[0]))
                 break
         return Verified(token_ids, compute_logprobs(rows[:len(token_ids)], token_ids,
                                                     [params.logprobs] * len(token_ids)))
 
-    def _uniform(self, request: Request) -> torch.Tensor:
+    def _uniform(self, request: Request) -> float:
+        """A number in [0, 1) from the request's own generator (seeded), else the sampler's."""
         seed = request.params.seed
         if seed is None:
-            return torch.rand((), generator=self.generator)
+            return self.generator.random()
         generator = self.request_generators.get(request.request_id)
         if generator is None:
-            generator = torch.Generator().manual_seed(seed % 2**64)  # any int: the generator takes 64 bits
+            generator = random.Random(seed % 2**64)  # any int, negative ones apart from their absolute value
             self.request_generators[request.request_id] = generator
-        return torch.rand((), generator=generator)
+        return generator.random()
 
     @staticmethod
     def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -276,6 +311,49 @@ def row_masks(masks: StepMasks | None, row: int) -> StepMasks | None:
         return None
     j = masks.rows.index(row)
     return StepMasks([0], masks.allowed[j:j + 1])
+
+
+def direct_rows(logits: torch.Tensor, requests: list[Request], masks: StepMasks | None) -> list[int]:
+    """The rows `cpu_sampling.sample_rows` draws: all of them none where the logits are not float32 on a
+    CPU with the kernel built; else each row whose request has no grammar and `takes_no_filter`."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or not cpu_sampling.available()):
+        return []
+    guided = set(masks.rows) if masks is not None else set()
+    vocab = logits.shape[1]
+    return [i for i, request in enumerate(requests) if i not in guided and takes_no_filter(request, vocab)]
+
+
+def takes_no_filter(request: Request, vocab: int) -> bool:
+    """Whether the request's next token is the plain argmax or draw of its logits: no penalty, bias or
+    pending min_tokens, and when it samples, no top-k, top-p or min-p (none changes an argmax)."""
+    p = request.params
+    if p.has_penalties or p.logit_bias or len(request.output_token_ids) < p.min_tokens:
+        return False
+    return p.is_greedy or (not 0 < p.top_k < vocab and p.top_p >= 1.0 and not p.min_p)
+
+
+def subset_masks(masks: StepMasks | None, rows: list[int]) -> StepMasks | None:
+    """The masks of a sub-batch made of `rows` (which hold every guided row), renumbered."""
+    if masks is None:
+        return None
+    position = {row: j for j, row in enumerate(rows)}
+    return StepMasks([position[row] for row in masks.rows], masks.allowed)
+
+
+def merge(size: int, parts: list[tuple[list[int], SamplerOutput]]) -> SamplerOutput:
+    """One output of `size` rows from the outputs of sub-batches, each with the rows it holds."""
+    token_ids, logprobs = [0] * size, [None] * size
+    errors: list[str | None] = [None] * size
+    for rows, out in parts:
+        for j, i in enumerate(rows):
+            token_ids[i], logprobs[i], errors[i] = out.token_ids[j], out.logprobs[j], out.error(j)
+    return SamplerOutput(token_ids, logprobs, errors if any(e is not None for e in errors) else [])
+
+
+def uniform_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
+    """Uniform numbers [R] as float32 for `draw`, each kept below 1 (float32 would round the largest up)."""
+    return torch.tensor([min(u, BELOW_ONE) for u in values], dtype=torch.float32, device=device)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list) -> None:

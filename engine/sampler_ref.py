@@ -2,23 +2,39 @@
 
 What `engine.sampler.Sampler` computed before its filters looked at short candidate lists; the Sampler
 must give the same tokens and logprobs (tests/engine/test_sampler.py) and is timed against it
-(benchmarks/sampler_bench.py). One difference is by design: here, once any row of a batch uses top-p,
-every row goes through it, and a row whose top_p is 1 loses the tail tokens whose preceding mass
-rounds to 1 in float32; the Sampler leaves such a row alone, so its draws never depend on its batch.
+(benchmarks/sampler_bench.py). Rows without filters are drawn as the Sampler draws them (one C++ call,
+tested against its own torch reference in tests/kernels/test_cpu_sampling.py). One difference is by
+design: here, once any row of a batch uses top-p, every row goes through it, and a row whose top_p is 1
+loses the tail tokens whose preceding mass rounds to 1 in float32; the Sampler leaves such a row alone,
+so its draws never depend on its batch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.guide_masks import StepMasks
 from engine.request import Request
-from engine.sampler import FLOAT32_MAX, Sampler, SamplerOutput, apply_min_p, apply_penalties, compute_logprobs, draw
+from engine.sampler import (
+    FLOAT32_MAX,
+    Sampler,
+    SamplerOutput,
+    apply_min_p,
+    apply_penalties,
+    compute_logprobs,
+    draw,
+    uniform_tensor,
+)
 
 
 class FullSortSampler(Sampler):
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits [B, V] float32, one row per request, in order."""
-        uniform = torch.stack([self._uniform(r) for r in requests]).to(logits.device)  # [B]
+    def _sample_filtered(self, logits: torch.Tensor, requests: list[Request], uniform_numbers: list[float],
+                         masks: StepMasks | None = None) -> SamplerOutput:
+        """logits [B, V] float32, one row per request, in order: the rows that take a filter (the others
+        are drawn as the Sampler draws them, by kernels/cpu_sampling.py). No grammar masks."""
+        if masks is not None:
+            raise ValueError("the full-sort reference takes no grammar masks")
+        uniform = uniform_tensor(uniform_numbers, logits.device)  # [B]
         raw_logits = logits
         logits = logits.clone()
         device = logits.device
