@@ -10,10 +10,11 @@ element is widened to float32 as it is loaded and every sum and the softmax run 
 cache computes what the float32 kernel computes on the widened cache, rounded once at the output. It
 halves the bytes read per token, which is what decode attention is bound by.
 
-On AVX-512 machines the common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads
-per KV head) run a specialised version: 16 scores at once with one transposing reduction, a vector
-exp, and software prefetch of the next block, since a sequence's blocks lie anywhere in the cache and
-the hardware prefetcher cannot follow a block table. Other shapes run the portable loop.
+The common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads per KV head) run a
+specialised vector version: 16 (AVX-512) or 8 (AVX2) scores at once with one transposing reduction, a
+vector exp, and software prefetch of the next block, since a sequence's blocks lie anywhere in the
+cache and the hardware prefetcher cannot follow a block table. On AVX2 it takes a float32 cache only.
+Other shapes run the portable loop.
 
 `paged_decode_attention` is the custom op ladder::paged_decode_attention (kernels/csrc/decode_attention.cpp,
 kernels/cpu_extension.py): the C++ kernel on CPU tensors where the extension builds, else its torch
@@ -89,7 +90,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [S] int64
     scale: float,
     sliding_window: int | None = None,
-    portable: bool = False,  # the portable loop even where the AVX-512 version exists
+    portable: bool = False,  # the portable loop even where a vector version exists
 ) -> torch.Tensor:  # [S, H, D] of q's dtype, computed in float32
     check_decode_inputs(q, kv_cache, block_tables, seq_lens)
     return _paged_decode_attention(q, kv_cache, block_tables.long(), seq_lens.long(), scale, sliding_window or 0,

@@ -1,8 +1,9 @@
 // Paged decode attention: one query token per sequence against its cached blocks, read in place through the
 // block table. One task per (sequence, KV head); a float32 softmax over the whole context. The cache holds
 // float32, bfloat16 or float16 (q and the output share its dtype); 16-bit elements are widened as loaded.
-// On AVX-512 the common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads per KV head)
-// run a specialised task; other shapes run the portable loop.
+// The common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads per KV head) run a
+// specialised vector task: on AVX-512 for every cache dtype, on AVX2 for a float32 cache (an AMD Zen 3
+// host's case); other shapes and 16-bit caches on AVX2 run the portable loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -14,10 +15,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define LADDER_ATTENTION_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LADDER_ATTENTION_AVX2 1
 #endif
 
 namespace ladder {
@@ -141,6 +149,101 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
+#endif
+
+#if defined(__AVX512F__)
+// The vector operations the task below is written in, on AVX-512's 16 float32 lanes (every cache dtype).
+struct Vec16 {
+  using R = __m512;
+  static constexpr int W = 16;
+  template <typename T>
+  static R load(const T* p) { return load16(p); }
+  template <typename T>
+  static void store(T* p, R x) { store16(p, x); }
+  static R loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_max(R x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
+  static R sum_lanes(const R* v) { return sum_lanes16(v); }
+  static R exp(R x) { return exp_nonpositive(x); }
+  // Lane i keeps x where bit i of `valid` is set, else -inf.
+  static R or_minus_inf(unsigned valid, R x) {
+    return _mm512_mask_blend_ps(static_cast<__mmask16>(valid), _mm512_set1_ps(-INFINITY), x);
+  }
+};
+#endif
+
+#if defined(LADDER_ATTENTION_AVX2)
+// v[i] holds 8 partial sums of dot product i; returns the 8 dot products, lane i = sum of v[i]'s lanes.
+inline __m256 sum_lanes8(const __m256* v) {
+  __m256 pair[4], quad[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    pair[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit lane j: the lane-j sums of four vectors
+    quad[i] = _mm256_add_ps(_mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0x44),
+                            _mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
+}
+
+// exp_nonpositive's arithmetic on 8 lanes, 2^k built in the exponent bits (k >= -126 for x >= -87).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693147180559945309f), x);
+  __m256 e = _mm256_set1_ps(1.f / 5040);
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 720));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 120));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 24));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 6));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(two_k));
+}
+
+// The same operations on AVX2's 8 lanes, for a float32 cache.
+struct Vec8 {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_max(R x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  static float reduce_add(R x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+  static R sum_lanes(const R* v) { return sum_lanes8(v); }
+  static R exp(R x) { return exp_nonpositive8(x); }
+  static R or_minus_inf(unsigned valid, R x) {
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(valid)), bits), bits);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(on));
+  }
+};
+#endif
+
+#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
 // Into L2 (T1) rather than L1 (T0): the L1's few miss buffers limit how many lines can be in flight.
 // stride: elements between rows; lines: 64-byte lines per row.
 template <typename T>
@@ -150,12 +253,13 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t l
       _mm_prefetch(reinterpret_cast<const char*>(base + r * stride) + l * 64, _MM_HINT_T1);
 }
 
-// G query heads sharing one KV head, head size 16 * DV; cache blocks of 16 tokens. Two passes over the
+// G query heads sharing one KV head, head size V::W * DV; cache blocks of 16 tokens. Two passes over the
 // context: scores (block by block, 16 tokens at a time), softmax, then the weighted sum of V; the next
 // block's rows are prefetched while one block is computed, since blocks lie anywhere in the cache.
-template <typename T, int G, int DV>
-void task_avx512(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores) {
-  constexpr int64_t BS = 16, D = 16 * DV;
+template <typename T, int G, int DV, class V>
+void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores) {
+  using R = typename V::R;
+  constexpr int64_t BS = 16, D = V::W * DV;
   constexpr int64_t LINES = D * static_cast<int64_t>(sizeof(T)) / 64;  // cache lines per token row
   const int64_t row_stride = p.KVH * D;  // elements between consecutive tokens of a block
   const int64_t first_block = first / BS, last_block = (len - 1) / BS;
@@ -167,49 +271,51 @@ void task_avx512(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
     return std::make_pair(std::max<int64_t>(first - b * BS, 0), std::min<int64_t>(len - b * BS, BS));
   };
   const T* qs = p.q + s * p.q_stride + h * G * D;
-  __m512 qv[G][DV];
+  R qv[G][DV];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(load16(qs + g * D + 16 * d), _mm512_set1_ps(p.scale));
-  __m512 top[G];
-  for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY);
+    for (int d = 0; d < DV; ++d) qv[g][d] = V::mul(V::load(qs + g * D + V::W * d), V::set1(p.scale));
+  R top[G];
+  for (int g = 0; g < G; ++g) top[g] = V::set1(-INFINITY);
   prefetch_rows(block_rows(p.k, first_block), row_stride, BS, LINES);
   for (int64_t b = first_block; b <= last_block; ++b) {
     const T* rows = block_rows(p.k, b);
     if (b < last_block) prefetch_rows(block_rows(p.k, b + 1), row_stride, BS, LINES);
     else prefetch_rows(block_rows(p.v, first_block), row_stride, BS, LINES);
-    __m512 partial[G][BS];
+    R partial[G][BS];
     for (int64_t t = 0; t < BS; ++t) {
-      __m512 kv[DV];
-      for (int d = 0; d < DV; ++d) kv[d] = load16(rows + t * row_stride + 16 * d);
+      R kv[DV];
+      for (int d = 0; d < DV; ++d) kv[d] = V::load(rows + t * row_stride + V::W * d);
       for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int d = 1; d < DV; ++d) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
+        R a = V::mul(qv[g][0], kv[0]);
+        for (int d = 1; d < DV; ++d) a = V::fmadd(qv[g][d], kv[d], a);
         partial[g][t] = a;
       }
     }
     // Tokens outside [first, len) (a block's unused tail, or before a sliding window) get -inf.
     const auto [lo, hi] = attended(b);
-    const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    const unsigned valid = ((1u << hi) - 1) & ~((1u << lo) - 1);
     for (int g = 0; g < G; ++g) {
-      const __m512 dots = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(partial[g]));
-      _mm512_storeu_ps(scores + g * n + (b - first_block) * BS, dots);
-      top[g] = _mm512_max_ps(top[g], dots);
+      for (int c = 0; c < BS / V::W; ++c) {  // V::W tokens at a time
+        const R dots = V::or_minus_inf(valid >> (c * V::W), V::sum_lanes(partial[g] + c * V::W));
+        V::storeu(scores + g * n + (b - first_block) * BS + c * V::W, dots);
+        top[g] = V::max(top[g], dots);
+      }
     }
   }
   float inv_total[G];
   for (int g = 0; g < G; ++g) {
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + g * n + t), m));
-      _mm512_storeu_ps(scores + g * n + t, e);
-      total = _mm512_add_ps(total, e);
+    const R m = V::set1(V::reduce_max(top[g]));
+    R total = V::set1(0.f);
+    for (int64_t t = 0; t < n; t += V::W) {
+      const R e = V::exp(V::sub(V::loadu(scores + g * n + t), m));
+      V::storeu(scores + g * n + t, e);
+      total = V::add(total, e);
     }
-    inv_total[g] = 1.f / _mm512_reduce_add_ps(total);
+    inv_total[g] = 1.f / V::reduce_add(total);
   }
-  __m512 acc[G][DV];
+  R acc[G][DV];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+    for (int d = 0; d < DV; ++d) acc[g][d] = V::set1(0.f);
   for (int64_t b = first_block; b <= last_block; ++b) {
     const T* rows = block_rows(p.v, b);
     if (b < last_block) prefetch_rows(block_rows(p.v, b + 1), row_stride, BS, LINES);
@@ -217,59 +323,68 @@ void task_avx512(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
     // Only attended tokens: a block's unused tail may hold anything, and 0 * NaN is not 0.
     const auto [lo, hi] = attended(b);
     for (int64_t t = lo; t < hi; ++t) {
-      __m512 vv[DV];
-      for (int d = 0; d < DV; ++d) vv[d] = load16(rows + t * row_stride + 16 * d);
+      R vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = V::load(rows + t * row_stride + V::W * d);
       for (int g = 0; g < G; ++g) {
-        const __m512 weight = _mm512_set1_ps(w[g * n + t]);
-        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(weight, vv[d], acc[g][d]);
+        const R weight = V::set1(w[g * n + t]);
+        for (int d = 0; d < DV; ++d) acc[g][d] = V::fmadd(weight, vv[d], acc[g][d]);
       }
     }
   }
   T* os = p.out + s * p.out_stride + h * G * D;
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) store16(os + g * D + 16 * d, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv_total[g])));
+    for (int d = 0; d < DV; ++d) V::store(os + g * D + V::W * d, V::mul(acc[g][d], V::set1(inv_total[g])));
 }
 
 template <typename T>
-using Avx512Task = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, float*);
+using VectorTask = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, float*);
 
-template <typename T, int DV>
-Avx512Task<T> pick_group(int64_t G) {
+template <typename T, int DV, class V>
+VectorTask<T> pick_group(int64_t G) {
   switch (G) {
-    case 1: return task_avx512<T, 1, DV>;
-    case 2: return task_avx512<T, 2, DV>;
-    case 3: return task_avx512<T, 3, DV>;
-    case 4: return task_avx512<T, 4, DV>;
-    case 5: return task_avx512<T, 5, DV>;
-    case 6: return task_avx512<T, 6, DV>;
-    case 7: return task_avx512<T, 7, DV>;
-    case 8: return task_avx512<T, 8, DV>;
+    case 1: return task_vector<T, 1, DV, V>;
+    case 2: return task_vector<T, 2, DV, V>;
+    case 3: return task_vector<T, 3, DV, V>;
+    case 4: return task_vector<T, 4, DV, V>;
+    case 5: return task_vector<T, 5, DV, V>;
+    case 6: return task_vector<T, 6, DV, V>;
+    case 7: return task_vector<T, 7, DV, V>;
+    case 8: return task_vector<T, 8, DV, V>;
     default: return nullptr;
   }
 }
 
 // The specialised task for this shape, or nullptr (then the portable one runs).
 template <typename T>
-Avx512Task<T> pick_avx512(int64_t G, int64_t D, int64_t BS) {
-  if (BS != 16) return nullptr;
-  if (D == 64) return pick_group<T, 4>(G);
-  if (D == 128) return pick_group<T, 8>(G);
-  return nullptr;
+VectorTask<T> pick_vector(int64_t G, int64_t D, int64_t BS) {
+#if defined(LADDER_ATTENTION_AVX512)
+  using V = Vec16;
+#else
+  using V = Vec8;
+  if constexpr (!std::is_same_v<T, float>) return nullptr;  // AVX2 widens no 16-bit cache
+  else
+#endif
+  {
+    if (BS != 16) return nullptr;
+    if (D == 64) return pick_group<T, 64 / V::W, V>(G);
+    if (D == 128) return pick_group<T, 128 / V::W, V>(G);
+    return nullptr;
+  }
 }
 #endif
 
 template <typename T>
 void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window, bool portable) {
   const int64_t KVH = p.KVH, BS = p.BS;
-#if defined(__AVX512F__)
-  const Avx512Task<T> fast = portable ? nullptr : pick_avx512<T>(p.G, p.D, BS);
+#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
+  const VectorTask<T> fast = portable ? nullptr : pick_vector<T>(p.G, p.D, BS);
 #endif
   parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, query;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, len = sl[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-#if defined(__AVX512F__)
+#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
       if (fast) {
         scores.resize(p.G * ((len - 1) / BS - first / BS + 1) * BS);
         fast(p, s, h, first, len, scores.data());
@@ -296,7 +411,7 @@ void run_typed(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor
 // q and kv_cache of one dtype: float32, bfloat16 or float16 (checked in Python). portable: run the
 // ladder::paged_decode_attention. q [S, H, D] and kv_cache [2, num_blocks, block_size, KVH, D] of one dtype
 // (float32, bfloat16 or float16); block_tables [S, max_blocks] and seq_lens [S] int64. Values (block ids,
-// lengths) are the caller's invariant. portable: the portable loop even where the AVX-512 task exists.
+// lengths) are the caller's invariant. portable: the portable loop even where a vector task exists.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cache_in, const at::Tensor& tables_in,
                                   const at::Tensor& lens_in, double scale, int64_t sliding_window, bool portable) {
   TORCH_CHECK(q_in.device().is_cpu() && cache_in.device().is_cpu() && tables_in.device().is_cpu() &&
