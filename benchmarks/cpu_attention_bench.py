@@ -110,7 +110,8 @@ def main() -> None:
     rows = []
     header = (f"{'batch':>5} {'ctx':>5} {'dtype':>8} | {'torch ms':>9} {'portable ms':>11} {'kernel ms':>9} | "
               f"{'kernel x torch':>14} {'x f32 kernel':>12} {'kernel GB/s':>11}")
-    print(f"threads {torch.get_num_threads()}, vector version: {'AVX-512' if kernel.has_avx512() else 'AVX2 (float32)'}")
+    vector = "AVX-512" if kernel.has_avx512() else "AVX2 (float32 caches)"
+    print(f"threads {torch.get_num_threads()}, vector version: {vector}")
     print(header)
     print("-" * len(header))
     for batch in [int(v) for v in args.batches.split(",")]:

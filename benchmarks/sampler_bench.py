@@ -143,7 +143,8 @@ def main() -> None:
                     if rep >= 2:  # two warm-up calls
                         times[key].append(seconds)
                 if tokens["ours"] != tokens["full_sort"]:
-                    raise SystemExit(f"{name}, batch {batch}: the tokens differ: {tokens['ours']} vs {tokens['full_sort']}")
+                    raise SystemExit(f"{name}, batch {batch}: the tokens differ: {tokens['ours']} vs "
+                                     f"{tokens['full_sort']}")
                 if earlier is not None:
                     earlier_same &= tokens["earlier"] == tokens["ours"]
             medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
