@@ -10,7 +10,7 @@ element is widened to float32 as it is loaded and every sum and the softmax run 
 cache computes what the float32 kernel computes on the widened cache, rounded once at the output. It
 halves the bytes read per token, which is what decode attention is bound by.
 
-The common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads per KV head) run a
+The common shapes (head size 64, 128 or 256, blocks of 16 tokens, up to 8 query heads per KV head) run a
 specialised vector version: 16 (AVX-512) or 8 (AVX2) scores at once with one transposing reduction, a
 vector exp, and software prefetch of the next block, since a sequence's blocks lie anywhere in the
 cache and the hardware prefetcher cannot follow a block table. On AVX2 it takes a float32 cache only.

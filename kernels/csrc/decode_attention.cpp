@@ -1,7 +1,7 @@
 // Paged decode attention: one query token per sequence against its cached blocks, read in place through the
 // block table. One task per (sequence, KV head); a float32 softmax over the whole context. The cache holds
 // float32, bfloat16 or float16 (q and the output share its dtype); 16-bit elements are widened as loaded.
-// The common shapes (head size 64 or 128, blocks of 16 tokens, up to 8 query heads per KV head) run a
+// The common shapes (head size 64, 128 or 256, blocks of 16 tokens, up to 8 query heads per KV head) run a
 // specialised vector task: on AVX-512 for every cache dtype, on AVX2 for a float32 cache (an AMD Zen 3
 // host's case); other shapes and 16-bit caches on AVX2 run the portable loop.
 #include <ATen/ATen.h>
@@ -368,6 +368,7 @@ VectorTask<T> pick_vector(int64_t G, int64_t D, int64_t BS) {
     if (BS != 16) return nullptr;
     if (D == 64) return pick_group<T, 64 / V::W, V>(G);
     if (D == 128) return pick_group<T, 128 / V::W, V>(G);
+    if (D == 256) return pick_group<T, 256 / V::W, V>(G);  // Gemma 3
     return nullptr;
   }
 }

@@ -82,6 +82,10 @@ struct W8A8Tiles {
   // blocks, in the 16 ymm registers without spills.
   static constexpr int kMaxMr = 4;
   static constexpr int kMaxNb[kMaxMr + 1] = {0, 2, 1, 1, 1};
+  // Groups of 4 inputs (one 64-byte line of each block's weights) prefetched ahead in each block: Gemma
+  // 3's layers 12% faster in a decode step. (The VNNI tiles read up to 8 blocks side by side, which the
+  // hardware prefetcher follows: prefetching there measured no faster.)
+  static constexpr int64_t kAhead = 16;
 #else
   static constexpr int kMaxMr = 8;
   static constexpr int kMaxNb[kMaxMr + 1] = {0, 8, 6, 4, 4, 4, 3, 3, 3};
@@ -157,6 +161,9 @@ struct W8A8Tiles {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t bstride = KG * BN * GK;
     for (int64_t g = 0; g < KG; ++g) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * bstride + (g + kAhead) * BN * GK), _MM_HINT_T0);
       __m256i wv[V], wa[V];
 #pragma GCC unroll 8
       for (int v = 0; v < V; ++v) {

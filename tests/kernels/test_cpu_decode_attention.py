@@ -27,10 +27,13 @@ pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU kernel co
     (3, 64, 12, 1, 64, None),
     (4, 90, 4, 4, 16, 10),
     (6, 33, 8, 4, 128, 16),
-    # The AVX-512 version's shapes: 8 query heads per KV head, windows starting inside a block.
+    # The vector version's shapes: 8 query heads per KV head, windows starting inside a block, Gemma 3's
+    # head of 256 (4 query heads on one KV head, a window of 512 over longer contexts).
     (5, 300, 8, 1, 64, None),
     (4, 200, 6, 2, 64, 37),
     (3, 50, 4, 2, 128, None),
+    (3, 700, 4, 1, 256, 512),
+    (2, 40, 4, 1, 256, None),
 ])
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +59,7 @@ def test_decode_kernel_matches_reference(num_seqs, max_len, num_heads, num_kv_he
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 32])
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ignores_slots_past_the_sequence(head_dim, portable, dtype):
