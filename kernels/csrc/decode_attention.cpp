@@ -254,10 +254,14 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t l
 }
 
 // G query heads sharing one KV head, head size V::W * DV; cache blocks of 16 tokens. Two passes over the
-// context: scores (block by block, 16 tokens at a time), softmax, then the weighted sum of V; the next
-// block's rows are prefetched while one block is computed, since blocks lie anywhere in the cache.
+// tokens [first, len): scores (block by block, 16 tokens at a time), softmax, then the weighted sum of V;
+// the next block's rows are prefetched while one block is computed, since blocks lie anywhere in the
+// cache. `partial` null: the output rows. Else a chunk of a longer context: per query head its maximum
+// score, its sum of weights exp(score - maximum) and the unnormalized weighted sum of V [D], at
+// partial + g * (D + 2), for `combine_chunks`.
 template <typename T, int G, int DV, class V>
-void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores) {
+void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores,
+                 float* partial) {
   using R = typename V::R;
   constexpr int64_t BS = 16, D = V::W * DV;
   constexpr int64_t LINES = D * static_cast<int64_t>(sizeof(T)) / 64;  // cache lines per token row
@@ -302,16 +306,18 @@ void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
       }
     }
   }
-  float inv_total[G];
+  float inv_total[G], maximum[G], total_of[G];
   for (int g = 0; g < G; ++g) {
-    const R m = V::set1(V::reduce_max(top[g]));
+    maximum[g] = V::reduce_max(top[g]);
+    const R m = V::set1(maximum[g]);
     R total = V::set1(0.f);
     for (int64_t t = 0; t < n; t += V::W) {
       const R e = V::exp(V::sub(V::loadu(scores + g * n + t), m));
       V::storeu(scores + g * n + t, e);
       total = V::add(total, e);
     }
-    inv_total[g] = 1.f / V::reduce_add(total);
+    total_of[g] = V::reduce_add(total);
+    inv_total[g] = 1.f / total_of[g];
   }
   R acc[G][DV];
   for (int g = 0; g < G; ++g)
@@ -331,13 +337,22 @@ void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
       }
     }
   }
+  if (partial) {
+    for (int g = 0; g < G; ++g) {
+      float* pg = partial + g * (D + 2);
+      pg[0] = maximum[g];
+      pg[1] = total_of[g];
+      for (int d = 0; d < DV; ++d) V::storeu(pg + 2 + V::W * d, acc[g][d]);
+    }
+    return;
+  }
   T* os = p.out + s * p.out_stride + h * G * D;
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) V::store(os + g * D + V::W * d, V::mul(acc[g][d], V::set1(inv_total[g])));
 }
 
 template <typename T>
-using VectorTask = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, float*);
+using VectorTask = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, float*, float*);
 
 template <typename T, int DV, class V>
 VectorTask<T> pick_group(int64_t G) {
@@ -374,27 +389,104 @@ VectorTask<T> pick_vector(int64_t G, int64_t D, int64_t BS) {
 }
 #endif
 
+// The portable loop: one task per (sequence, KV head).
 template <typename T>
-void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window, bool portable) {
-  const int64_t KVH = p.KVH, BS = p.BS;
-#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
-  const VectorTask<T> fast = portable ? nullptr : pick_vector<T>(p.G, p.D, BS);
-#endif
-  parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+void run_generic(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window) {
+  parallel_for(0, S * p.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, query;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / KVH, h = task % KVH, len = sl[s];
+      const int64_t s = task / p.KVH, h = task % p.KVH, len = sl[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
-      if (fast) {
-        scores.resize(p.G * ((len - 1) / BS - first / BS + 1) * BS);
-        fast(p, s, h, first, len, scores.data());
-        continue;
-      }
-#endif
       task_generic(p, s, h, first, len, scores, acc, query);
     }
   });
+}
+
+#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
+// The vector task cuts a context longer than kChunk tokens at multiples of kChunk: every chunk is a task
+// of its own, and the chunks' partial softmaxes are combined in order afterwards. The cuts depend on the
+// positions alone, so a sequence's output is the same in any batch; at batch 1 a long context then keeps
+// every thread busy, not one per KV head (Gemma 3 270M has a single KV head).
+constexpr int64_t kChunk = 128;  // tokens: 8 of the vector task's 16-token blocks
+
+// One task: sequence s, KV head h, its tokens [lo, hi), and where its partial result goes (-1: the
+// sequence has one chunk, the task writes the output rows).
+struct ChunkTask {
+  int64_t s, h, lo, hi, partial;
+};
+
+// out rows of (s, h) from its chunks' partials, in chunk order: with M the largest chunk maximum, each
+// chunk's sums scaled by exp(m_c - M), the weighted sums added and divided by the weights' total.
+template <typename T>
+void combine_chunks(const Problem<T>& p, int64_t s, int64_t h, const float* partials, int64_t chunks) {
+  const int64_t G = p.G, D = p.D, width = G * (D + 2);
+  T* os = p.out + s * p.out_stride + h * G * D;
+  std::vector<float> acc(D);
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partials[c * width + g * (D + 2)]);
+    float total = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = partials + c * width + g * (D + 2);
+      const float f = std::exp(pc[0] - top);
+      total += pc[1] * f;
+      for (int64_t d = 0; d < D; ++d) acc[d] += pc[2 + d] * f;
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) os[g * D + d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+template <typename T>
+void run_vector(const Problem<T>& p, VectorTask<T> fast, int64_t S, const int64_t* sl, int64_t sliding_window) {
+  const int64_t KVH = p.KVH, BS = p.BS, width = p.G * (p.D + 2);
+  std::vector<ChunkTask> tasks;
+  std::vector<std::pair<int64_t, int64_t>> combined;  // (first task, chunks) of each split (s, h)
+  int64_t partial_floats = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t len = sl[s];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int64_t c0 = first / kChunk, c1 = (len - 1) / kChunk + 1;  // chunks that hold attended tokens
+    for (int64_t h = 0; h < KVH; ++h) {
+      if (c1 - c0 == 1) {
+        tasks.push_back({s, h, first, len, -1});
+        continue;
+      }
+      combined.emplace_back(static_cast<int64_t>(tasks.size()), c1 - c0);
+      for (int64_t c = c0; c < c1; ++c) {
+        tasks.push_back({s, h, std::max(first, c * kChunk), std::min(len, (c + 1) * kChunk), partial_floats});
+        partial_floats += width;
+      }
+    }
+  }
+  std::vector<float> partials(partial_floats);
+  parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const ChunkTask& t = tasks[i];
+      scores.resize(p.G * ((t.hi - 1) / BS - t.lo / BS + 1) * BS);
+      fast(p, t.s, t.h, t.lo, t.hi, scores.data(), t.partial < 0 ? nullptr : partials.data() + t.partial);
+    }
+  });
+  parallel_for(0, static_cast<int64_t>(combined.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const ChunkTask& t = tasks[combined[i].first];
+      combine_chunks(p, t.s, t.h, partials.data() + t.partial, combined[i].second);
+    }
+  });
+}
+#endif
+
+template <typename T>
+void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window, bool portable) {
+#if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
+  if (const VectorTask<T> fast = portable ? nullptr : pick_vector<T>(p.G, p.D, p.BS)) {
+    run_vector(p, fast, S, sl, sliding_window);
+    return;
+  }
+#endif
+  run_generic(p, S, sl, sliding_window);
 }
 
 template <typename T>

@@ -145,3 +145,23 @@ def test_bfloat16_model_decodes_on_the_kernel_with_the_gather_paths_tokens(head_
     assert tokens == ref_tokens
     # Both in bfloat16: the kernel's float32 sums differ from the gather path's by bfloat16 rounding.
     assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_contexts_are_cut_into_chunks_the_same_in_any_batch(window):
+    """A context past 128 tokens runs as chunks combined afterwards (every thread busy at batch 1): each
+    sequence's output is bit for bit its output alone, and within float32 rounding of the reference."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [1000, 129, 128, 700, 17]
+    blocks_per_seq = -(-max(lens) // 16)
+    num_blocks = len(lens) * blocks_per_seq
+    cache = torch.randn(2, num_blocks, 16, 3, 64, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).view(len(lens), blocks_per_seq)
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    batch = kernel.paged_decode_attention(q, cache, tables, seq_lens, 0.125, window)
+    for s in range(len(lens)):
+        alone = kernel.paged_decode_attention(q[s:s + 1], cache, tables[s:s + 1], seq_lens[s:s + 1], 0.125, window)
+        assert torch.equal(alone[0], batch[s])
+    ref = paged_attention_ref(q, cache, torch.arange(len(lens) + 1), seq_lens, tables, 1, max(lens), 0.125, window)
+    assert ((batch - ref).norm() / ref.norm()).item() < 1e-5
