@@ -3,7 +3,7 @@
 # (the one the default model ships, or --model's), with the same closed-loop workload at each concurrency.
 #
 #   benchmarks/peer_llamacpp.sh [--build-only] [--model NAME_OR_GGUF] [--concurrency 1,4,16,32]
-#                               [--requests-per-user 4]
+#                               [--requests-per-user 4] [--isa native|avx2]
 #                               [--input-len 128] [--output-len 128] [--dataset FILE] [--out DIR]
 #                               [-- ladder serve args]
 #
@@ -18,6 +18,10 @@
 # build then names the ISA features /proc/cpuinfo lists (AVX2, AVX-512, VNNI, AMX) instead of -march=native.
 # Where ggml's AMX matmul crashes (a KVM guest listing amx_tile: llama-server segfaults in
 # ggml_backend_amx_mul_mat at its first step), add LLAMACPP_AMX=OFF to LLAMACPP_NATIVE=OFF.
+# --isa avx2 builds both servers for an AVX2-only CPU's instructions (an AMD EPYC Zen 3's: AVX, AVX2, FMA,
+# F16C, BMI2) on a machine that has more: llama.cpp with LLAMACPP_NATIVE=OFF and those GGML options alone,
+# ladder's kernels with LADDER_CPU_CFLAGS="-mno-avx512f -mno-avxvnni". The caches and memory stay this
+# machine's: a stand-in for such a host's code, not for the host.
 # The results name the host (CPU model, cores, ISA flags) and the build (cmake options, llama.cpp's
 # version) in $OUT/host.json, the table's header and peer_table.json.
 # Never run in CI: it builds a C++ project and takes minutes.
@@ -39,6 +43,7 @@ OUT=benchmarks/results/peer_llamacpp
 BUILD_ONLY=0
 DATASET=
 MODEL=
+ISA=native
 LADDER_ARGS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -50,11 +55,19 @@ while [[ $# -gt 0 ]]; do
     --out) OUT=$2; shift 2 ;;
     --dataset) DATASET=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
+    --isa) ISA=$2; shift 2 ;;
     --) shift; LADDER_ARGS=("$@"); break ;;
     *) echo "peer_llamacpp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 
+ISA_ONLY=  # the /proc/cpuinfo flags the build may use (all when empty)
+case $ISA in
+  native) ;;
+  avx2) NATIVE=OFF; ISA_ONLY=" avx avx2 fma f16c bmi2 "
+        export LADDER_CPU_CFLAGS="${LADDER_CPU_CFLAGS:+$LADDER_CPU_CFLAGS }-mno-avx512f -mno-avxvnni" ;;
+  *) echo "peer_llamacpp.sh: --isa takes native or avx2, not $ISA" >&2; exit 2 ;;
+esac
 # The cmake options of the build: GGML_NATIVE, and without it one GGML_* option per ISA feature that
 # /proc/cpuinfo lists (ggml's option names: avx512f is GGML_AVX512, which also turns on its BW/VL/DQ/CD parts).
 CPU_FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
@@ -65,6 +78,7 @@ if [[ $NATIVE == OFF ]]; then
               avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 amx_tile:AMX_TILE \
               amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
     [[ $AMX == OFF && $pair == amx* ]] && continue
+    [[ -n $ISA_ONLY && $ISA_ONLY != *" ${pair%%:*} "* ]] && continue
     [[ $CPU_FLAGS == *" ${pair%%:*} "* ]] && CMAKE_FLAGS+=(-DGGML_"${pair#*:}"=ON)
   done
 fi
@@ -117,7 +131,7 @@ mkdir -p "$OUT"
 # The host and the peer's build, for the table's header and peer_table.json: figures hold on one CPU.
 "$PY" benchmarks/peer_table.py --record-host "$OUT" --threads "$THREADS" --llamacpp-python "$VERSION" \
   --server-version "$SERVER_VERSION" --ggml-options "$(dirname "$SERVER_BIN")/ggml-options.txt" \
-  -- "${CMAKE_FLAGS[@]}"
+  --ladder-cflags "${LADDER_CPU_CFLAGS:-}" -- "${CMAKE_FLAGS[@]}"
 IFS=, read -r -a LEVELS <<< "$CONCURRENCY"
 MAX_USERS=${LEVELS[-1]}
 PORT_PEER=${PORT_PEER:-8091}

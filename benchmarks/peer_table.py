@@ -87,7 +87,8 @@ def record_host(args: argparse.Namespace) -> None:
     build = {"llama_cpp_python": args.llamacpp_python, "server_version": " ".join(args.server_version.split()),
              "cmake_flags": args.cmake_flags, "ggml_options": ggml_options(Path(args.ggml_options))}
     path = Path(args.record_host) / "host.json"
-    path.write_text(json.dumps({"host": host_info(args.threads), "llamacpp_build": build}, indent=1) + "\n")
+    path.write_text(json.dumps({"host": host_info(args.threads), "llamacpp_build": build,
+                                "ladder_cpu_cflags": args.ladder_cflags}, indent=1) + "\n")
     print("\n".join(header_lines(json.loads(path.read_text()))))
 
 
@@ -108,6 +109,8 @@ def header_lines(recorded: dict) -> list[str]:
                      f"cmake {' '.join(build.get('cmake_flags') or [])}")
         lines.append("GGML options on: " + (" ".join(on) if build.get("ggml_options") is not None
                                              else "not recorded (binary built before they were kept)"))
+    if recorded.get("ladder_cpu_cflags"):
+        lines.append(f"ladder's kernels built with LADDER_CPU_CFLAGS={recorded['ladder_cpu_cflags']}")
     return lines
 
 
@@ -164,6 +167,7 @@ if __name__ == "__main__":
         parser.add_argument("--llamacpp-python", default=None, help="the llama-cpp-python sources' version")
         parser.add_argument("--server-version", default="", help="what `llama-server --version` printed")
         parser.add_argument("--ggml-options", default="", help="the GGML_* lines of the build's CMakeCache.txt")
+        parser.add_argument("--ladder-cflags", default="", help="LADDER_CPU_CFLAGS of ladder's kernel build")
         parser.add_argument("cmake_flags", nargs="*", help="the -D options cmake was given (after --)")
         record_host(parser.parse_args())
     else:

@@ -136,7 +136,8 @@ class Sampler:
             return self._sample_direct(logits, requests, uniform)
         if not direct:
             return self._sample_filtered(logits, requests, uniform, masks)
-        others = [i for i in range(len(requests)) if i not in set(direct)]
+        taken = set(direct)
+        others = [i for i in range(len(requests)) if i not in taken]
         parts = [(direct, self._sample_direct(logits[direct], [requests[i] for i in direct],
                                               [uniform[i] for i in direct])),
                  (others, self._sample_filtered(logits[others], [requests[i] for i in others],
