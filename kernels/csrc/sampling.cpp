@@ -3,8 +3,9 @@
 //
 // Why one call: a batch-1 decode step streams ~100 MB of weights through the caches, and afterwards each
 // distinct torch op pays ~20 us to bring its dispatch code back; the dozen ops of a softmax, a cumulative
-// sum and a search cost ~0.3 ms a step that way, 7% of a small model's step. Here the work is two passes
-// over the row and a short scan.
+// sum and a search cost ~0.3 ms a step that way, 7% of a small model's step. Here each row is read twice
+// (its maximum, then its block sums) in parts of 16,384 logits, a task each, so one row of a large
+// vocabulary (Gemma 3's 262,144) spreads over the threads; then a short scan per row.
 //
 // A sampled row, x [V] float32 with temperature T and a uniform number u in [0, 1):
 //   z = clamp(x / T, +-FLT_MAX) (as the batched sampler edits logits), m = max z = clamp(max x / T);
@@ -13,8 +14,9 @@
 //   the token is the first i whose running sum of w exceeds u * sum(w) (kept below the sum), so it never
 //   lands on a zero-weight token.
 // The sum runs in blocks of 256 weights (float32 within a block, float64 across blocks); the scan finds
-// the block with the same float64 additions and walks it in float64, so the chosen token is exact up to
-// float32 rounding of the weights, and depends on nothing but the row, its T and its u.
+// the block with the same float64 additions, computes that block's weights again and walks them in
+// float64, so the chosen token is exact up to float32 rounding of the weights, and depends on nothing but
+// the row, its T and its u (not on the batch, nor on how the row was split).
 // A row holding a NaN is the model's failure: its token is -1.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -23,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "parallel.h"
@@ -34,6 +37,7 @@ namespace {
 constexpr float kFloatMax = std::numeric_limits<float>::max();
 constexpr float kFlush = -87.f;  // weights of z - m below this are 0
 constexpr int64_t kBlock = 256;  // weights per partial sum
+constexpr int64_t kPart = 64 * kBlock;  // logits of one row per task
 
 // The row's maximum, and whether it holds a NaN.
 struct RowMax {
@@ -75,7 +79,7 @@ RowMax row_max(const float* x, int64_t V) {
   return {m, nan};
 }
 
-// The first i with x[i] == m (m the row's maximum, no NaN in the row).
+// The first i with x[i] == m, or -1.
 int64_t first_index_of(const float* x, int64_t V, float m) {
   int64_t i = 0;
 #ifdef __AVX512F__
@@ -93,55 +97,55 @@ int64_t first_index_of(const float* x, int64_t V, float m) {
 #endif
   for (; i < V; ++i)
     if (x[i] == m) return i;
-  return 0;  // not reached: m is one of the row's values
+  return -1;
 }
 
-// w [V] = the weights of x at temperature t with z's maximum m; sums[b] = the float32 sum of block b.
-void weights(const float* x, int64_t V, float t, float m, float* w, float* sums) {
-  for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
-    const int64_t b1 = std::min(V, b0 + kBlock);
-    int64_t i = b0;
-    float sum = 0.f;
+// The weights of one block x [n] (n <= kBlock, from a block's start) at temperature t with z's maximum m,
+// stored in w when STORE; returns their float32 sum. Called for a block twice (its sum, then its weights
+// where the draw lands), it computes the same values both times.
+template <bool STORE>
+float block_weights(const float* x, int64_t n, float t, float m, float* w) {
+  int64_t i = 0;
+  float sum = 0.f;
 #ifdef __AVX512F__
-    const __m512 vt = _mm512_set1_ps(t), vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-kFloatMax),
-                 hi = _mm512_set1_ps(kFloatMax), flush = _mm512_set1_ps(kFlush);
-    __m512 acc = _mm512_setzero_ps();
-    for (; i < b1; i += 16) {
-      const __mmask16 lanes = b1 - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                           : static_cast<__mmask16>((1u << (b1 - i)) - 1u);
-      const __m512 z = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, x + i), vt), lo), hi);
-      const __m512 d = _mm512_sub_ps(z, vm);
-      const __m512 e = _mm512_maskz_mov_ps(lanes & _mm512_cmp_ps_mask(d, flush, _CMP_GE_OQ), exp16(d));
-      _mm512_mask_storeu_ps(w + i, lanes, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-kFloatMax),
-                 hi = _mm256_set1_ps(kFloatMax), flush = _mm256_set1_ps(kFlush);
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= b1; i += 8) {
-      const __m256 z = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vt), lo), hi);
-      const __m256 d = _mm256_sub_ps(z, vm);
-      const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, flush, _CMP_GE_OQ), exp8(d));
-      _mm256_storeu_ps(w + i, e);
-      acc = _mm256_add_ps(acc, e);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (float l : lanes) sum += l;
-#endif
-    for (; i < b1; ++i) {  // the portable loop, and the AVX2 tail
-      const float d = std::min(std::max(x[i] / t, -kFloatMax), kFloatMax) - m;
-      w[i] = d >= kFlush ? std::exp(d) : 0.f;
-      sum += w[i];
-    }
-    sums[b0 / kBlock] = sum;
+  const __m512 vt = _mm512_set1_ps(t), vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-kFloatMax),
+               hi = _mm512_set1_ps(kFloatMax), flush = _mm512_set1_ps(kFlush);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 z = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, x + i), vt), lo), hi);
+    const __m512 d = _mm512_sub_ps(z, vm);
+    const __m512 e = _mm512_maskz_mov_ps(lanes & _mm512_cmp_ps_mask(d, flush, _CMP_GE_OQ), exp16(d));
+    if constexpr (STORE) _mm512_mask_storeu_ps(w + i, lanes, e);
+    acc = _mm512_add_ps(acc, e);
   }
+  sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-kFloatMax),
+               hi = _mm256_set1_ps(kFloatMax), flush = _mm256_set1_ps(kFlush);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 z = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vt), lo), hi);
+    const __m256 d = _mm256_sub_ps(z, vm);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, flush, _CMP_GE_OQ), exp8(d));
+    if constexpr (STORE) _mm256_storeu_ps(w + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#endif
+  for (; i < n; ++i) {  // the portable loop, and the AVX2 tail
+    const float d = std::min(std::max(x[i] / t, -kFloatMax), kFloatMax) - m;
+    const float e = d >= kFlush ? std::exp(d) : 0.f;
+    if constexpr (STORE) w[i] = e;
+    sum += e;
+  }
+  return sum;
 }
 
-// One draw from the weights w [V] (block sums `sums`) at uniform u in [0, 1).
-int64_t draw(const float* w, const float* sums, int64_t V, double u) {
+// One draw from the row x [V] at temperature t (z's maximum m), its block sums `sums`, uniform u in [0, 1).
+int64_t draw(const float* x, int64_t V, float t, float m, const float* sums, double u) {
   const int64_t blocks = (V + kBlock - 1) / kBlock;
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) total += sums[b];
@@ -151,14 +155,16 @@ int64_t draw(const float* w, const float* sums, int64_t V, double u) {
   for (int64_t b = 0; b < blocks; ++b) {
     const double next = prefix + sums[b];  // the additions of `total`: the last block with mass ends at it
     if (next > target) {
-      const int64_t b0 = b * kBlock, b1 = std::min(V, b0 + kBlock);
+      const int64_t b0 = b * kBlock, n = std::min(V - b0, kBlock);
+      float w[kBlock];
+      block_weights<true>(x + b0, n, t, m, w);
       double run = prefix;
-      for (int64_t i = b0; i < b1; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         run += w[i];
-        if (run > target) return i;  // w[i] > 0: the running sum grew past the target here
+        if (run > target) return b0 + i;  // w[i] > 0: the running sum grew past the target here
       }
-      for (int64_t i = b1 - 1; i > b0; --i)  // float32 block sum above the float64 walk: its last token
-        if (w[i] > 0.f) return i;
+      for (int64_t i = n - 1; i > 0; --i)  // float32 block sum above the float64 walk: its last token
+        if (w[i] > 0.f) return b0 + i;
       return b0;
     }
     prefix = next;
@@ -183,21 +189,59 @@ at::Tensor sample_rows(const at::Tensor& logits, c10::ArrayRef<double> temperatu
   auto out = at::empty({B}, logits.options().dtype(at::kLong));
   const float* xp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  parallel_for(0, B, 1, [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<float> w, sums;
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* x = xp + r * stride;
-      const RowMax extent = row_max(x, V);
-      const float t = static_cast<float>(temperature[r]);
-      if (extent.nan) {
+  // Each row in parts of kPart logits, a task each, so that one row's work spreads over the threads (the
+  // parts' maxima, first maximum and block sums do not depend on the split).
+  const int64_t parts = (V + kPart - 1) / kPart, blocks = (V + kBlock - 1) / kBlock;
+  auto part_of = [&](int64_t task) {
+    const int64_t r = task / parts, p0 = (task % parts) * kPart;
+    return std::make_tuple(r, xp + r * stride + p0, p0, std::min(kPart, V - p0));
+  };
+  std::vector<RowMax> part_max(B * parts);
+  parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [r, x, p0, n] = part_of(task);
+      part_max[task] = row_max(x, n);
+    }
+  });
+  std::vector<RowMax> row(B);
+  std::vector<float> t(B), m(B);
+  for (int64_t r = 0; r < B; ++r) {
+    row[r] = part_max[r * parts];
+    for (int64_t q = 1; q < parts; ++q) {
+      row[r].max = std::max(row[r].max, part_max[r * parts + q].max);
+      row[r].nan |= part_max[r * parts + q].nan;
+    }
+    t[r] = static_cast<float>(temperature[r]);
+    m[r] = std::min(std::max(row[r].max / t[r], -kFloatMax), kFloatMax);
+  }
+  auto greedy = [&](int64_t r) { return !(t[r] >= std::numeric_limits<float>::min()); };  // 0, or too small
+  std::vector<int64_t> first(B * parts, -1);
+  std::vector<float> sums(B * blocks);
+  parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [r, x, p0, n] = part_of(task);
+      if (row[r].nan) continue;
+      if (greedy(r)) {
+        const int64_t i = first_index_of(x, n, row[r].max);
+        first[task] = i < 0 ? -1 : p0 + i;
+        continue;
+      }
+      for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+        const float sum = block_weights<false>(x + b0, std::min(kBlock, n - b0), t[r], m[r], nullptr);
+        sums[r * blocks + (p0 + b0) / kBlock] = sum;
+      }
+    }
+  });
+  parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (row[r].nan) {
         op[r] = -1;
-      } else if (!(t >= std::numeric_limits<float>::min())) {  // 0, or no normal float32: the argmax
-        op[r] = first_index_of(x, V, extent.max);
+      } else if (greedy(r)) {
+        const auto found = std::find_if(first.begin() + r * parts, first.begin() + (r + 1) * parts,
+                                        [](int64_t i) { return i >= 0; });  // the first part holding the max
+        op[r] = found == first.begin() + (r + 1) * parts ? 0 : *found;
       } else {
-        w.resize(V);
-        sums.resize((V + kBlock - 1) / kBlock);
-        weights(x, V, t, std::min(std::max(extent.max / t, -kFloatMax), kFloatMax), w.data(), sums.data());
-        op[r] = draw(w.data(), sums.data(), V, uniform[r]);
+        op[r] = draw(xp + r * stride, V, t[r], m[r], sums.data() + r * blocks, uniform[r]);
       }
     }
   });

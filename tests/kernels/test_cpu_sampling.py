@@ -106,3 +106,18 @@ def test_strided_rows_and_bad_arguments():
         sample_rows(rows, [1.0], [0.5])
     with pytest.raises(RuntimeError, match="rows contiguous"):
         sample_rows(wide.t(), [1.0] * 600, [0.5] * 600)
+
+
+def test_a_large_vocabulary_split_over_the_threads():
+    """Gemma 3's 262,144 tokens (plus one, so the last block and part are short) run as parts of one row:
+    the first maximum across parts, and draws as the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 262_145, generator=gen) * 3
+    logits[0, [200_000, 20_000]] = 40.0  # a tie in two parts: the first index wins
+    logits[1, 262_144] = 50.0  # the maximum in the last, one-logit block
+    assert sample_rows(logits, [0.0, 0.0, 0.0], [0.5] * 3) == [20_000, 262_144, int(logits[2].argmax())]
+    uniform = [float(u) for u in torch.rand(3, generator=gen, dtype=torch.float64)]
+    ours, reference = sample_rows(logits, [1.0] * 3, uniform), sample_rows_ref(logits, [1.0] * 3, uniform).tolist()
+    for i in range(3):
+        assert_same_draw(logits[i], 1.0, uniform[i], ours[i], reference[i])
+    assert ours[1] == 262_144  # all the mass there
