@@ -12,6 +12,7 @@
 
 #include "cpu_kernels.h"
 #include "parallel.h"
+#include "vec_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -191,24 +192,6 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
 }
 
-// exp_nonpositive's arithmetic on 8 lanes, 2^k built in the exponent bits (k >= -126 for x >= -87).
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693147180559945309f), x);
-  __m256 e = _mm256_set1_ps(1.f / 5040);
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 720));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 120));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 24));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 6));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
-  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e, _mm256_castsi256_ps(two_k));
-}
-
 // The same operations on AVX2's 8 lanes, for a float32 cache.
 struct Vec8 {
   using R = __m256;
@@ -234,7 +217,7 @@ struct Vec8 {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   }
   static R sum_lanes(const R* v) { return sum_lanes8(v); }
-  static R exp(R x) { return exp_nonpositive8(x); }
+  static R exp(R x) { return exp8(x); }  // of scores minus their maximum, as exp_nonpositive takes them
   static R or_minus_inf(unsigned valid, R x) {
     const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(valid)), bits), bits);
