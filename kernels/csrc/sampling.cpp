@@ -212,9 +212,9 @@ at::Tensor sample_rows(const at::Tensor& logits, c10::ArrayRef<double> temperatu
       row[r].nan |= part_max[r * parts + q].nan;
     }
     t[r] = static_cast<float>(temperature[r]);
-    m[r] = std::min(std::max(row[r].max / t[r], -kFloatMax), kFloatMax);
   }
   auto greedy = [&](int64_t r) { return !(t[r] >= std::numeric_limits<float>::min()); };  // 0, or too small
+  for (int64_t r = 0; r < B; ++r) m[r] = greedy(r) ? 0.f : std::min(std::max(row[r].max / t[r], -kFloatMax), kFloatMax);
   std::vector<int64_t> first(B * parts, -1);
   std::vector<float> sums(B * blocks);
   parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
