@@ -13,6 +13,7 @@ where u * sum(w) lies within float32 rounding of a boundary between two tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -49,14 +50,10 @@ _sample_rows = cpu_op("sample_rows", sample_rows_ref,
                       lambda logits, temperature, uniform: logits.new_empty(logits.shape[:1], dtype=torch.int64))
 
 
-_available: list[bool] = []
-
-
+@functools.cache
 def available() -> bool:
     """Whether the C++ kernel runs here (else `sample_rows` would run the row-by-row reference)."""
-    if not _available:
-        _available.append(cpu_kernels_enabled() and load() is not None)
-    return _available[0]
+    return cpu_kernels_enabled() and load() is not None
 
 
 def sample_rows(logits: torch.Tensor, temperature: list[float], uniform: list[float]) -> list[int]:
