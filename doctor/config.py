@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.precision import QUANTIZATIONS
+from model.precision import QUANTIZATIONS, parse_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class DoctorConfig:
     # As `ladder serve --quantization` (same choices, same default): auto resolves per model and device in
     # model/quantization.py, so the doctor examines the linears serve would run.
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # as `ladder serve --kv-cache-dtype`
     device: str | None = None  # default: cuda when present, else cpu
     max_num_seqs: int = 16  # the engine's sequence cap; the decode sweep goes up to it
     max_num_batched_tokens: int = 2048
@@ -45,6 +46,10 @@ class DoctorConfig:
             raise ValueError(f"--quantization {self.quantization} applies to a model loaded here, not to "
                              f"--{sources[0].replace('_', '-')} (an artifact has its compiled precision, a server "
                              "its own)")
+        parse_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto" and self.model is None and sources:
+            raise ValueError(f"--kv-cache-dtype applies to a model loaded here, not to "
+                             f"--{sources[0].replace('_', '-')}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"--num-requests must be at least 1, got {self.num_requests}")
 

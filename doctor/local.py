@@ -21,7 +21,7 @@ from engine.config import GIB, EngineConfig, bytes_per_block
 from engine.llm_engine import LLMEngine
 from kernels.kv_layout import blocks_for_tokens
 from model.loader import LoadedModel, load
-from model.precision import PRECISIONS, precision_of_dtype
+from model.precision import PRECISIONS, parse_kv_cache_dtype, precision_of_dtype
 from model.quantization import resolve_quantization
 
 
@@ -33,7 +33,7 @@ def precision_of(loaded: LoadedModel) -> str:
     if isinstance(loaded, LoadedArtifact):
         return loaded.manifest.precision
     quantization = getattr(loaded, "quantization", "none")  # int8 or w8a8 linears swapped in at load
-    return quantization if quantization != "none" else precision_of_dtype(loaded.module.kv_cache_dtype)
+    return quantization if quantization != "none" else precision_of_dtype(loaded.module.activation_dtype)
 
 
 def kernels_of(loaded: LoadedModel) -> str:
@@ -66,12 +66,13 @@ def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str, quanti
     tokens = max(num_requests * blocks_for_tokens(config.input_len + config.output_len, config.block_size),
                  config.max_num_seqs * blocks_for_tokens(config.input_len + 1, config.block_size),
                  2 * blocks_for_tokens(max_model_len, config.block_size)) * config.block_size
-    per_block = bytes_per_block(loaded.config, config.block_size, loaded.module.kv_cache_dtype)
+    cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype) or loaded.module.activation_dtype
+    per_block = bytes_per_block(loaded.config, config.block_size, cache_dtype)
     gib = (blocks_for_tokens(tokens, config.block_size) + 1) * per_block / GIB
     return EngineConfig(model=config.model, dtype=config.dtype, device=device, quantization=quantization,
                         max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                        block_size=config.block_size, kv_cache_memory_gib=gib,
+                        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype, kv_cache_memory_gib=gib,
                         enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
 
 

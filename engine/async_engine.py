@@ -100,6 +100,7 @@ class EngineInfo:
     # a request's guide off its event loop to refuse a bad one, and the engine finds it in the cache.
     guides: GuideCompiler | None = None
     lora_enabled: bool = False  # the engine has LoRA slots: adapters may be loaded at run time
+    kv_cache_dtype: str = "float32"  # the KV cache's element type, torch's name (--kv-cache-dtype resolved)
     # A request's sampling fields default to these when it leaves them out (the model's generation_config.json).
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -110,8 +111,7 @@ def weight_precision(engine: LLMEngine) -> str:
         return manifest.precision
     if engine.model.quantization != "none":  # int8 linears applied at load
         return engine.model.quantization
-    dtype = engine.model.module.kv_cache_dtype
-    return precision_of_dtype(dtype)
+    return precision_of_dtype(engine.model.module.activation_dtype)
 
 
 class AsyncLLMEngine:
@@ -125,7 +125,8 @@ class AsyncLLMEngine:
                                engine.max_model_len, engine.blocks.num_blocks, engine.config.block_size,
                                model_config=engine.model.config, engine_config=engine.config,
                                precision=weight_precision(engine), guides=engine.guides,
-                               lora_enabled=engine.lora is not None, sampling_defaults=engine.sampling_defaults)
+                               lora_enabled=engine.lora is not None, sampling_defaults=engine.sampling_defaults,
+                               kv_cache_dtype=str(engine.runner.kv_caches[0].dtype).removeprefix("torch."))
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()

@@ -33,6 +33,7 @@ from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
 from model.lora import LoRAAdapter, load_adapter
 from model.lora_slots import LoRASlots
+from model.precision import parse_kv_cache_dtype
 from model.quantization import resolve_quantization
 from parallel import tensor_parallel_model
 
@@ -42,6 +43,18 @@ log = logging.getLogger(__name__)
 PREPARE_FAILED = "building this request's step inputs failed"
 OUTPUT_FAILED = "turning this request's next token into text failed"
 REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED, GUIDE_FAILED})
+
+
+def set_kv_cache_dtype(loaded: LoadedModel, name: str) -> None:
+    """`--kv-cache-dtype` on the model the engine serves (before its ranks start: they copy it). An eager model
+    takes any; an artifact's graph was compiled for one cache dtype, and anything else is refused."""
+    dtype = parse_kv_cache_dtype(name)
+    module = loaded.module
+    if isinstance(module, LlamaForCausalLM):
+        module.kv_cache_dtype = dtype  # None (auto): the activations' dtype, whatever an earlier engine set
+    elif dtype is not None and dtype != module.kv_cache_dtype:
+        raise ValueError(f"--kv-cache-dtype {name}: this artifact's graph takes a "
+                         f"{str(module.kv_cache_dtype).removeprefix('torch.')} KV cache, fixed when it was compiled")
 
 
 @dataclass
@@ -64,6 +77,7 @@ class LLMEngine:
                                     revision=config.revision, download_dir=config.download_dir)
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
+        set_kv_cache_dtype(self.model, config.kv_cache_dtype)
         if config.tensor_parallel_size > 1:  # a model passed in is left whole: the ranks get copies
             self.model = tensor_parallel_model.start(self.model, config.tensor_parallel_size,
                                                      attention=config.tensor_parallel_attention)

@@ -39,6 +39,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_tokens: int | None = None
     kv_cache_memory_gib: float | None = None
+    kv_cache_dtype: str = "auto"  # the engine's (EngineConfig.kv_cache_dtype)
     hf_batch_size: int = 64
     skip_hf: bool = False
     hf_dtype: str | None = None  # transformers' dtype; default: the engine's, float32 for an artifact
@@ -131,7 +132,7 @@ def run_bench(config: BenchConfig) -> dict:
                                  quantization=config.quantization,
                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_prefill_tokens=config.max_prefill_tokens,
-                                 kv_cache_memory_gib=config.kv_cache_memory_gib,
+                                 kv_cache_memory_gib=config.kv_cache_memory_gib, kv_cache_dtype=config.kv_cache_dtype,
                                  tensor_parallel_size=config.tensor_parallel_size,
                                  tensor_parallel_attention=config.tensor_parallel_attention,
                                  lora_modules=config.lora_modules, max_loras=config.max_loras,
@@ -176,7 +177,7 @@ def run_bench(config: BenchConfig) -> dict:
         if manifest is not None:  # the artifact's source weights, at the fp32 the artifact is checked against
             hf_path, hf_dtype = Path(manifest.model["source"]), torch.float32
         else:
-            hf_path, hf_dtype = engine.model.path, engine.model.module.kv_cache_dtype
+            hf_path, hf_dtype = engine.model.path, engine.model.module.activation_dtype
         if config.hf_dtype is not None:  # (transformers runs the base model; no adapters)
             hf_dtype = parse_dtype(config.hf_dtype)
         hf_load, hf_seconds = run_hf(hf_path, hf_dtype, work, config.hf_batch_size, pad, engine.model.module.device)

@@ -5,16 +5,16 @@ on a CPU that copy is as expensive as the attention itself. This kernel walks th
 instead, one (sequence, KV head) pair per task, with a float32 softmax over the whole context, so K
 and V are read once and never copied. Grouped-query heads share each key they read.
 
-The cache may hold float32, bfloat16 or float16 (q and the output then have the cache's dtype). A 16-bit
-element is widened to float32 as it is loaded and every sum and the softmax run in float32, so a 16-bit
-cache computes what the float32 kernel computes on the widened cache, rounded once at the output. It
-halves the bytes read per token, which is what decode attention is bound by.
+The cache may hold float32, bfloat16 or float16; q and the output have the cache's dtype, or float32 over
+a 16-bit cache (a float32 model whose KV cache is 16-bit: `--kv-cache-dtype`). A 16-bit element is widened
+to float32 as it is loaded and every sum and the softmax run in float32, so a 16-bit cache computes what
+the float32 kernel computes on the widened cache, rounded once at the output (a 16-bit q). It halves the
+bytes read per token, which is what decode attention is bound by.
 
 The common shapes (head size 64, 128 or 256, blocks of 16 tokens, up to 8 query heads per KV head) run a
 specialised vector version: 16 (AVX-512) or 8 (AVX2) scores at once with one transposing reduction, a
 vector exp, and software prefetch of the next block, since a sequence's blocks lie anywhere in the
-cache and the hardware prefetcher cannot follow a block table. On AVX2 it takes a float32 cache only.
-Other shapes run the portable loop.
+cache and the hardware prefetcher cannot follow a block table. Other shapes run the portable loop.
 
 `paged_decode_attention` is the custom op ladder::paged_decode_attention (kernels/csrc/decode_attention.cpp,
 kernels/cpu_extension.py): the C++ kernel on CPU tensors where the extension builds, else its torch
@@ -29,8 +29,12 @@ import torch
 from kernels.cpu_extension import cpu_kernels_enabled, cpu_op, load
 from kernels.paged_attention import paged_attention_ref
 
-# What the kernel reads: q, the cache and the output share one of these.
+# What the kernel reads: a cache of one of these, and q (and the output) of its dtype or float32.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def takes_dtypes(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    return cache_dtype in CACHE_DTYPES and q_dtype in (cache_dtype, torch.float32)
 
 
 def has_avx512() -> bool:
@@ -53,9 +57,9 @@ def check_decode_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         named = (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables), ("seq_lens", seq_lens))
         where = ", ".join(f"{name} on {t.device}" for name, t in named)
         raise ValueError(f"the CPU decode attention kernel takes CPU tensors, got {where}")
-    if q.dtype not in CACHE_DTYPES or kv_cache.dtype != q.dtype:
-        raise ValueError(f"q and kv_cache of one dtype, float32, bfloat16 or float16; got q {q.dtype} and "
-                         f"kv_cache {kv_cache.dtype}")
+    if not takes_dtypes(q.dtype, kv_cache.dtype):
+        raise ValueError(f"a float32, bfloat16 or float16 kv_cache and q of its dtype or float32; got q {q.dtype} "
+                         f"and kv_cache {kv_cache.dtype}")
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != q.shape[2]:
         raise ValueError(f"expected q [S, H, D] and kv_cache [2, blocks, block_size, KVH, D], got "
                          f"{list(q.shape)} and {list(kv_cache.shape)}")
@@ -84,7 +88,7 @@ _paged_decode_attention = cpu_op("paged_decode_attention", paged_decode_attentio
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [S, H, D] one query token per sequence, of kv_cache's dtype
+    q: torch.Tensor,  # [S, H, D] one query token per sequence, of kv_cache's dtype or float32
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D] float32, bfloat16 or float16
     block_tables: torch.Tensor,  # [S, max_blocks] int64
     seq_lens: torch.Tensor,  # [S] int64

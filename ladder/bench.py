@@ -8,7 +8,12 @@ from pathlib import Path
 from engine.throughput import BenchConfig, format_table, run_bench, write_report
 from ladder.device import add_device_argument
 from ladder.lora import add_lora_arguments, lora_config
-from ladder.precision import add_auto_dtype_argument, add_dtype_argument, add_quantization_argument
+from ladder.precision import (
+    add_auto_dtype_argument,
+    add_dtype_argument,
+    add_kv_cache_dtype_argument,
+    add_quantization_argument,
+)
 from ladder.tensor_parallel import add_tensor_parallel_argument
 
 
@@ -31,6 +36,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="prompt tokens per step while other requests decode, so their streams keep flowing "
                         "(default: no bound, the whole --max-num-batched-tokens)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers generate")
     add_dtype_argument(p, "--hf-dtype", default=None,
                        help="dtype of transformers (default: the engine's --dtype; float32 for an artifact)")
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
-        kv_cache_memory_gib=args.kv_cache_memory,
+        kv_cache_memory_gib=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, hf_dtype=args.hf_dtype, device=args.device,
         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         tensor_parallel_attention=args.tensor_parallel_attention,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ladder.precision import add_dtype_argument, add_quantization_argument
+from ladder.precision import add_dtype_argument, add_kv_cache_dtype_argument, add_quantization_argument
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -30,6 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine = p.add_argument_group("engine and workload")
     add_dtype_argument(engine)
     add_quantization_argument(engine)
+    add_kv_cache_dtype_argument(engine)
     engine.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     engine.add_argument("--max-num-seqs", type=int, default=16, help="sequence cap; the decode sweep goes up to it")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = DoctorConfig(
         model=args.model, artifact=args.artifact, base_url=args.base_url, api_key=args.api_key, dtype=args.dtype,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
         max_prefill=args.max_prefill, enable_prefix_caching=not args.no_prefix_caching, out_dir=args.out)

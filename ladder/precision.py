@@ -1,10 +1,11 @@
-"""The `--dtype` and `--quantization` options of serve, generate, bench and doctor (model/precision.py names them)."""
+"""The `--dtype`, `--quantization` and `--kv-cache-dtype` options of serve, generate, bench and doctor
+(model/precision.py names them)."""
 
 from __future__ import annotations
 
 import argparse
 
-from model.precision import DTYPE_CHOICES, QUANTIZATIONS
+from model.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATIONS
 
 
 def add_dtype_argument(p: argparse.ArgumentParser, name: str = "--dtype", default: str | None = "float32",
@@ -28,3 +29,12 @@ def add_quantization_argument(p: argparse.ArgumentParser) -> None:
                         "none (the weights' dtype). auto (default), on a CPU with float32 weights: w4a8 for a "
                         "Q4_0/Q4_1/Q8_0 GGUF in one process, else w8a8; none for 16-bit weights, a GPU or a CPU "
                         "without AVX-512 VNNI")
+
+
+def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="the KV cache's element type; auto (default): the activations' (float32 on a CPU, "
+                        "quantized or not). bfloat16 or float16 halve the cache's memory (twice the tokens in "
+                        "--kv-cache-memory) and what decode attention reads; keys and values are rounded once "
+                        "as they are written, attention computes in float32. float16 keeps 3 more bits of each "
+                        "value, bfloat16 float32's range")

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from ladder import serve_ray
 from ladder.device import add_device_argument
 from ladder.lora import add_lora_arguments, lora_config
-from ladder.precision import add_auto_dtype_argument, add_quantization_argument
+from ladder.precision import add_auto_dtype_argument, add_kv_cache_dtype_argument, add_quantization_argument
 from ladder.pull import add_hub_arguments
 from ladder.speculative import add_speculative_arguments, speculative_config
 from ladder.tensor_parallel import add_tensor_parallel_argument
@@ -76,6 +76,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA, the fraction of the device's memory to fill: the KV cache gets this share less "
                         "what is in use once the model is loaded (default 0.9)")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
-        block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
@@ -159,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             state.attach(AsyncLLMEngine(LLMEngine(config), step_timeout=args.step_timeout or None))
             info = state.engine.info
-            log.info("serving %s (%s) as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens, "
-                     "max_model_len %d)", info.model_path, info.precision, state.model_name, args.host, args.port,
-                     time.perf_counter() - start, info.num_kv_blocks, info.block_size, info.max_model_len)
+            log.info("serving %s (%s) as %r on http://%s:%d (loaded in %.1f s; KV cache %d blocks of %d tokens "
+                     "in %s, max_model_len %d)", info.model_path, info.precision, state.model_name, args.host,
+                     args.port, time.perf_counter() - start, info.num_kv_blocks, info.block_size, info.kv_cache_dtype,
+                     info.max_model_len)
         except Exception as error:  # report one line and stop the server
             failure.append(" ".join(str(error).split()) or type(error).__name__)
             state.load_error = "the model failed to load"

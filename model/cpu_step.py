@@ -12,8 +12,8 @@ the decoders `ladder serve` runs on a CPU by default: float32 activations; W4A8 
 linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and Gemma 3's (q/k norms,
 sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); nothing wrapped or
 hooked (LoRA slots, tensor-parallel all-reduces). Not covered: mixtures of experts, float or weight-only
-int8 linears. Per step it takes a float32 cache and plans whose every token is a kernel row
-(`CpuAttentionPlan` without a gathered part: chunks up to 1,024 tokens).
+int8 linears. Per step it takes a float32, bfloat16 or float16 cache (`--kv-cache-dtype`) and plans whose
+every token is a kernel row (`CpuAttentionPlan` without a gathered part: chunks up to 1,024 tokens).
 
 The step holds the modules' tensors as they were when it was built. A module, parameter or buffer
 registered anywhere afterwards (a swapped linear, LoRA slots attached, weights reloaded) bumps
@@ -31,6 +31,7 @@ from torch.nn.modules import module as nn_module
 
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
+from model.precision import KV_CACHE_DTYPES
 from model.quantization import W8A8Linear
 from model.w4a8_linear import W4A8Linear
 
@@ -143,10 +144,10 @@ class CpuDecoderStep:
     @staticmethod
     def takes(plan: object, kv_caches: list[torch.Tensor]) -> bool:
         """Whether a step's plan (or pair of plans) and caches are the step's: every token a kernel row, a
-        float32 cache, no autograd, not under torch.compile."""
+        float32 or 16-bit cache, no autograd, not under torch.compile."""
         plans = plan if isinstance(plan, tuple) else (plan,)
         return (all(isinstance(p, CpuAttentionPlan) and p.gather is None for p in plans)
-                and kv_caches[0].dtype == torch.float32 and not torch.is_grad_enabled()
+                and kv_caches[0].dtype in KV_CACHE_DTYPES and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, local_cos: torch.Tensor,

@@ -24,6 +24,7 @@ from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.cpu_step import CpuDecoderStep, step_support, structure_version
 from model.moe import SparseMoeBlock
+from model.precision import KV_CACHE_DTYPES
 from model.rope import inverse_frequencies, local_inverse_frequencies
 from model.step import BaseStepModel, allocate_kv_caches
 
@@ -164,6 +165,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.make_rotary(torch.get_default_device())
+        self._kv_cache_dtype: torch.dtype | None = None  # kv_cache_dtype's setting (None: the activations')
         # The layers as one C++ call (model/cpu_step.py), built at the first step that can use it and again
         # after any module, parameter or buffer is registered; `cpu_step_reason` says why there is none.
         # use_cpu_step False: always the eager layers (benchmarks compare the two in one process).
@@ -195,8 +197,22 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         return self.embed_tokens.weight.device
 
     @property
-    def kv_cache_dtype(self) -> torch.dtype:
+    def activation_dtype(self) -> torch.dtype:
+        """What the layers compute in and pass between them: the embedding's dtype (float32 when quantized)."""
         return self.embed_tokens.weight.dtype
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the activations' unless set (`--kv-cache-dtype`: a 16-bit cache under
+        float32 activations halves the cache's memory and the bytes attention reads; keys and values are
+        rounded as they are written, and attention computes in float32)."""
+        return self._kv_cache_dtype or self.activation_dtype
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, dtype: torch.dtype | None) -> None:  # None: the activations' again
+        if dtype is not None and dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"a KV cache holds float32, bfloat16 or float16, not {dtype}")
+        self._kv_cache_dtype = dtype
 
     def plan(self, attn_metadata: AttentionMetadata) -> AttentionPlan | tuple[AttentionPlan, AttentionPlan]:
         """The backend's plan; with sliding-window layers among full ones, (full layers' plan, windowed

@@ -65,7 +65,7 @@ class LoRASlots:
         """Wrap the projections of every layer of `module` (a LlamaForCausalLM, any precision) in place."""
         config = module.config
         slots = cls(max_loras, max_rank)
-        dtype, device = module.kv_cache_dtype, module.device  # the activations' dtype
+        dtype, device = module.activation_dtype, module.device
         for index, layer in enumerate(module.layers):
             for fused, (block, parts) in FUSED_TARGETS.items():
                 parent = getattr(layer, block)

@@ -88,3 +88,17 @@ def precision_of_dtype(dtype: torch.dtype) -> str:
         if float_dtype == dtype:
             return name
     return str(dtype).removeprefix("torch.")
+
+
+# `--kv-cache-dtype`: the KV cache's element type, `auto` (the activations') or a float dtype by either name.
+KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPE_CHOICES)
+
+
+def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """`--kv-cache-dtype` NAME -> the cache's dtype, None for auto (the activations' dtype)."""
+    if name == "auto":
+        return None
+    if DTYPE_NAMES.get(name, name) not in FLOAT_PRECISIONS:
+        raise ValueError(f"unknown KV cache dtype {name!r} (choose from {', '.join(KV_CACHE_DTYPE_CHOICES)})")
+    return parse_dtype(name)

@@ -87,6 +87,7 @@ class TensorParallelModel(BaseStepModel):
         self.kv_pools = layout.kv_pools  # the block manager's pools (engine/block_manager.py)
         self.blocks_per_rank = 0  # set when the KV cache is allocated
         self.kv_cache_dtype = shard.kv_cache_dtype
+        self.activation_dtype = shard.activation_dtype
         self.device = shard.device
         self.num_steps = 0
         self.failure: str | None = None  # why the group can run no more steps
@@ -265,7 +266,7 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, 
         tensors = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in shards[rank].items()]
         spec = WorkerSpec(rank, size, backend, "127.0.0.1", store.port, timeout_s, str(devices[rank]), num_threads,
                           config, full.block_size, loaded.quantization, tensors, attention,
-                          None if region is None else str(region))
+                          str(full.kv_cache_dtype).removeprefix("torch."), None if region is None else str(region))
         receive, send = context.Pipe(duplex=False)
         worker = context.Process(target=worker_main, args=(spec, receive), name=f"ladder-tp-rank{rank}", daemon=True)
         worker.start()
@@ -286,6 +287,7 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, 
         collectives = joined[0]
         module = build_rank_module(config, full.block_size, full.ops, loaded.quantization, shards[0], layout,
                                    collectives)
+        module.kv_cache_dtype = full.kv_cache_dtype
     except BaseException:
         for worker, pipe in zip(workers, pipes):
             worker.kill()

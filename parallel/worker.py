@@ -49,6 +49,7 @@ class WorkerSpec:
     quantization: str  # the int8 scheme the linears carry, or none
     tensors: list[tuple[str, tuple[int, ...], str]]  # the shard's state dict: (name, shape, dtype), in send order
     attention: str  # split by "heads" or "sequences" (parallel/layout.py)
+    kv_cache_dtype: str  # torch's name of the KV cache's element type (rank 0's)
     shared_region: str | None = None  # the shared-memory all-reduce's file (CPU ranks), mapped before joining
 
 
@@ -72,6 +73,7 @@ def worker_main(spec: WorkerSpec, commands: Connection) -> None:
     layout = TensorParallelLayout.for_model(spec.config, spec.size, spec.attention)
     module = build_rank_module(spec.config, spec.block_size, select_ops(device), spec.quantization, state, layout,
                                collectives)
+    module.kv_cache_dtype = getattr(torch, spec.kv_cache_dtype)
     del state
     local_config = layout.local_config(spec.config, spec.rank)
     kv_caches: list[torch.Tensor] = []

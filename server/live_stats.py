@@ -72,6 +72,7 @@ def live_stats(state: ServerState) -> dict:
         "name": state.model_name, "precision": info.precision,
         "config": info.model_config.to_dict() if info.model_config else None,
         "max_model_len": info.max_model_len, "num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size,
+        "kv_cache_dtype": info.kv_cache_dtype,
         "max_num_seqs": config.max_num_seqs if config else None,
         "max_num_batched_tokens": config.max_num_batched_tokens if config else None,
         "device": config.device if config else None,

@@ -4,6 +4,9 @@
 // the same machine code, so their results are equal bit for bit.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -79,11 +82,20 @@ LADDER_SHARED void w8a8_rows(const float* x, int64_t M, const W8A8Weight& w, flo
 
 // decode_attention.cpp -------------------------------------------------------------------------------
 
-// Paged decode attention over a float32 cache, one query row per sequence entry: q row s at q + s *
-// q_stride holds H heads of D floats; k, v the cache's halves [num_blocks, BS, KVH, D]; tables [S,
-// max_blocks], seq_lens [S]; out row s at out + s * out_stride. `window` > 0: the last `window` keys only.
+// Paged decode attention of float32 queries over a float32, bfloat16 or float16 cache, one query row per
+// sequence entry: q row s at q + s * q_stride holds H heads of D floats; k, v the cache's halves
+// [num_blocks, BS, KVH, D]; tables [S, max_blocks], seq_lens [S]; out row s at out + s * out_stride (float32).
+// `window` > 0: the last `window` keys only.
 LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH,
                            int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride);
+LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const c10::BFloat16* k,
+                           const c10::BFloat16* v, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
+                           int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window,
+                           float* out, int64_t out_stride);
+LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const c10::Half* k, const c10::Half* v,
+                           const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H,
+                           int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window, float* out,
+                           int64_t out_stride);
 
 }  // namespace ladder

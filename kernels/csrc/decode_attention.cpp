@@ -1,9 +1,10 @@
 // Paged decode attention: one query token per sequence against its cached blocks, read in place through the
 // block table. One task per (sequence, KV head); a float32 softmax over the whole context. The cache holds
-// float32, bfloat16 or float16 (q and the output share its dtype); 16-bit elements are widened as loaded.
+// float32, bfloat16 or float16; q and the output have the cache's dtype, or float32 over a 16-bit cache (a
+// float32 model with a 16-bit KV cache, `--kv-cache-dtype`). 16-bit elements are widened as loaded.
 // The common shapes (head size 64, 128 or 256, blocks of 16 tokens, up to 8 query heads per KV head) run a
-// specialised vector task: on AVX-512 for every cache dtype, on AVX2 for a float32 cache (an AMD Zen 3
-// host's case); other shapes and 16-bit caches on AVX2 run the portable loop.
+// specialised vector task, on AVX-512 or AVX2 (an AMD Zen 3 host's case; float16 there needs F16C); other
+// shapes run the portable loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -32,14 +33,14 @@
 namespace ladder {
 namespace {
 
-// q [S, H, D] T; kv_cache [2, num_blocks, block_size, KVH, D] T; block_tables [S, max_blocks] int64;
-// seq_lens [S] int64 (tokens in the cache, the query's own included); out [S, H, D] T. T is float,
-// c10::BFloat16 or c10::Half; arithmetic is float32 throughout. Query head j reads KV head j / (H / KVH).
+// q [S, H, D] Q; kv_cache [2, num_blocks, block_size, KVH, D] T; block_tables [S, max_blocks] int64;
+// seq_lens [S] int64 (tokens in the cache, the query's own included); out [S, H, D] Q. T is float,
+// c10::BFloat16 or c10::Half, Q is T or float; arithmetic is float32 throughout. Query head j reads KV head j / (H / KVH).
 // Tokens [first, len) are attended (first > 0 only with a sliding window).
 // Query row s starts at q + s * q_stride and output row s at out + s * out_stride (H * D when contiguous).
-template <typename T>
+template <typename Q, typename T>
 struct Problem {
-  const T* q; const T* k; const T* v; const int64_t* tables; T* out;
+  const Q* q; const T* k; const T* v; const int64_t* tables; Q* out;
   int64_t H, D, KVH, G, BS, max_blocks;
   float scale;
   int64_t q_stride, out_stride;
@@ -47,14 +48,14 @@ struct Problem {
 
 // Portable version: any G and D, vectorised by the compiler where it can. `query` holds the G query rows
 // widened to float32 (a scratch buffer per thread).
-template <typename T>
-void task_generic(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len,
+template <typename Q, typename T>
+void task_generic(const Problem<Q, T>& p, int64_t s, int64_t h, int64_t first, int64_t len,
                          std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& query) {
   const int64_t G = p.G, D = p.D, n = len - first;
   scores.assign(G * n, 0.f);
   acc.assign(G * D, 0.f);
   query.resize(G * D);
-  const T* qs = p.q + s * p.q_stride + h * G * D;
+  const Q* qs = p.q + s * p.q_stride + h * G * D;
   for (int64_t i = 0; i < G * D; ++i) query[i] = static_cast<float>(qs[i]);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = first + t;
@@ -88,8 +89,8 @@ void task_generic(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int6
       for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
     }
   }
-  T* os = p.out + s * p.out_stride + h * G * D;
-  for (int64_t i = 0; i < G * D; ++i) os[i] = static_cast<T>(acc[i]);  // round to nearest even
+  Q* os = p.out + s * p.out_stride + h * G * D;
+  for (int64_t i = 0; i < G * D; ++i) os[i] = static_cast<Q>(acc[i]);  // round to nearest even
 }
 
 #if defined(__AVX512F__)
@@ -192,12 +193,33 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
 }
 
-// The same operations on AVX2's 8 lanes, for a float32 cache.
+// The same operations on AVX2's 8 lanes; 16-bit elements widened and rounded as in load16 / store16
+// (float16 by F16C, which every AVX2 CPU seen so far has; without it float16 takes the portable loop).
 struct Vec8 {
   using R = __m256;
   static constexpr int W = 8;
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R load(const c10::BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static void store(c10::BFloat16* p, R x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    top = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(top), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+    // Within each 128-bit half: the four 16-bit values, twice; then the halves' first quads side by side.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+#if defined(__F16C__)
+  static R load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(c10::Half* p, R x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#endif
   static R loadu(const float* p) { return _mm256_loadu_ps(p); }
   static void storeu(float* p, R x) { _mm256_storeu_ps(p, x); }
   static R set1(float x) { return _mm256_set1_ps(x); }
@@ -242,8 +264,8 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t l
 // cache. `partial` null: the output rows. Else a chunk of a longer context: per query head its maximum
 // score, its sum of weights exp(score - maximum) and the unnormalized weighted sum of V [D], at
 // partial + g * (D + 2), for `combine_chunks`.
-template <typename T, int G, int DV, class V>
-void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores,
+template <typename Q, typename T, int G, int DV, class V>
+void task_vector(const Problem<Q, T>& p, int64_t s, int64_t h, int64_t first, int64_t len, float* scores,
                  float* partial) {
   using R = typename V::R;
   constexpr int64_t BS = 16, D = V::W * DV;
@@ -257,7 +279,7 @@ void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
   auto attended = [&](int64_t b) {
     return std::make_pair(std::max<int64_t>(first - b * BS, 0), std::min<int64_t>(len - b * BS, BS));
   };
-  const T* qs = p.q + s * p.q_stride + h * G * D;
+  const Q* qs = p.q + s * p.q_stride + h * G * D;
   R qv[G][DV];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) qv[g][d] = V::mul(V::load(qs + g * D + V::W * d), V::set1(p.scale));
@@ -329,52 +351,54 @@ void task_vector(const Problem<T>& p, int64_t s, int64_t h, int64_t first, int64
     }
     return;
   }
-  T* os = p.out + s * p.out_stride + h * G * D;
+  Q* os = p.out + s * p.out_stride + h * G * D;
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) V::store(os + g * D + V::W * d, V::mul(acc[g][d], V::set1(inv_total[g])));
 }
 
-template <typename T>
-using VectorTask = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, float*, float*);
+template <typename Q, typename T>
+using VectorTask = void (*)(const Problem<Q, T>&, int64_t, int64_t, int64_t, int64_t, float*, float*);
 
-template <typename T, int DV, class V>
-VectorTask<T> pick_group(int64_t G) {
+template <typename Q, typename T, int DV, class V>
+VectorTask<Q, T> pick_group(int64_t G) {
   switch (G) {
-    case 1: return task_vector<T, 1, DV, V>;
-    case 2: return task_vector<T, 2, DV, V>;
-    case 3: return task_vector<T, 3, DV, V>;
-    case 4: return task_vector<T, 4, DV, V>;
-    case 5: return task_vector<T, 5, DV, V>;
-    case 6: return task_vector<T, 6, DV, V>;
-    case 7: return task_vector<T, 7, DV, V>;
-    case 8: return task_vector<T, 8, DV, V>;
+    case 1: return task_vector<Q, T, 1, DV, V>;
+    case 2: return task_vector<Q, T, 2, DV, V>;
+    case 3: return task_vector<Q, T, 3, DV, V>;
+    case 4: return task_vector<Q, T, 4, DV, V>;
+    case 5: return task_vector<Q, T, 5, DV, V>;
+    case 6: return task_vector<Q, T, 6, DV, V>;
+    case 7: return task_vector<Q, T, 7, DV, V>;
+    case 8: return task_vector<Q, T, 8, DV, V>;
     default: return nullptr;
   }
 }
 
 // The specialised task for this shape, or nullptr (then the portable one runs).
-template <typename T>
-VectorTask<T> pick_vector(int64_t G, int64_t D, int64_t BS) {
+template <typename Q, typename T>
+VectorTask<Q, T> pick_vector(int64_t G, int64_t D, int64_t BS) {
 #if defined(LADDER_ATTENTION_AVX512)
   using V = Vec16;
 #else
   using V = Vec8;
-  if constexpr (!std::is_same_v<T, float>) return nullptr;  // AVX2 widens no 16-bit cache
+#if !defined(__F16C__)
+  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<Q, c10::Half>) return nullptr;  // no F16C
   else
+#endif
 #endif
   {
     if (BS != 16) return nullptr;
-    if (D == 64) return pick_group<T, 64 / V::W, V>(G);
-    if (D == 128) return pick_group<T, 128 / V::W, V>(G);
-    if (D == 256) return pick_group<T, 256 / V::W, V>(G);  // Gemma 3
+    if (D == 64) return pick_group<Q, T, 64 / V::W, V>(G);
+    if (D == 128) return pick_group<Q, T, 128 / V::W, V>(G);
+    if (D == 256) return pick_group<Q, T, 256 / V::W, V>(G);  // Gemma 3
     return nullptr;
   }
 }
 #endif
 
 // The portable loop: one task per (sequence, KV head).
-template <typename T>
-void run_generic(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window) {
+template <typename Q, typename T>
+void run_generic(const Problem<Q, T>& p, int64_t S, const int64_t* sl, int64_t sliding_window) {
   parallel_for(0, S * p.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, query;
     for (int64_t task = begin; task < end; ++task) {
@@ -400,10 +424,10 @@ struct ChunkTask {
 
 // out rows of (s, h) from its chunks' partials, in chunk order: with M the largest chunk maximum, each
 // chunk's sums scaled by exp(m_c - M), the weighted sums added and divided by the weights' total.
-template <typename T>
-void combine_chunks(const Problem<T>& p, int64_t s, int64_t h, const float* partials, int64_t chunks) {
+template <typename Q, typename T>
+void combine_chunks(const Problem<Q, T>& p, int64_t s, int64_t h, const float* partials, int64_t chunks) {
   const int64_t G = p.G, D = p.D, width = G * (D + 2);
-  T* os = p.out + s * p.out_stride + h * G * D;
+  Q* os = p.out + s * p.out_stride + h * G * D;
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
     float top = -INFINITY;
@@ -417,12 +441,12 @@ void combine_chunks(const Problem<T>& p, int64_t s, int64_t h, const float* part
       for (int64_t d = 0; d < D; ++d) acc[d] += pc[2 + d] * f;
     }
     const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) os[g * D + d] = static_cast<T>(acc[d] * inv);
+    for (int64_t d = 0; d < D; ++d) os[g * D + d] = static_cast<Q>(acc[d] * inv);
   }
 }
 
-template <typename T>
-void run_vector(const Problem<T>& p, VectorTask<T> fast, int64_t S, const int64_t* sl, int64_t sliding_window) {
+template <typename Q, typename T>
+void run_vector(const Problem<Q, T>& p, VectorTask<Q, T> fast, int64_t S, const int64_t* sl, int64_t sliding_window) {
   const int64_t KVH = p.KVH, BS = p.BS, width = p.G * (p.D + 2);
   std::vector<ChunkTask> tasks;
   std::vector<std::pair<int64_t, int64_t>> combined;  // (first task, chunks) of each split (s, h)
@@ -461,10 +485,10 @@ void run_vector(const Problem<T>& p, VectorTask<T> fast, int64_t S, const int64_
 }
 #endif
 
-template <typename T>
-void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_window, bool portable) {
+template <typename Q, typename T>
+void run(const Problem<Q, T>& p, int64_t S, const int64_t* sl, int64_t sliding_window, bool portable) {
 #if defined(LADDER_ATTENTION_AVX512) || defined(LADDER_ATTENTION_AVX2)
-  if (const VectorTask<T> fast = portable ? nullptr : pick_vector<T>(p.G, p.D, p.BS)) {
+  if (const VectorTask<Q, T> fast = portable ? nullptr : pick_vector<Q, T>(p.G, p.D, p.BS)) {
     run_vector(p, fast, S, sl, sliding_window);
     return;
   }
@@ -472,27 +496,28 @@ void run(const Problem<T>& p, int64_t S, const int64_t* sl, int64_t sliding_wind
   run_generic(p, S, sl, sliding_window);
 }
 
-template <typename T>
+template <typename Q, typename T>
 void run_typed(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t sliding_window, bool portable) {
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   const T* kp = kv_cache.data_ptr<T>();
-  const Problem<T> p{q.data_ptr<T>(), kp, kp + num_blocks * BS * KVH * D, block_tables.data_ptr<int64_t>(),
-                     out.data_ptr<T>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale),
-                     H * D, H * D};
+  const Problem<Q, T> p{q.data_ptr<Q>(), kp, kp + num_blocks * BS * KVH * D, block_tables.data_ptr<int64_t>(),
+                        out.data_ptr<Q>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale),
+                        H * D, H * D};
   run(p, q.size(0), seq_lens.data_ptr<int64_t>(), sliding_window, portable);
 }
 
-// q and kv_cache of one dtype: float32, bfloat16 or float16 (checked in Python). portable: run the
-// ladder::paged_decode_attention. q [S, H, D] and kv_cache [2, num_blocks, block_size, KVH, D] of one dtype
-// (float32, bfloat16 or float16); block_tables [S, max_blocks] and seq_lens [S] int64. Values (block ids,
-// lengths) are the caller's invariant. portable: the portable loop even where a vector task exists.
+// ladder::paged_decode_attention. q [S, H, D] of the cache's dtype, or float32 over a 16-bit cache;
+// kv_cache [2, num_blocks, block_size, KVH, D] float32, bfloat16 or float16; block_tables [S, max_blocks]
+// and seq_lens [S] int64. Values (block ids, lengths) are the caller's invariant. portable: the portable
+// loop even where a vector task exists. The output has q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cache_in, const at::Tensor& tables_in,
                                   const at::Tensor& lens_in, double scale, int64_t sliding_window, bool portable) {
   TORCH_CHECK(q_in.device().is_cpu() && cache_in.device().is_cpu() && tables_in.device().is_cpu() &&
               lens_in.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q_in.scalar_type() == cache_in.scalar_type(), "q and kv_cache must share a dtype");
+  const auto qt = q_in.scalar_type(), ct = cache_in.scalar_type();
+  TORCH_CHECK(qt == ct || qt == at::kFloat, "q of the kv_cache's dtype, or float32");
   TORCH_CHECK(q_in.dim() == 3 && cache_in.dim() == 5 && cache_in.size(0) == 2 && cache_in.size(4) == q_in.size(2) &&
               q_in.size(1) % cache_in.size(3) == 0, "q [S, H, D], kv_cache [2, blocks, block_size, KVH, D]");
   TORCH_CHECK(tables_in.dim() == 2 && tables_in.size(0) == q_in.size(0) && lens_in.numel() == q_in.size(0),
@@ -500,14 +525,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cach
   const auto q = q_in.contiguous(), kv_cache = cache_in.contiguous();
   const auto block_tables = tables_in.to(at::kLong).contiguous(), seq_lens = lens_in.to(at::kLong).contiguous();
   auto out = at::empty_like(q);
-  const auto window = sliding_window;
-  switch (q.scalar_type()) {
-    case at::kFloat: run_typed<float>(q, kv_cache, block_tables, seq_lens, out, scale, window, portable); break;
-    case at::kBFloat16: run_typed<c10::BFloat16>(q, kv_cache, block_tables, seq_lens, out, scale, window, portable); break;
-    case at::kHalf: run_typed<c10::Half>(q, kv_cache, block_tables, seq_lens, out, scale, window, portable); break;
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", q.scalar_type());
-  }
+  const auto w = sliding_window;
+  using BF16 = c10::BFloat16;
+  using F16 = c10::Half;
+  if (qt == at::kFloat && ct == at::kFloat) run_typed<float, float>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
+  else if (qt == at::kFloat && ct == at::kBFloat16) run_typed<float, BF16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
+  else if (qt == at::kFloat && ct == at::kHalf) run_typed<float, F16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
+  else if (ct == at::kBFloat16) run_typed<BF16, BF16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
+  else if (ct == at::kHalf) run_typed<F16, F16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
+  else TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", ct);
   return out;
+}
+
+template <typename T>
+void rows_over(const float* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables, int64_t max_blocks,
+               const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
+               int64_t window, float* out, int64_t out_stride) {
+  const Problem<float, T> p{q, k, v, tables, out, H, D, KVH, H / KVH, BS, max_blocks, scale, q_stride, out_stride};
+  run(p, S, seq_lens, window, false);
 }
 
 }  // namespace
@@ -515,8 +550,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cach
 void decode_attention_rows(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH,
                            int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride) {
-  const Problem<float> p{q, k, v, tables, out, H, D, KVH, H / KVH, BS, max_blocks, scale, q_stride, out_stride};
-  run(p, S, seq_lens, window, false);
+  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride);
+}
+
+void decode_attention_rows(const float* q, int64_t q_stride, const c10::BFloat16* k, const c10::BFloat16* v,
+                           const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H,
+                           int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window, float* out,
+                           int64_t out_stride) {
+  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride);
+}
+
+void decode_attention_rows(const float* q, int64_t q_stride, const c10::Half* k, const c10::Half* v,
+                           const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H,
+                           int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window, float* out,
+                           int64_t out_stride) {
+  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride);
 }
 
 bool has_avx512() {

@@ -21,7 +21,8 @@
 //            the layer reads the local tables and rotates by the local cos/sin), and per linear kind (0 W4A8,
 //            1 W8A8) and zero (W4A8's implied offset).
 // forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2], kv_caches (one [2, blocks,
-//   block_size, kv_heads, head_dim] float32 per layer), slot_mapping [T], block_tables [T, max_blocks],
+//   block_size, kv_heads, head_dim] per layer, all float32, all bfloat16 or all float16: keys and values
+//   are rounded to the cache's type as they are written, as torch's conversion rounds them), slot_mapping [T], block_tables [T, max_blocks],
 //   seq_lens [T] and the same three for the windowed layers, scale, window) -> final hidden [T, hidden].
 //   Each row is a decode row: token t sees seq_lens[t] keys, its own included; a windowed layer the last
 //   `window` of them.
@@ -107,6 +108,23 @@ void rows(int64_t T, int64_t width, const Fn& fn) {
   });
 }
 
+// Writes T rows' keys and values (float32, row t's at qkv + t * QKV + QS and + QS + KS, KS floats each) into
+// their slots of a cache of element type C, then runs the decode attention of the rows over it.
+template <typename C>
+void write_and_attend(const at::Tensor& cache, const float* qkv, int64_t T, int64_t QS, int64_t KS, int64_t QKV,
+                      const int64_t* slots, const at::Tensor& tables, const at::Tensor& lens, int64_t H, int64_t KVH,
+                      int64_t D, float scale, int64_t window, float* out) {
+  C* kc = cache.data_ptr<C>();
+  C* vc = kc + cache.size(1) * cache.size(2) * KS;
+  for (int64_t t = 0; t < T; ++t) {  // std::copy converts: c10's float -> 16-bit rounds to nearest even
+    const float* row = qkv + t * QKV;
+    std::copy(row + QS, row + QS + KS, kc + slots[t] * KS);
+    std::copy(row + QS + KS, row + QKV, vc + slots[t] * KS);
+  }
+  decode_attention_rows(qkv, QKV, kc, vc, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), T, H,
+                        KVH, D, cache.size(2), scale, window, out, QS);
+}
+
 // One plan's tensors, as the kernels read them.
 struct Tables {
   at::Tensor slots, tables, lens;
@@ -163,6 +181,9 @@ class DecoderStep : public torch::CustomClassHolder {
                 "DecoderStep: x [T, ", H, "] float32 on the CPU");
     const int64_t T = x_in.size(0);
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecoderStep: one KV cache per layer");
+    const auto cache_type = kv_caches.empty() ? at::kFloat : kv_caches[0].scalar_type();
+    TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf,
+                "DecoderStep: a float32, bfloat16 or float16 KV cache");
     const auto x = x_in.contiguous();
     std::vector<at::Tensor> rotary;
     for (const auto* c : {&cos_in, &sin_in, &local_cos_in, &local_sin_in}) {
@@ -174,8 +195,8 @@ class DecoderStep : public torch::CustomClassHolder {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const auto& c = kv_caches[i];
       TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == kv_heads_ && c.size(4) == D &&
-                  c.scalar_type() == at::kFloat && c.is_contiguous(), "DecoderStep: kv caches [2, blocks, block_size, ",
-                  kv_heads_, ", ", D, "] float32 contiguous");
+                  c.scalar_type() == cache_type && c.is_contiguous(), "DecoderStep: kv caches [2, blocks, block_size, ",
+                  kv_heads_, ", ", D, "] contiguous, all of one dtype");
       const int64_t* sp = (layers_[i].windowed ? local : full).slots.data_ptr<int64_t>();
       for (int64_t t = 0; t < T; ++t)
         TORCH_CHECK(sp[t] >= 0 && sp[t] < c.size(1) * c.size(2), "DecoderStep: slot ", sp[t], " outside layer ", i,
@@ -222,18 +243,18 @@ class DecoderStep : public torch::CustomClassHolder {
         rotate_rows(qkv + t * QKV + QS, 1, kv_heads_, QKV, D, cp + t * half, snp + t * half, half);
       });
       clock.lap(kRotary);
-      const auto& cache = kv_caches[i];
-      float* kc = cache.data_ptr<float>();
-      float* vc = kc + cache.size(1) * cache.size(2) * KS;
       const int64_t* sp = plan.slots.data_ptr<int64_t>();
-      for (int64_t t = 0; t < T; ++t) {  // the step's keys and values into their slots
-        const float* row = qkv + t * QKV;
-        std::copy(row + QS, row + QS + KS, kc + sp[t] * KS);
-        std::copy(row + QS + KS, row + QKV, vc + sp[t] * KS);
-      }
-      decode_attention_rows(qkv, QKV, kc, vc, plan.tables.data_ptr<int64_t>(), plan.tables.size(1),
-                            plan.lens.data_ptr<int64_t>(), T, heads_, kv_heads_, D, cache.size(2),
-                            static_cast<float>(scale), layer.windowed ? window : 0, attn_.data(), QS);
+      const float sc = static_cast<float>(scale);
+      const int64_t w = layer.windowed ? window : 0;
+      if (cache_type == at::kFloat)
+        write_and_attend<float>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, kv_heads_, D,
+                                sc, w, attn_.data());
+      else if (cache_type == at::kBFloat16)
+        write_and_attend<c10::BFloat16>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_,
+                                        kv_heads_, D, sc, w, attn_.data());
+      else
+        write_and_attend<c10::Half>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, kv_heads_,
+                                    D, sc, w, attn_.data());
       clock.lap(kAttention);
       layer.o.run(attn_.data(), T, y, s4_, s8_);
       clock.lap(kO);

@@ -95,7 +95,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _rows(self, q, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """One query row per token: the kernel where it takes the dtypes, its reference elsewhere."""
-        if kv_cache.dtype in cpu_kernel.CACHE_DTYPES and q.dtype == kv_cache.dtype:
+        if cpu_kernel.takes_dtypes(q.dtype, kv_cache.dtype):
             return cpu_kernel.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, self.sliding_window)
         return cpu_kernel.paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale,
                                                      self.sliding_window or 0, False)

@@ -128,6 +128,10 @@ def test_llm_serves_artifact_text(artifacts):
     assert llm.engine.max_model_len == 256
     with pytest.raises(ValueError, match="exceeds the 256 tokens"):
         LLM(loaded=artifacts["fp32"], max_model_len=512)
+    # Its graph takes the float32 cache it was compiled for: another --kv-cache-dtype is refused, its own taken.
+    with pytest.raises(ValueError, match="graph takes a float32 KV cache, fixed when it was compiled"):
+        LLM(loaded=artifacts["fp32"], kv_cache_dtype="bfloat16")
+    assert LLM(loaded=artifacts["fp32"], kv_cache_dtype="float32").engine.runner.kv_caches[0].dtype == torch.float32
 
 
 @pytest.fixture

@@ -176,6 +176,7 @@ def test_doctor_reads_a_running_server_over_http(tiny_dir, tmp_path):
         stats = httpx.get(url + "/stats").json()
         assert stats["model"]["max_num_seqs"] == 1 and stats["model"]["config"]["hidden_size"] == 32
         assert stats["model"]["precision"] == "fp32" and stats["engine"]["num_running"] == 0
+        assert stats["model"]["kv_cache_dtype"] == "float32"
         assert httpx.get(url + "/").text.startswith("<!doctype html>")
         assert httpx.get(url + "/static/app.py").status_code == 404  # only the page's own files
         code = main(["doctor", "--base-url", url, "--num-requests", "6", "--input-len", "16", "--output-len", "8",

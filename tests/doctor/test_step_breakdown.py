@@ -69,7 +69,8 @@ def test_the_step_breakdown_of_a_w4a8_model(q4_gguf, tmp_path, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads on two shared cores spin against the other processes
     try:
-        code = main(["doctor", "--model", str(q4_gguf), "--quantization", "w4a8", "--max-num-seqs", "1",
+        code = main(["doctor", "--model", str(q4_gguf), "--quantization", "w4a8", "--kv-cache-dtype", "bfloat16",
+                     "--max-num-seqs", "1",
                      "--num-requests", "1", "--input-len", "16", "--output-len", "8", "--max-prefill", "32",
                      "--out", str(tmp_path), "--quiet"])
     finally:
@@ -81,6 +82,8 @@ def test_the_step_breakdown_of_a_w4a8_model(q4_gguf, tmp_path, capsys):
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert report["model"]["quantization"] == {"asked": "w4a8", "resolved": "w4a8"}
     assert report["model"]["precision"] == "w4a8"
+    config = report["model"]["config"]  # the bfloat16 cache: 2 bytes a key or value element
+    assert report["model"]["kv_bytes_per_token"] == 2 * config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2
     assert "w8a8" not in report["verdict"]["next_step"]
 
     b = report["step_breakdown"]

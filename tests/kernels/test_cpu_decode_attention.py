@@ -1,5 +1,5 @@
 """The C++ CPU decode attention against the plain-torch reference (float32, bfloat16 and float16
-caches), and inside a bfloat16 model."""
+caches, float32 queries over a 16-bit cache), and inside a bfloat16 model."""
 
 from __future__ import annotations
 
@@ -79,6 +79,39 @@ def test_ignores_slots_past_the_sequence(head_dim, portable, dtype):
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("num_seqs,max_len,num_heads,num_kv_heads,head_dim,window", [
+    (7, 100, 9, 3, 64, None),  # the default model's heads
+    (4, 200, 6, 2, 64, 37),
+    (3, 50, 4, 2, 128, None),
+    (3, 700, 4, 1, 256, 512),  # Gemma 3's head, a window, contexts cut into chunks
+    (5, 37, 8, 2, 32, None),  # the portable loop's shape
+])
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("cache_dtype", DTYPES[1:])
+def test_float32_queries_over_a_16bit_cache(num_seqs, max_len, num_heads, num_kv_heads, head_dim, window, portable,
+                                            cache_dtype):
+    """A float32 model's queries over a 16-bit cache (--kv-cache-dtype): the float32 reference on the widened
+    cache, to float32's accuracy (nothing is rounded to 16 bits at the output), in float32."""
+    gen = torch.Generator().manual_seed(num_seqs * 10 + max_len)
+    block_size = 16
+    blocks_per_seq = -(-max_len // block_size) + 1
+    num_blocks = num_seqs * blocks_per_seq + 3
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:blocks_per_seq] for _ in range(num_seqs)])
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+    seq_lens[0] = max_len
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    ref = paged_attention_ref(q, cache.float(), torch.arange(num_seqs + 1), seq_lens, tables, 1,
+                              int(seq_lens.max()), head_dim**-0.5, window)
+    out = kernel.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, window, portable=portable)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+    # The reference the CPU backend falls back to takes the same pair of dtypes.
+    fallback = kernel.paged_decode_attention_ref(q, cache, tables, seq_lens, head_dim**-0.5, window or 0, False)
+    assert fallback.dtype == torch.float32
+    torch.testing.assert_close(fallback, ref, **TOLERANCE[torch.float32])
+
+
 def test_rejects_what_it_cannot_run():
     q = torch.randn(2, 6, 16)
     cache = torch.randn(2, 4, 16, 4, 16)
@@ -87,9 +120,11 @@ def test_rejects_what_it_cannot_run():
                                       0.25)
     q = torch.randn(2, 4, 16)
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="q of its dtype or float32"):  # a 16-bit q over a float32 cache
         kernel.paged_decode_attention(q.bfloat16(), cache, tables, lens, 0.25)
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="q of its dtype or float32"):
+        kernel.paged_decode_attention(q.half(), cache.bfloat16(), tables, lens, 0.25)
+    with pytest.raises(ValueError, match="q of its dtype or float32"):
         kernel.paged_decode_attention(q.double(), cache.double(), tables, lens, 0.25)
 
 

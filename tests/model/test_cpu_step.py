@@ -53,6 +53,37 @@ def test_default_model_equals_the_eager_layers(default_w4a8):
     _assert_same(module, turns)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16bit_caches_equal_the_eager_layers(default_w4a8, cache_dtype):
+    """--kv-cache-dtype: the step rounds keys and values into a 16-bit cache as the eager write does, and its
+    attention over it equals the eager layers' bit for bit; the logits stay near the float32 cache's."""
+    module = default_w4a8.module
+    prompts = [list(range(100, 160)), list(range(300, 305)), [42]]
+    turns = [prompts, [[7], [8], list(range(500, 540))]] + [[[t], [t + 1], [t + 2]] for t in range(900, 904)]
+    float32 = _run(module, True, turns)
+    module.kv_cache_dtype = cache_dtype
+    try:
+        assert Sequences(module, 1, 16).kv_caches[0].dtype == cache_dtype
+        _assert_same(module, turns)
+        ours = _run(module, True, turns)
+    finally:
+        module.kv_cache_dtype = None
+    assert module.kv_cache_dtype == torch.float32
+    a, b = torch.cat(float32), torch.cat(ours)  # [rows, vocab]
+    assert not torch.equal(a, b)  # the cache's rounding reaches the logits
+    # ... as a small change of the next-token distributions (total variation per row).
+    distance = (a.softmax(-1) - b.softmax(-1)).abs().sum(-1) / 2
+    assert distance.mean().item() < 0.08 and distance.max().item() < 0.3, distance  # measured 0.04, 0.10-0.11
+
+
+def test_a_16bit_cache_on_gemmas_windowed_head_of_256(tiny_hf_dir):
+    """Gemma 3's head of 256 and its windowed layer over a bfloat16 cache: the step equals the eager layers."""
+    module = model.load(tiny_hf_dir("gemma3"), quantization="w8a8").module
+    module.kv_cache_dtype = torch.bfloat16
+    long_turns = [[list(range(3, 40)), [7, 7, 8]]] + [[[t], [t + 1]] for t in range(50, 56)]
+    _assert_same(module, long_turns, max_len=64)
+
+
 TURNS = [[[5, 9, 30, 31, 2, 17, 40], [7, 7, 8]], [[11], [12, 13, 14]], [[15], [16]]]
 
 
@@ -178,3 +209,8 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
         forward(torch.zeros(1, 5), seqs.kv_caches, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
         forward(x, seqs.kv_caches[:2], torch.tensor([0]))
+    mixed = [c.bfloat16() if i == 1 else c for i, c in enumerate(seqs.kv_caches)]
+    with pytest.raises(RuntimeError, match="all of one dtype"):
+        forward(x, mixed, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 KV cache"):
+        forward(x, [c.double() for c in seqs.kv_caches], torch.tensor([0]))

@@ -184,6 +184,27 @@ def test_an_engine_that_fails_after_starting_its_ranks_stops_them(tiny_w8a8):
     assert not set(multiprocessing.active_children()) - before
 
 
+def test_every_rank_takes_the_kv_cache_dtype(tiny_w8a8):
+    """--kv-cache-dtype bfloat16 reaches the worker ranks: each holds its heads in a bfloat16 cache, and W8A8 on
+    2 ranks is still one process bit for bit (a rank on a float32 cache would round other keys)."""
+    per_block = bytes_per_block(tiny_w8a8.config, 16, torch.bfloat16)
+
+    def engine(size: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(kv_cache_memory_gib=8 * per_block / 2**30, max_model_len=64, max_num_seqs=8,
+                                      tensor_parallel_size=size, kv_cache_dtype="bfloat16"), loaded=tiny_w8a8)
+
+    try:
+        alone = run_alone(engine(1), tiny_prompts())
+        split = engine(2)
+        try:
+            assert split.runner.kv_caches[0].dtype == torch.bfloat16 and split.blocks.num_blocks == 8
+            assert run_alone(split, tiny_prompts()) == alone
+        finally:
+            split.close()
+    finally:
+        tiny_w8a8.module.kv_cache_dtype = None  # the other tests' float32 cache
+
+
 def test_a_size_the_heads_cannot_take_is_refused_in_one_line(qwen2_dir, capsys):
     code = ladder_main(["generate", "hi", "--model", str(qwen2_dir), "--tensor-parallel-size", "3",
                         "--quantization", "none", "--device", "cpu"])
