@@ -27,7 +27,7 @@ def test_names_and_refusals():
 
 @pytest.mark.parametrize("name,dtype", [("bfloat16", torch.bfloat16), ("fp16", torch.float16)])
 def test_a_16bit_cache_holds_twice_the_tokens_and_keeps_greedy_text(w4a8, name, dtype):
-    settings = dict(kv_cache_memory_gib=0.02, max_model_len=256, max_num_seqs=8)
+    settings = {"kv_cache_memory_gib": 0.02, "max_model_len": 256, "max_num_seqs": 8}
     whole = LLM(loaded=w4a8, **settings)
     half = LLM(loaded=w4a8, kv_cache_dtype=name, **settings)
     assert whole.engine.runner.kv_caches[0].dtype == torch.float32
