@@ -35,7 +35,8 @@ namespace {
 
 // q [S, H, D] Q; kv_cache [2, num_blocks, block_size, KVH, D] T; block_tables [S, max_blocks] int64;
 // seq_lens [S] int64 (tokens in the cache, the query's own included); out [S, H, D] Q. T is float,
-// c10::BFloat16 or c10::Half, Q is T or float; arithmetic is float32 throughout. Query head j reads KV head j / (H / KVH).
+// c10::BFloat16 or c10::Half, Q is T or float; arithmetic is float32 throughout. Query head j reads KV
+// head j / (H / KVH).
 // Tokens [first, len) are attended (first > 0 only with a sliding window).
 // Query row s starts at q + s * q_stride and output row s at out + s * out_stride (H * D when contiguous).
 template <typename Q, typename T>
@@ -525,15 +526,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cach
   const auto q = q_in.contiguous(), kv_cache = cache_in.contiguous();
   const auto block_tables = tables_in.to(at::kLong).contiguous(), seq_lens = lens_in.to(at::kLong).contiguous();
   auto out = at::empty_like(q);
-  const auto w = sliding_window;
-  using BF16 = c10::BFloat16;
-  using F16 = c10::Half;
-  if (qt == at::kFloat && ct == at::kFloat) run_typed<float, float>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
-  else if (qt == at::kFloat && ct == at::kBFloat16) run_typed<float, BF16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
-  else if (qt == at::kFloat && ct == at::kHalf) run_typed<float, F16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
-  else if (ct == at::kBFloat16) run_typed<BF16, BF16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
-  else if (ct == at::kHalf) run_typed<F16, F16>(q, kv_cache, block_tables, seq_lens, out, scale, w, portable);
-  else TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", ct);
+  // One (query, cache) element pair, named by a value of each type.
+  auto with = [&](auto q_type, auto cache_type) {
+    run_typed<decltype(q_type), decltype(cache_type)>(q, kv_cache, block_tables, seq_lens, out, scale, sliding_window,
+                                                      portable);
+  };
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf, "float32, bfloat16 or float16 only, got ", ct);
+  if (ct == at::kFloat) with(float{}, float{});
+  else if (ct == at::kBFloat16 && qt == at::kFloat) with(float{}, c10::BFloat16{});
+  else if (ct == at::kBFloat16) with(c10::BFloat16{}, c10::BFloat16{});
+  else if (qt == at::kFloat) with(float{}, c10::Half{});
+  else with(c10::Half{}, c10::Half{});
   return out;
 }
 
