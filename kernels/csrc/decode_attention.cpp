@@ -120,24 +120,6 @@ inline void store16(c10::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2,
-// e^r by its Taylor series to degree 7 (relative error under 1e-8); below -87 the result flushes to 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693147180559945309f), x);
-  __m512 e = _mm512_set1_ps(1.f / 5040);
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(e, k);
-}
-
 // v[i] holds 16 partial sums of dot product i; returns the 16 dot products, lane i = sum of v[i]'s lanes.
 // A transposing tree of 15 adds instead of 16 separate horizontal reductions.
 inline __m512 sum_lanes16(const __m512* v) {
@@ -174,7 +156,7 @@ struct Vec16 {
   static float reduce_max(R x) { return _mm512_reduce_max_ps(x); }
   static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
   static R sum_lanes(const R* v) { return sum_lanes16(v); }
-  static R exp(R x) { return exp_nonpositive(x); }
+  static R exp(R x) { return exp16(x); }  // of scores minus their maximum (x <= 0)
   // Lane i keeps x where bit i of `valid` is set, else -inf.
   static R or_minus_inf(unsigned valid, R x) {
     return _mm512_mask_blend_ps(static_cast<__mmask16>(valid), _mm512_set1_ps(-INFINITY), x);
@@ -240,7 +222,7 @@ struct Vec8 {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   }
   static R sum_lanes(const R* v) { return sum_lanes8(v); }
-  static R exp(R x) { return exp8(x); }  // of scores minus their maximum, as exp_nonpositive takes them
+  static R exp(R x) { return exp8(x); }  // of scores minus their maximum (x <= 0)
   static R or_minus_inf(unsigned valid, R x) {
     const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(valid)), bits), bits);

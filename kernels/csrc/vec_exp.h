@@ -1,6 +1,6 @@
 // exp(x) on 16 (AVX-512) or 8 (AVX2 + FMA) float32 lanes, shared by the kernels whose results must not
 // depend on which source computed them (the gated activations of fused_ops.cpp, the sampler's weights in
-// sampling.cpp), and by the AVX2 decode attention.
+// sampling.cpp), and by the decode attention's softmax.
 #pragma once
 
 #if defined(__AVX512F__) || defined(__AVX2__)
