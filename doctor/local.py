@@ -18,10 +18,10 @@ from doctor.sweep import run_sweeps
 from doctor.verdict import Evidence, classify
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.config import GIB, EngineConfig, bytes_per_block
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, set_kv_cache_dtype
 from kernels.kv_layout import blocks_for_tokens
 from model.loader import LoadedModel, load
-from model.precision import PRECISIONS, parse_kv_cache_dtype, precision_of_dtype
+from model.precision import PRECISIONS, precision_of_dtype
 from model.quantization import resolve_quantization
 
 
@@ -66,8 +66,8 @@ def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str, quanti
     tokens = max(num_requests * blocks_for_tokens(config.input_len + config.output_len, config.block_size),
                  config.max_num_seqs * blocks_for_tokens(config.input_len + 1, config.block_size),
                  2 * blocks_for_tokens(max_model_len, config.block_size)) * config.block_size
-    cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype) or loaded.module.activation_dtype
-    per_block = bytes_per_block(loaded.config, config.block_size, cache_dtype)
+    set_kv_cache_dtype(loaded, config.kv_cache_dtype)  # as the engine will: the cache it sizes is the one it gets
+    per_block = bytes_per_block(loaded.config, config.block_size, loaded.module.kv_cache_dtype)
     gib = (blocks_for_tokens(tokens, config.block_size) + 1) * per_block / GIB
     return EngineConfig(model=config.model, dtype=config.dtype, device=device, quantization=quantization,
                         max_num_seqs=config.max_num_seqs,
