@@ -1,11 +1,12 @@
-"""W4A8: linear layers that compute on a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0).
+"""W4A8: linear layers that compute on a GGUF file's own quantized blocks.
 
 The float model loaded from such a file holds the dequantized weights, d * u + m per 32-block; these
-layers keep u, d and m as the file has them and quantize each 32-block of the activations to int8 on the
-fly (kernels/cpu_w4a8_linear.py). The weights carry no error beyond the file's own, so no calibration
-(SmoothQuant) is needed: only the activations are rounded, per block of 32, which bounds an outlier's
-damage to its own block. A batch-1 decode step reads 5/8 of the bytes the W8A8 layers read for the
-4-bit projections (and the file's Q8_0 LM head as it is).
+layers keep u, d and m as the file has them (model/gguf_blocks.py: exactly for Q4_0, Q4_1, Q5_0, Q5_1 and
+Q8_0, with float16-rounded sub-block scales for Q4_K and Q5_K, requantized to 8 bits for the other types)
+and quantize each 32-block of the activations to int8 on the fly (kernels/cpu_w4a8_linear.py). No
+calibration (SmoothQuant) is needed: only the activations are rounded, per block of 32, which bounds an
+outlier's damage to its own block. A batch-1 decode step reads 5/8 of the bytes the W8A8 layers read for
+the 4-bit projections (and an 8-bit LM head as it is).
 
 The module (model/w4a8_linear.py) is a swap applied from outside model/llama.py, like model/quantization.py's INT8 forms: q/k/v and
 gate/up are fused here the way model/weights.py fuses the float weights (rows concatenated).
@@ -17,7 +18,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
-from model.gguf_checkpoint import BlockWeight
+from model.gguf_blocks import BlockWeight
 from model.llama import LlamaForCausalLM
 from model.w4a8_linear import W4A8Linear
 
@@ -34,14 +35,14 @@ def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
     return sources
 
 
-def concat(parts: list[BlockWeight], name: str) -> BlockWeight:
-    """Row-concatenated weights of one format: Q4_0 parts beside Q4_1 ones get an explicit m = -8 d (exact
-    in float16); 4-bit beside 8-bit codes cannot share one packed layout."""
+def concat(parts: list[BlockWeight]) -> BlockWeight:
+    """Row-concatenated weights in one format, each part's weights exactly: 4-bit parts beside 8-bit ones
+    widen to 8-bit codes (a K-quant file's q and k beside its Q6_K v); parts of different zeros, or with
+    and without m, get an explicit m = -zero d (exact in float16: zero is a power of two)."""
     if len(parts) == 1:
         return parts[0]
     if len({p.bits for p in parts}) > 1:
-        raise ModelLoadError(f"{name}: its parts mix 4-bit and 8-bit blocks, which w4a8 cannot fuse "
-                             "(use --quantization w8a8)")
+        parts = [p.widened() for p in parts]
     if len({(p.m is None, p.zero) for p in parts}) > 1:
         parts = [p if p.m is not None else BlockWeight(p.codes, p.d, (p.d.float() * -p.zero).half(), p.bits, 0)
                  for p in parts]
@@ -57,7 +58,7 @@ def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> L
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
-        weight = concat([blocks[source] for source in sources], name)
+        weight = concat([blocks[source] for source in sources])
         if tuple(weight.codes.shape) != (old.out_features, old.in_features):
             raise ModelLoadError(f"{name}: blocks of shape {list(weight.codes.shape)}, the layer is "
                                  f"[{old.out_features}, {old.in_features}]")

@@ -44,13 +44,14 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
     """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
     "Fast by default"), for `model` (None: the embedded default) on `device`:
 
-    - a GGUF file whose linears are all Q4_0, Q4_1 or Q8_0 blocks, on a CPU, in one process: W4A8 over
-      the file's own blocks. It reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
+    - a quantized GGUF file whose W4A8 layers read fewer bytes a step than W8A8's (mostly 4-bit codes:
+      Q4_0, Q4_1, Q4_K; `w4a8_reads_fewer_bytes`), on a CPU, in one process: W4A8 over the file's own
+      blocks. For a Q4_1 file it reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
       and it adds no error to the file's weights (perplexity +0.38% against W8A8's +0.55%); at batches of
       16-32 it runs at 0.8-0.95x of W8A8, still far ahead of llama.cpp's server there. One scheme serves
       every batch: mixing the two per step would make a request's tokens depend on its batch.
-    - other float32 weights on a CPU (a Hugging Face directory, a K-quant GGUF, tensor-parallel ranks,
-      which do not split W4A8): W8A8;
+    - other float32 weights on a CPU (a Hugging Face directory, a float GGUF, a GGUF of mostly 8-bit codes
+      such as Gemma 3 270M's, tensor-parallel ranks, which do not split W4A8): W8A8;
     - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing;
     - a CPU without AVX-512 VNNI or AVX2 (or a build without a compiler): nothing, since the int8 kernels'
       portable loops run several times slower than torch's float32 matmuls there (`int8_kernels_are_fast`);
@@ -91,9 +92,9 @@ def _runs_w4a8(model: str | Path | None) -> bool:
         return False
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
         return False
-    from model.gguf_checkpoint import linears_are_blocks  # the gguf package, only for GGUF files
+    from model.gguf_checkpoint import w4a8_reads_fewer_bytes  # the gguf package, only for GGUF files
 
-    return linears_are_blocks(path)
+    return w4a8_reads_fewer_bytes(path)
 
 
 class Int8Weights(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from kernels import cpu_w4a8_linear
 
 if TYPE_CHECKING:  # the decoder imports its C++ step, which takes this module: no import of the loaders here
-    from model.gguf_checkpoint import BlockWeight
+    from model.gguf_blocks import BlockWeight
 
 
 class W4A8Linear(nn.Module):

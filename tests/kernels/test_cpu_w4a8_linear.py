@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_w4a8_linear as kernel
-from model.gguf_checkpoint import BlockWeight
+from model.gguf_blocks import BlockWeight
 
 pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W4A8 kernel could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch reference is used instead")
@@ -100,19 +100,3 @@ def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
         kernel.pack(w.codes, w.d, None, 4)
     # The op's torch reference, from the packed form.
     assert torch.equal(kernel.w4a8_linear_ref(x, codes, scales, None, 48, 128, False), out.view(6, 48))
-
-
-def test_gguf_blocks_are_the_float_weights():
-    """Each GGML block type read as codes, d, m gives back exactly what the gguf package dequantizes."""
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-
-    from model.gguf_checkpoint import block_weight
-
-    rng = np.random.default_rng(0)
-    values = rng.standard_normal((8, 64)).astype(np.float32)
-    for name in ("Q4_0", "Q4_1", "Q8_0"):
-        kind = gguf.GGMLQuantizationType[name]
-        raw = gguf.quants.quantize(values, kind)  # [8, bytes per row] uint8
-        weight = block_weight(raw, name, (8, 64))
-        assert torch.equal(weight.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, kind))), name

@@ -126,10 +126,12 @@ def random_raw_blocks(qtype, rows: int, cols: int, rng):
 
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
         # d, dmin (f16); 12 bytes packing eight 6-bit scales and mins (all set to 1 here, so each value
-        # is d * q - dmin with q a random nibble: centred near zero); 128 bytes of nibbles.
-        raw[..., 0:2] = np.array([0.02], dtype=np.float16).view(np.uint8)
+        # is d * q - dmin with q a random nibble, or 5-bit code for Q5_K: centred near zero); Q5_K's 32
+        # bytes of fifth bits; 128 bytes of nibbles.
+        five = qtype == gguf.GGMLQuantizationType.Q5_K
+        raw[..., 0:2] = np.array([0.01 if five else 0.02], dtype=np.float16).view(np.uint8)
         raw[..., 2:4] = np.array([0.15], dtype=np.float16).view(np.uint8)
         raw[..., 4:12] = 1
         raw[..., 12:16] = 0x11
@@ -141,8 +143,10 @@ def random_raw_blocks(qtype, rows: int, cols: int, rng):
     return raw.reshape(rows, -1)
 
 
-def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0) -> dict:
-    """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`; norms stay F32.
+def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
+               qtypes: dict[str, str] | None = None) -> dict:
+    """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`, or in qtypes[part] for the tensors
+    whose GGUF name has that part ("attn_v", "output", ...: a K-quant file's mix of types); norms stay F32.
 
     Returns the state dict the file actually holds after quantization, in Hugging Face names and
     layout, to load into the reference model (row permutations commute with row-wise quantization,
@@ -214,12 +218,16 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         else:
             gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[short]
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
-                raw = random_raw_blocks(qtype, *array.shape, rng)
+        tensor_type = qtype
+        for part, name_of_type in (qtypes or {}).items():
+            if f".{part}." in f".{gguf_name}":
+                tensor_type = gguf.GGMLQuantizationType[name_of_type]
+        if array.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
+            if tensor_type.name in ("Q4_K", "Q5_K", "Q6_K"):
+                raw = random_raw_blocks(tensor_type, *array.shape, rng)
             else:
-                raw = quantize(array, qtype)
-            array = dequantize(raw, qtype)
+                raw = quantize(array, tensor_type)
+            array = dequantize(raw, tensor_type)
         else:
             raw = array
         held[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
@@ -232,7 +240,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         if raw.dtype in (np.float32, np.float16):
             writer.add_tensor(gguf_name, raw)
         else:
-            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            writer.add_tensor(gguf_name, raw, raw_dtype=tensor_type)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     writer.write_header_to_file()

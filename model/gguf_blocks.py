@@ -1,0 +1,188 @@
+"""A GGUF linear weight's quantized blocks as the W4A8 kernel reads them: per 32 inputs of a row, unsigned
+codes u and float16 scales, w = d * u + m (or d * (u - zero)).
+
+How each GGML type gets there (`block_weight`):
+
+- exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q8_0, Q5_0, Q5_1 (8-bit codes; a 5-bit
+  code is an 8-bit one below 32);
+- K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored; each sub-block's scale and min, a
+  6-bit integer times the super-block's float16 d or dmin, rounded once to float16. That rounding moves a
+  weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
+  bounds it), far below the 4-bit step;
+- every other quantized type (Q6_K, with its 16-input sub-blocks, Q2_K, Q3_K, the IQ types): requantized from
+  the weights the `gguf` package dequantizes, 8 bits per 32-block the way Q8_0 is made (d = max |w| / 127 in
+  float16, u = round(w / d) + 128), at most half a step of 1/127 of the block's largest weight from the file's.
+
+Float types (F32, F16, BF16) are not blocks (`is_block_type`): `--quantization w8a8` serves them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from model.errors import ModelLoadError
+
+BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
+SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A linear weight [N, K] in blocks of 32 inputs: w[n, k] = d[n, k / 32] * codes[n, k] + m[n, k / 32]
+    (m given), or d * (codes - zero) (m None)."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15 (bits 4) or 0..255 (bits 8)
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor | None  # [N, K / 32] float16
+    bits: int
+    zero: int
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: for the exact types, what the `gguf` package dequantizes (the float model's weight)."""
+        d = self.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
+        if self.m is None:
+            return (self.codes.float() - self.zero) * d
+        return d * self.codes.float() + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)
+
+    def widened(self) -> BlockWeight:
+        """The same weight with 8-bit codes (a 4-bit code is an 8-bit one below 16): exact, for fusing
+        4-bit parts beside 8-bit ones."""
+        return self if self.bits == 8 else BlockWeight(self.codes, self.d, self.m, 8, self.zero)
+
+
+def is_block_type(type_name: str) -> bool:
+    """Whether a tensor of this GGML type can be read as blocks (every quantized type the `gguf` package
+    knows; not the float types)."""
+    import gguf  # only where GGUF files are read
+
+    kind = gguf.GGMLQuantizationType.__members__.get(type_name)
+    return kind in gguf.GGML_QUANT_SIZES and gguf.GGML_QUANT_SIZES[kind][0] > 1  # float types: 1 a block
+
+
+def code_bits(type_name: str) -> int:
+    """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 8 for every other type."""
+    return 4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8
+
+
+def w4a8_bytes(type_names: list[str], rows: list[int], k: int) -> int:
+    """Bytes a decode step reads of one W4A8 layer fused from parts of these types (rows [N] of K inputs
+    each): codes, then float16 scales per 32 inputs, d alone or d and m (a part with a min, or parts of
+    different types, which `model/block_quantization.concat` gives an explicit m)."""
+    bits = max(code_bits(t) for t in type_names)
+    two = len(set(type_names)) > 1 or any(t in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") for t in type_names)
+    n = sum(rows)
+    return n * k * bits // 8 + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
+
+
+def how_read(type_name: str) -> str:
+    """"exact", "scales rounded to float16" or "requantized to 8 bits": what `block_weight` does to this type."""
+    if type_name in EXACT_TYPES:
+        return "exact"
+    if type_name in SUB_BLOCK_TYPES:
+        return "scales rounded to float16"
+    return "requantized to 8 bits"
+
+
+def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockWeight:
+    """One tensor's raw bytes ([N, bytes per row] uint8, as GGUFReader maps them) -> its BlockWeight."""
+    n, k = shape
+    if k % BLOCK_SIZE:
+        raise ModelLoadError(f"a {type_name} weight of {k} input channels: not a multiple of {BLOCK_SIZE}")
+    raw = np.ascontiguousarray(raw).reshape(n, -1)
+    if type_name in EXACT_TYPES:
+        return _legacy(raw, type_name, n, k)
+    if type_name in SUB_BLOCK_TYPES:
+        return _sub_blocks(raw, type_name, n, k)
+    return _requantized(raw, type_name, n, k)
+
+
+def _f16(b: np.ndarray) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] float16."""
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0].copy())
+
+
+def _legacy(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
+    """Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: one float16 d (and m) per 32-block, then the codes."""
+    blocks = raw.reshape(n, k // BLOCK_SIZE, -1)
+    d = _f16(blocks[..., 0:2])
+    if type_name == "Q8_0":  # int8 q: u = q + 128, w = d (u - 128)
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return BlockWeight(torch.from_numpy(codes.reshape(n, k)), d, None, 8, 128)
+    has_m = type_name in ("Q4_1", "Q5_1")
+    m = _f16(blocks[..., 2:4]) if has_m else None
+    rest = blocks[..., 4:] if has_m else blocks[..., 2:]
+    fifth = None
+    if type_name.startswith("Q5"):  # 32 high bits (little-endian), bit j for input j, then 16 bytes of nibbles
+        fifth, rest = np.unpackbits(rest[..., :4], axis=-1, bitorder="little") << 4, rest[..., 4:]  # [n, kb, 32]
+    codes = np.concatenate([rest & 0x0F, rest >> 4], axis=-1)  # inputs 0..15 low nibbles, 16..31 high
+    if fifth is not None:
+        codes = codes | fifth
+    zero = {"Q4_0": 8, "Q5_0": 16}.get(type_name, 0)
+    bits = 4 if type_name.startswith("Q4") else 8
+    return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)), d, m, bits, zero)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes [..., 12] -> the 8 sub-blocks' 6-bit scales and mins, each [..., 8]: sub-blocks
+    0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of bytes 8-11, their top
+    two bits in the top bits of bytes 0-3 and 4-7."""
+    low_sc, low_mn, tail = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low_sc & 63, (tail & 0x0F) | ((low_sc >> 6) << 4)], axis=-1)
+    mn = np.concatenate([low_mn & 63, (tail >> 4) | ((low_mn >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _sub_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
+    """Q4_K (144 bytes) and Q5_K (176 bytes) per 256 inputs: d, dmin (float16), 12 bytes of 6-bit scales and
+    mins, (Q5_K: 32 bytes of high bits), 128 bytes of nibbles; w = d sc_j u - dmin mn_j in sub-block j."""
+    if k % 256:
+        raise ModelLoadError(f"a {type_name} weight of {k} input channels: not a multiple of 256")
+    blocks = raw.reshape(n, k // 256, -1)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, kb, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _k_scales(blocks[..., 4:16])
+    # Four chunks of 64 inputs, 32 bytes each: the low nibbles are sub-block 2c, the high ones 2c + 1.
+    qs = blocks[..., -128:].reshape(n, k // 256, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3)  # [n, kb, 4, 2, 32]
+    if type_name == "Q5_K":  # byte l of qh: bit j is input l's fifth bit in sub-block j
+        qh = blocks[..., 16:48]
+        shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+        codes = codes | (((qh[:, :, None, None, :] >> shifts) & 1) << 4)
+    with np.errstate(over="ignore"):
+        scale = (d * sc).astype(np.float16)  # [n, kb, 8]: d sc_j, rounded once
+        minimum = (-(dmin * mn)).astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        raise ModelLoadError(f"a {type_name} weight's sub-block scales exceed float16's range "
+                             "(use --quantization w8a8)")
+    bits = 4 if type_name == "Q4_K" else 8
+    return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)),
+                       torch.from_numpy(scale.reshape(n, -1)), torch.from_numpy(minimum.reshape(n, -1)), bits, 0)
+
+
+def _requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
+    """Any other quantized type: the `gguf` package's float weights, quantized per 32-block to 8 bits."""
+    import gguf
+
+    if not is_block_type(type_name):
+        raise ModelLoadError(f"{type_name} is not a quantized GGUF type the w4a8 layers can read "
+                             "(use --quantization w8a8)")
+    try:
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    except NotImplementedError:
+        raise ModelLoadError(f"the gguf package cannot dequantize {type_name} (use another file)") from None
+    return requantize_8bit(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(n, k)))
+
+
+def requantize_8bit(w: torch.Tensor) -> BlockWeight:
+    """float32 [N, K] -> 8-bit codes per 32-block: d = max |w| / 127 in float16, u = round(w / d) + 128."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    d = (blocks.abs().amax(-1) / 127).to(torch.float16)
+    divisor = torch.where(d == 0, torch.ones_like(d), d).float().unsqueeze(-1)
+    q = torch.round(blocks / divisor).clamp_(-128, 127)
+    codes = (q + 128).to(torch.uint8).reshape(n, k)
+    return BlockWeight(codes, d, None, 8, 128)

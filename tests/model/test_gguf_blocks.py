@@ -1,0 +1,111 @@
+"""A GGUF linear weight's blocks as W4A8 reads them (model/gguf_blocks.py), against the `gguf` package's own
+dequantization: exact for the legacy types, within float16's rounding of the sub-block scales for Q4_K and
+Q5_K, within half an 8-bit step for the requantized types."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.errors import ModelLoadError
+from model.gguf_blocks import BLOCK_SIZE, BlockWeight, block_weight, is_block_type, requantize_8bit, w4a8_bytes
+
+gguf = pytest.importorskip("gguf")
+np = pytest.importorskip("numpy")
+
+N, K = 32, 512  # rows a multiple of the kernel's 16, so the packed layers hold no padding
+
+
+def _raw_blocks(name: str, rng) -> np.ndarray:
+    """Random blocks of a type the gguf package cannot quantize: random bytes (every code, scale and min
+    pattern), with finite float16 super-block scales of either sign for the sub-block types."""
+    kind = gguf.GGMLQuantizationType[name]
+    per_block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(N, K // per_block, size), dtype=np.uint8)
+    half = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}[name]
+    for offset in half:
+        scale = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(N, -1)
+
+
+def _reference(raw, name: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
+def test_legacy_blocks_are_the_float_weights(name):
+    """Each legacy type read as codes, d, m gives back exactly what the gguf package dequantizes."""
+    values = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[name])
+    weight = block_weight(raw, name, (N, K))
+    assert weight.bits == (4 if name.startswith("Q4") else 8)
+    assert int(weight.codes.max()) <= {"Q4": 15, "Q5": 31, "Q8": 255}[name[:2]]
+    assert torch.equal(weight.dequantize(), _reference(raw, name))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
+def test_sub_block_scales_round_once_to_float16(name):
+    """The codes are the file's; each weight moves at most by float16's half ulp of its sub-block's scale
+    times its code plus that of its min (2^-11 of each, relative)."""
+    raw = _raw_blocks(name, np.random.default_rng(1))
+    weight = block_weight(raw, name, (N, K))
+    assert weight.bits == (4 if name == "Q4_K" else 8) and weight.m is not None
+    assert int(weight.codes.max()) == (15 if name == "Q4_K" else 31)
+    error = (weight.dequantize() - _reference(raw, name)).abs()
+    d, m = (t.float().repeat_interleave(BLOCK_SIZE, dim=1) for t in (weight.d, weight.m))
+    bound = 2.0**-11 * (d.abs() * weight.codes.float() + m.abs()) + 1e-7
+    assert (error <= bound).all(), float((error / bound).max())
+    assert error.max() > 0  # rounded, not exact: the bound is what is tested
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q2_K", "Q3_K"])
+def test_other_types_are_requantized_to_8_bits(name):
+    raw = _raw_blocks(name, np.random.default_rng(2))
+    weight = block_weight(raw, name, (N, K))
+    reference = _reference(raw, name)
+    assert (weight.bits, weight.zero, weight.m) == (8, 128, None)
+    d = weight.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
+    amax = reference.view(N, -1, BLOCK_SIZE).abs().amax(-1).repeat_interleave(BLOCK_SIZE, dim=1)
+    assert torch.allclose(d, amax / 127, rtol=2.0**-10)  # Q8_0's rule, d rounded to float16
+    assert ((weight.dequantize() - reference).abs() <= d * 0.5 * (1 + 2.0**-9) + 1e-7).all()
+
+
+def test_requantizing_zeros_and_the_float_types():
+    """All-zero blocks keep d = 0 (no division by zero); float types are no blocks; an unknown type and a
+    row length that is no multiple of 32 are refused in one line."""
+    weight = requantize_8bit(torch.zeros(2, 64))
+    assert torch.equal(weight.dequantize(), torch.zeros(2, 64)) and (weight.d == 0).all()
+    assert not any(is_block_type(t) for t in ("F32", "F16", "BF16", "I8", "F64", "no such type"))
+    assert all(is_block_type(t) for t in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL"))
+    with pytest.raises(ModelLoadError, match="not a quantized GGUF type"):
+        block_weight(np.zeros((2, 128), np.uint8), "F16", (2, 64))
+    with pytest.raises(ModelLoadError, match="not a multiple of 32"):
+        block_weight(np.zeros((2, 40), np.uint8), "Q8_0", (2, 40))
+
+
+def test_widened_codes_are_the_same_weights():
+    values = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32)
+    four = block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1), "Q4_1", (N, K))
+    eight = four.widened()
+    assert eight.bits == 8 and torch.equal(eight.dequantize(), four.dequantize())
+    assert eight.widened() is eight
+
+
+def test_w4a8_bytes_are_the_packed_layers():
+    """The auto choice's byte count (`w4a8_bytes`) is what the fused W4A8 layer holds: a Q4_K q and k beside
+    a Q6_K v widen to 8-bit codes with d and m; a Q4_0 layer keeps 4-bit codes and d alone."""
+    from model.block_quantization import concat
+    from model.w4a8_linear import W4A8Linear
+
+    rng = np.random.default_rng(4)
+    parts = [block_weight(_raw_blocks(name, rng), name, (N, K)) for name in ("Q4_K", "Q4_K", "Q6_K")]
+    fused = W4A8Linear(concat(parts), None)
+    assert fused.bits == 8 and fused.scales.shape[2] == 2
+    held = fused.codes.numel() + fused.scales.numel() * 2
+    assert held == w4a8_bytes(["Q4_K", "Q4_K", "Q6_K"], [N, N, N], K)
+    values = rng.standard_normal((N, K)).astype(np.float32)
+    alone = W4A8Linear(block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0), "Q4_0", (N, K)),
+                       None)
+    assert alone.codes.numel() + alone.scales.numel() * 2 == w4a8_bytes(["Q4_0"], [N], K)
+    assert isinstance(concat([parts[0]]), BlockWeight)
