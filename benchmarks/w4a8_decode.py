@@ -1,6 +1,10 @@
-"""W4A8 (the GGUF's own Q4_1/Q8_0 blocks) against W8A8 (int8 rows) on the default model, in one process.
+"""W4A8 (a GGUF's own blocks) against W8A8 (int8 rows) on one model, in one process.
 
-    .venv/bin/python benchmarks/w4a8_decode.py [--threads T] [--rounds 9] [--out benchmarks/results/w4a8_decode.json]
+    .venv/bin/python benchmarks/w4a8_decode.py [--model FILE.gguf] [--threads T] [--rounds 9]
+        [--out benchmarks/results/w4a8_decode.json]
+
+--model: a GGUF file or packaged model's name (default: the embedded one). benchmarks/synthetic_gguf.py writes
+files of larger shapes, in llama.cpp's Q4_K_M layout, for this.
 
 Both quantized models are loaded side by side and timed in alternation (A, B, A, B, ...), so a load that
 comes and goes on a shared machine hits both alike; medians over the rounds are reported with their ratio.
@@ -67,13 +71,14 @@ def decode_run(module, batch: int, steps: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file or packaged model's name (default: the embedded)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default="benchmarks/results/w4a8_decode.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
-    models = {q: model.load(quantization=q).module for q in ("w8a8", "w4a8")}
+    models = {q: model.load(args.model, quantization=q).module for q in ("w8a8", "w4a8")}
     rows = []
     with torch.inference_mode():
         for m in (1, 32):
@@ -95,14 +100,14 @@ def main() -> int:
         rows.append({"what": f"decode step, batch {batch}", "m": batch,
                      "w8a8_us": statistics.median(samples["w8a8"]) * 1e6,
                      "w4a8_us": statistics.median(samples["w4a8"]) * 1e6})
-    print(f"threads {args.threads}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (before the run)")
+    print(f"model {args.model or 'default'}, threads {args.threads}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (before the run)")
     print(f"{'what':<26} {'M':>3} {'w8a8 us':>10} {'w4a8 us':>10} {'w8a8 / w4a8':>12}")
     for row in rows:
         row["ratio"] = row["w8a8_us"] / row["w4a8_us"]
         print(f"{row['what']:<26} {row['m']:>3} {row['w8a8_us']:>10.1f} {row['w4a8_us']:>10.1f} {row['ratio']:>11.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "loadavg_before": load, "rounds": args.rounds,
+    out.write_text(json.dumps({"model": args.model, "threads": args.threads, "loadavg_before": load, "rounds": args.rounds,
                                "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

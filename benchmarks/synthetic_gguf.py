@@ -1,0 +1,136 @@
+"""A Llama GGUF of a chosen size whose quantized blocks are random, laid out as llama.cpp's quantization
+presets lay out real files: for measuring speed on shapes no packaged model has (its text is noise).
+
+    .venv/bin/python benchmarks/synthetic_gguf.py --out /tmp/llama-1b-q4_k_m.gguf [--preset q4_k_m]
+        [--hidden 2048] [--layers 16] [--intermediate 8192] [--heads 32] [--kv-heads 8]
+
+Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn_v and ffn_down: Q6_K, as
+llama.cpp's Q4_K_M gives more bits to those), q4_0, q8_0. The defaults are Llama 3.2 1B's shapes; the
+tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's: 1.17B parameters in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# The float16 super-block scales written into each random block (byte offset -> value): weights of a few
+# hundredths, as a trained model's are.
+SCALES = {
+    "Q4_0": {0: 2e-3},
+    "Q8_0": {0: 2e-4},
+    "Q4_K": {0: 2e-4, 2: 1.5e-3},
+    "Q6_K": {208: 5e-4},
+}
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] uint8 of valid `kind` blocks: random codes, fixed small scales."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    per_block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // per_block, size), dtype=np.uint8)
+    for offset, value in SCALES[kind].items():
+        raw[..., offset:offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    if kind == "Q6_K":  # 16 int8 sub-block scales: small ones keep the weights small
+        raw[..., 192:208] = rng.integers(1, 9, size=raw[..., 192:208].shape).astype(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def tensor_kind(preset: str, name: str, layer: int | None) -> str:
+    if preset != "q4_k_m":
+        return preset.upper()
+    if name == "output" or (name in ("attn_v", "ffn_down") and layer is not None and layer % 2 == 0):
+        return "Q6_K"
+    return "Q4_K"
+
+
+@functools.cache
+def tokenizer_source():
+    from model.default import packaged_model_path
+    from model.gguf_file import GGUFFile
+
+    return GGUFFile(packaged_model_path())
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The embedded model's tokenizer (SmolLM2's 49,152 BPE tokens, merges and chat template): real text
+    tokenizes as it does for a real model, and llama.cpp's server loads it."""
+    meta = tokenizer_source().metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
+    writer.add_pad_token_id(meta["tokenizer.ggml.padding_token_id"])
+    writer.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+          seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    copy_tokenizer(writer)
+    vocab = len(tokenizer_source().metadata["tokenizer.ggml.tokens"])
+    writer.add_vocab_size(vocab)
+
+    def linear(name: str, rows: int, cols: int, layer: int | None) -> None:
+        kind = tensor_kind(preset, name.split(".")[-2] if layer is not None else name.split(".")[0], layer)
+        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    linear("token_embd.weight", vocab, hidden, None)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    linear("output.weight", vocab, hidden, None)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        linear(f"blk.{i}.attn_q.weight", heads * head_dim, hidden, i)
+        linear(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, i)
+        linear(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, i)
+        linear(f"blk.{i}.attn_output.weight", hidden, heads * head_dim, i)
+        linear(f"blk.{i}.ffn_gate.weight", intermediate, hidden, i)
+        linear(f"blk.{i}.ffn_up.weight", intermediate, hidden, i)
+        linear(f"blk.{i}.ffn_down.weight", hidden, intermediate, i)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", choices=["q4_k_m", "q4_0", "q8_0"], default="q4_k_m")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    args = parser.parse_args()
+    if args.hidden % 256 or args.intermediate % 256:
+        parser.error("--hidden and --intermediate must be multiples of 256 (K-quant rows)")
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, preset {args.preset})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
