@@ -10,8 +10,8 @@ top k, and, with `renormalize`, divide the k weights by their sum. With `renorma
 Mixtral's "softmax over the top-k logits" exactly (a softmax's ratios do not depend on the other entries);
 Qwen3-MoE renormalises when its config's `norm_topk_prob` says so.
 
-`fused_moe` (float weights) and `int8_moe` (weight-only int8 experts) run each expert on the tokens routed
-to it only (`grouped_moe`): the T * k (token, expert) pairs are sorted by expert, each expert does one
+`fused_moe` (float weights), `int8_moe` (weight-only int8 experts) and `w4a8_moe` (a GGUF's own blocks
+times int8 activations, kernels/cpu_w4a8_linear.py) run each expert on the tokens routed to it only (`grouped_moe`): the T * k (token, expert) pairs are sorted by expert, each expert does one
 matmul over its gathered rows, and every token sums its k expert outputs in slot order (the order top-k
 gave them). `fused_moe_triton` is the same function for CUDA: two grouped GEMMs over the pairs padded per
 expert to the kernel's row block, with no host sync. `fused_moe_ref` runs every expert on every token and
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_int8_linear import int8_linear, pack
+from kernels.cpu_w4a8_linear import w4a8_linear
 from kernels.runtime import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -157,6 +158,31 @@ def int8_moe(
 
     return grouped_moe(x, router_logits, top_k, renormalize, expert,
                        held_experts(router_logits, w13_scale.shape[0], expert_offset))
+
+
+def w4a8_moe(
+    x: torch.Tensor,  # [T, H] float32
+    router_logits: torch.Tensor,  # [T, E]
+    w13_codes: torch.Tensor,  # [E, ...] each expert's gate and up rows [2I, H] in cpu_w4a8_linear.pack's layout
+    w13_scales: torch.Tensor,  # [E, ...] their float16 scales, packed
+    w13_zero: int,  # the kernel's zero for w13 (w = d (u - zero) where the scales hold d alone)
+    w2_codes: torch.Tensor,  # [E, ...] each expert's down rows [H, I], packed
+    w2_scales: torch.Tensor,
+    w2_zero: int,
+    top_k: int,
+    renormalize: bool = True,
+    expert_offset: int = 0,  # w13_codes[0] is the router's expert `expert_offset`
+) -> torch.Tensor:  # [T, H]
+    """`grouped_moe` over W4A8 experts: each expert's rows quantized per 32-block to int8, times its 4- or
+    8-bit codes, as the dense W4A8 layers compute."""
+    hidden, inter2 = x.shape[1], 2 * 32 * w2_codes.shape[2]  # w2 packed [E, H / 16, I / 32, ...]
+
+    def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        gate, up = w4a8_linear(rows, w13_codes[e], w13_scales[e], None, inter2, w13_zero).chunk(2, dim=-1)
+        out.copy_(w4a8_linear(F.silu(gate) * up, w2_codes[e], w2_scales[e], None, hidden, w2_zero))
+
+    return grouped_moe(x, router_logits, top_k, renormalize, expert,
+                       held_experts(router_logits, w13_codes.shape[0], expert_offset))
 
 
 def pack_int8_experts(weight_int8: torch.Tensor) -> torch.Tensor:

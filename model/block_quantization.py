@@ -20,19 +20,45 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.gguf_blocks import BlockWeight
 from model.llama import LlamaForCausalLM
+from model.moe import W4A8SparseMoeBlock
 from model.w4a8_linear import W4A8Linear
 
 
 def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
-    """Each linear module of the model -> the checkpoint weights its rows come from, in order."""
+    """Each linear module of the model -> the checkpoint weights its rows come from, in order (a sparse
+    layer's experts are in `expert_sources`)."""
     sources = {"lm_head": ["lm_head.weight"]}
     for i in range(config.num_layers):
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         sources[attn + "qkv_proj"] = [attn + f"{x}_proj.weight" for x in "qkv"]
         sources[attn + "o_proj"] = [attn + "o_proj.weight"]
-        sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        sources[mlp + "down_proj"] = [mlp + "down_proj.weight"]
+        if not config.is_sparse_layer(i):
+            sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+            sources[mlp + "down_proj"] = [mlp + "down_proj.weight"]
     return sources
+
+
+def expert_sources(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
+    """Each sparse layer's MoE block -> the GGUF reader's stacked [E, out, in] gate, up and down weights."""
+    return {f"layers.{i}.mlp": tuple(f"layers.{i}.mlp.experts.{x}_proj.weight" for x in ("gate", "up", "down"))
+            for i in range(config.num_layers) if config.is_sparse_layer(i)}
+
+
+def replaced_weights(config: ModelConfig) -> set[str]:
+    """The float module's state-dict names that `quantize_w4a8` replaces: the loader leaves them unread."""
+    return ({f"{name}.weight" for name in linear_sources(config)}
+            | {f"{block}.{w}" for block in expert_sources(config) for w in ("w13", "w2")})
+
+
+def split_experts(weight: BlockWeight, num_experts: int) -> list[BlockWeight]:
+    """A stacked expert weight read as [E * N, K] rows -> E weights of [N, K]."""
+    n = weight.codes.shape[0] // num_experts
+
+    def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+        return None if t is None else t[e * n:(e + 1) * n]
+
+    return [BlockWeight(rows(weight.codes, e), rows(weight.d, e), rows(weight.m, e), weight.bits, weight.zero)
+            for e in range(num_experts)]
 
 
 def concat(parts: list[BlockWeight]) -> BlockWeight:
@@ -52,9 +78,22 @@ def concat(parts: list[BlockWeight]) -> BlockWeight:
 
 
 def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> LlamaForCausalLM:
-    """Swap every linear layer for a W4A8Linear over the file's blocks (`GGUFCheckpoint.read_blocks`), in
-    place; biases (Qwen2's q/k/v) stay float. A tied LM head gets its own copy of the embedding's blocks."""
-    for name, sources in linear_sources(module.config).items():
+    """Swap every linear layer for a W4A8Linear over the file's blocks (`GGUFCheckpoint.read_blocks`), and
+    every MoE block for a W4A8SparseMoeBlock, in place; biases (Qwen2's q/k/v) and routers stay float. A
+    tied LM head gets its own copy of the embedding's blocks."""
+    config = module.config
+    for name, (gate, up, down) in expert_sources(config).items():
+        old = module.get_submodule(name)
+        e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        gates, ups, downs = (split_experts(blocks[source], e) for source in (gate, up, down))
+        w13 = [concat([g, u]) for g, u in zip(gates, ups, strict=True)]
+        if tuple(w13[0].codes.shape) != (2 * inter, h) or tuple(downs[0].codes.shape) != (h, inter):
+            raise ModelLoadError(f"{name}: expert blocks of shapes {list(w13[0].codes.shape)} and "
+                                 f"{list(downs[0].codes.shape)}, the layer's are [{2 * inter}, {h}] and [{h}, {inter}]")
+        layer, _, child = name.rpartition(".")
+        setattr(module.get_submodule(layer), child,
+                W4A8SparseMoeBlock(old.gate, w13, downs, old.top_k, old.renormalize))
+    for name, sources in linear_sources(config).items():
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)

@@ -89,34 +89,33 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 
 # The file's tensors that W4A8 fuses into one layer (model/block_quantization.linear_sources).
-FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
+         "ffn_gate_exps": "gate_up_exps", "ffn_up_exps": "gate_up_exps"}
 
 
-def w4a8_reads_fewer_bytes(path: Path) -> bool:
-    """Whether every linear weight of the GGUF file at `path` is of a quantized type, whose blocks the w4a8
-    layers compute on (model/gguf_blocks.py), and a decode step reads fewer weight bytes in W4A8 than in
-    W8A8's int8 rows: the 4-bit codes (Q4_0, Q4_1, Q4_K) must outweigh the 8-bit ones' per-block scales.
-    At batch 1 both read at about the same bytes per second, so the bytes decide (Gemma 3 270M's Q4_K_M file,
-    mostly Q5_0 and Q8_0, read as 8-bit codes, reads 1.5% more in W4A8 and decodes 8-11% slower).
-    False for a file that cannot be read (loading it says why)."""
+def linear_bytes(path: Path) -> tuple[int, int] | None:
+    """The weight bytes of the GGUF file's linear layers (experts included) in W4A8, on the file's own
+    blocks as model/gguf_blocks.py reads them, and in W8A8's int8 rows; None when a linear weight is not of
+    a quantized type, or the file cannot be read (loading it says why). W4A8 reads fewer where 4-bit codes
+    (Q4_0, Q4_1, Q4_K) outweigh the 8-bit ones' per-block scales."""
     try:
         tensors = {t.name: t for t in GGUFFile(path).tensors}
     except (OSError, ValueError, struct.error):  # not GGUF, truncated: the loader's error is the one to show
-        return False
+        return None
     groups: dict[str, list[GGUFTensor]] = {}
     for name in linear_gguf_names({name: t.tensor_type.name for name, t in tensors.items()}):
         tensor = tensors.get(name)
-        if tensor is None or len(tensor.shape) != 2 or not is_block_type(tensor.tensor_type.name):
-            return False
+        if tensor is None or len(tensor.shape) not in (2, 3) or not is_block_type(tensor.tensor_type.name):
+            return None
         match = LAYER_PATTERN.fullmatch(name)
         key = f"{match.group(1)}.{FUSED.get(match.group(2), match.group(2))}" if match else name
         groups.setdefault(key, []).append(tensor)
     w4a8 = w8a8 = 0
     for parts in groups.values():
-        k, rows = int(parts[0].shape[0]), [int(t.shape[1]) for t in parts]  # GGUF lists [K, N]
+        k, rows = int(parts[0].shape[0]), [int(np.prod(t.shape[1:])) for t in parts]  # GGUF: [K, N] or [K, N, E]
         w4a8 += w4a8_bytes([t.tensor_type.name for t in parts], rows, k)
         w8a8 += sum(rows) * (k + 4)  # int8 rows and a float32 scale each
-    return w4a8 < w8a8
+    return w4a8, w8a8
 
 
 class GGUFCheckpoint:
@@ -289,7 +288,8 @@ class GGUFCheckpoint:
         return LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
 
     def _read_blocks(self, name: str, tensor: GGUFTensor) -> BlockWeight:
-        k, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest dimension first
+        # GGUF lists the fastest dimension first: [K, N], or [K, N, E] for stacked experts, read as E * N rows.
+        k, n = int(tensor.shape[0]), int(np.prod(tensor.shape[1:]))
         weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
         if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads

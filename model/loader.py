@@ -109,11 +109,11 @@ def load(
         check_moe_quantization(config, quantization, str(path))
         skip: set[str] = set()
         if quantization == "w4a8":
-            from model.block_quantization import linear_sources
+            from model.block_quantization import replaced_weights
 
             blocks = checkpoint.read_blocks()  # a file without them fails here, before any dequantizing
             # The float weights of the layers W4A8 replaces are left unread.
-            skip = {f"{name}.weight" for name in linear_sources(config)}
+            skip = replaced_weights(config)
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size, skip)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))

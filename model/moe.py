@@ -10,7 +10,8 @@ per token; the experts' weights are stacked so one tensor holds them all:
 The loader (model/moe_checkpoint.py, model/weights.py) builds w13 and w2 from whichever form a checkpoint
 stores the experts in. The arithmetic is kernels/moe.py `fused_moe` (`fused_moe_triton` on the Triton side
 of the kernels): only routed (token, expert) pairs are computed, grouped by expert. `--quantization int8`
-swaps each block for an Int8SparseMoeBlock (`quantize_experts`, from model/quantization.py).
+swaps each block for an Int8SparseMoeBlock (`quantize_experts`, from model/quantization.py); `--quantization
+w4a8` for a W4A8SparseMoeBlock over a GGUF file's own expert blocks (model/block_quantization.py).
 
 Under expert parallelism (parallel/shard.py) a rank's block holds a contiguous part of the experts: w13 and
 w2 stack experts `expert_offset` .. `expert_offset` + len(w13) - 1 while the router stays whole, and the
@@ -22,15 +23,20 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from kernels import cpu_w4a8_linear
 from kernels.int8_matmul import quantize_int8_ref
-from kernels.moe import fused_moe, fused_moe_triton, int8_moe, pack_int8_experts
+from kernels.moe import fused_moe, fused_moe_triton, int8_moe, pack_int8_experts, w4a8_moe
 from kernels.ops import Ops
 from model.config import MOE_ARCHITECTURES, ModelConfig
 from model.errors import ModelLoadError
+
+if TYPE_CHECKING:  # the decoder imports this module: no import of the loaders here
+    from model.gguf_blocks import BlockWeight
 
 
 class SparseMoeBlock(nn.Module):
@@ -88,6 +94,34 @@ class Int8SparseMoeBlock(nn.Module):
                         self.top_k, self.renormalize, expert_offset=self.expert_offset)
 
 
+class W4A8SparseMoeBlock(nn.Module):
+    """SparseMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`): per expert, its 4- or
+    8-bit codes and float16 scales packed as the dense W4A8 layers pack theirs, activations quantized per
+    32-block to int8 (kernels/moe.py `w4a8_moe`). The router stays float, as in Int8SparseMoeBlock."""
+
+    def __init__(self, gate: nn.Linear, w13: list[BlockWeight], w2: list[BlockWeight], top_k: int,
+                 renormalize: bool) -> None:
+        """w13: each expert's gate rows then up rows [2I, H] (one format for all experts); w2: each expert's
+        down rows [H, I]."""
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = gate
+        for name, experts in (("w13", w13), ("w2", w2)):
+            packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits) for w in experts]
+            self.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
+            self.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
+            setattr(self, f"{name}_zero", experts[0].zero)
+            setattr(self, f"{name}_bits", experts[0].bits)
+        self.expert_offset = 0  # as SparseMoeBlock's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
+        return w4a8_moe(x, self.gate(x), self.w13_codes, self.w13_scales, self.w13_zero, self.w2_codes,
+                        self.w2_scales, self.w2_zero, self.top_k, self.renormalize, expert_offset=self.expert_offset)
+
+    def extra_repr(self) -> str:
+        return f"experts={len(self.w13_codes)}, bits=({self.w13_bits}, {self.w2_bits})"
+
+
 def _quantize_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] float -> (int8 [E, N, K], scale [E, N] float32): per expert and output channel."""
     e, n, k = weight.shape
@@ -105,10 +139,12 @@ def quantize_experts(module: nn.Module) -> None:
 
 def check_quantization(config: ModelConfig, quantization: str, source: str) -> None:
     """ModelLoadError (one line) for a load-time quantization the expert weights do not take: w8a8's
-    SmoothQuant calibration and w4a8's GGUF blocks cover dense MLPs only; int8 covers experts too."""
-    if config.num_experts and quantization not in ("none", "int8"):
+    SmoothQuant calibration covers dense MLPs only; int8 covers experts, and so does w4a8 (a GGUF file's
+    own expert blocks)."""
+    if config.num_experts and quantization not in ("none", "int8", "w4a8"):
         raise ModelLoadError(f"{source}: --quantization {quantization} does not cover mixture-of-experts layers "
-                             f"({config.architecture}); load it with --quantization int8 or none")
+                             f"({config.architecture}); load it with --quantization int8, w4a8 (a GGUF file) "
+                             "or none")
 
 
 def is_moe_checkpoint(path: Path) -> bool:

@@ -105,7 +105,7 @@ def test_missing_expert_is_a_one_line_error(moe_models, tmp_path):
 
 
 def test_w8a8_quantization_is_refused(moe_models):
-    with pytest.raises(ModelLoadError, match="--quantization int8 or none"):
+    with pytest.raises(ModelLoadError, match="--quantization int8, w4a8 \(a GGUF file\) or none"):
         model.load(moe_models[3], quantization="w8a8")
 
 
@@ -157,14 +157,14 @@ def test_gguf_matches_transformers(tmp_path, family, arch, qtype):
     from tiny_models import hf_config, write_gguf
 
     cfg = hf_config(family)
-    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads  # write_gguf writes no key_length
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads  # the head size llama.cpp implies
     cfg.norm_topk_prob = True  # as llama.cpp runs qwen3moe (and Mixtral) files
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     hf.load_state_dict(write_gguf(hf, tmp_path / "m.gguf", qtype, arch))
     ours = model.load(tmp_path / "m.gguf")
     assert ours.config.architecture == family
-    assert is_moe_checkpoint(tmp_path / "m.gguf")  # so `--quantization auto` keeps it float32
+    assert is_moe_checkpoint(tmp_path / "m.gguf")  # `auto`: W4A8 for a quantized file, else float32
     assert ours.config.dense_layers == ((1,) if family == "qwen3_moe" else ())
     ids = prompt(45, seed=3)
     with torch.no_grad():

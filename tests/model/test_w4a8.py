@@ -104,3 +104,35 @@ def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "cut.gguf") == "w8a8"
     with pytest.raises(ValueError, match="w4a8 is a CPU kernel"):  # no CUDA path: refused in one line
         resolve_quantization("w4a8", "float32", "cuda")
+
+
+@pytest.mark.parametrize("family,arch,qtype", [("qwen3_moe", "qwen3moe", "Q4_1"), ("mixtral", "llama", "Q8_0")])
+def test_w4a8_experts_track_the_float_experts(tmp_path, family, arch, qtype):
+    """A mixture-of-experts GGUF in W4A8: every sparse layer's experts on the file's blocks (the router
+    float), each block within int8 activations' rounding of the float block on the same rows; Qwen3-MoE's
+    dense middle layer a W4A8 MLP; the same greedy tokens batched as alone; and `auto` picks it."""
+    from model.moe import W4A8SparseMoeBlock
+    from model.quantization import resolve_quantization
+
+    write_gguf(make_hf_model(family, tmp_path / "hf"), tmp_path / "m.gguf", qtype, arch)
+    fp32 = model.load(tmp_path / "m.gguf")
+    w4a8 = model.load(tmp_path / "m.gguf", quantization="w4a8")
+    config = w4a8.config
+    sparse = [i for i in range(config.num_layers) if config.is_sparse_layer(i)]
+    assert len(sparse) == (2 if family == "qwen3_moe" else config.num_layers)
+    torch.manual_seed(0)
+    x = torch.randn(16, config.hidden_size)
+    for i, layer in enumerate(w4a8.module.layers):
+        if i not in sparse:
+            assert isinstance(layer.mlp.gate_up_proj, W4A8Linear)
+            continue
+        assert isinstance(layer.mlp, W4A8SparseMoeBlock) and layer.mlp.w13_bits == (4 if qtype == "Q4_1" else 8)
+        assert torch.equal(layer.mlp.gate.weight, fp32.module.layers[i].mlp.gate.weight)  # the router as read
+        reference = fp32.module.layers[i].mlp(x)
+        assert ((layer.mlp(x) - reference).norm() / reference.norm()).item() < 0.03
+    llm = LLM(loaded=w4a8, kv_cache_memory_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batch = [[5, 9, 30, 31], [7, 7, 8, 100, 250, 3], [40, 2]]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in batch]
+    assert [r.outputs[0].token_ids for r in llm.generate(batch, params)] == alone
+    assert resolve_quantization("auto", "float32", "cpu", tmp_path / "m.gguf") == "w4a8"  # not float32

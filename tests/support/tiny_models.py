@@ -172,9 +172,11 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     writer.add_head_count_kv(cfg.num_key_value_heads)
     # Gemma 3 keeps RoPE parameters per layer type; the file's base is the full-attention layers'.
     writer.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "gemma3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as llama.cpp writes them
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch == "gemma3":
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_array(f"{arch}.attention.sliding_window_pattern",
                          [t == "sliding_attention" for t in cfg.layer_types])
