@@ -7,6 +7,10 @@ presets lay out real files: for measuring speed on shapes no packaged model has 
 Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn_v and ffn_down: Q6_K, as
 llama.cpp's Q4_K_M gives more bits to those), q4_0, q8_0. The defaults are Llama 3.2 1B's shapes; the
 tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's: 1.17B parameters in all.
+`--experts E --experts-used K` writes a Qwen3-MoE instead (every layer sparse, `--intermediate` rows per
+expert; ffn_down_exps takes the place of ffn_down in the preset), e.g. Qwen3-30B-A3B's layer shapes with
+fewer layers and experts: `--experts 32 --experts-used 8 --intermediate 768 --heads 32 --kv-heads 4
+--head-dim 128`.
 """
 
 from __future__ import annotations
@@ -74,25 +78,38 @@ def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
 
 
 def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-          seed: int = 0) -> None:
+          head_dim: int | None = None, experts: int = 0, experts_used: int = 0, seed: int = 0) -> None:
+    """A dense Llama, or with `experts` a Qwen3-MoE (per-head q/k norms, every layer sparse: a float32 router,
+    experts of `intermediate` rows each)."""
     rng = np.random.default_rng(seed)
-    head_dim = hidden // heads
-    writer = gguf.GGUFWriter(str(path), "llama")
+    head_dim = head_dim or hidden // heads
+    writer = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "llama")
     writer.add_block_count(layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(intermediate)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    if head_dim != hidden // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(experts_used)
+        writer.add_expert_feed_forward_length(intermediate)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     copy_tokenizer(writer)
     vocab = len(tokenizer_source().metadata["tokenizer.ggml.tokens"])
     writer.add_vocab_size(vocab)
 
-    def linear(name: str, rows: int, cols: int, layer: int | None) -> None:
-        kind = tensor_kind(preset, name.split(".")[-2] if layer is not None else name.split(".")[0], layer)
-        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    def linear(name: str, rows: int, cols: int, layer: int | None, stack: int = 0) -> None:
+        """A [rows, cols] weight, or `stack` of them ([stack, rows, cols]: llama.cpp's expert tensors)."""
+        kind = tensor_kind(preset, name.split(".")[-2].removesuffix("_exps") if layer is not None
+                           else name.split(".")[0], layer)
+        raw = random_blocks(kind, max(stack, 1) * rows, cols, rng)
+        writer.add_tensor(name, raw.reshape(stack, rows, -1) if stack else raw,
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
 
     linear("token_embd.weight", vocab, hidden, None)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -104,9 +121,18 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
         linear(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, i)
         linear(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, i)
         linear(f"blk.{i}.attn_output.weight", hidden, heads * head_dim, i)
-        linear(f"blk.{i}.ffn_gate.weight", intermediate, hidden, i)
-        linear(f"blk.{i}.ffn_up.weight", intermediate, hidden, i)
-        linear(f"blk.{i}.ffn_down.weight", hidden, intermediate, i)
+        if not experts:
+            linear(f"blk.{i}.ffn_gate.weight", intermediate, hidden, i)
+            linear(f"blk.{i}.ffn_up.weight", intermediate, hidden, i)
+            linear(f"blk.{i}.ffn_down.weight", hidden, intermediate, i)
+            continue
+        writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        router = rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05  # tokens spread over experts
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+        linear(f"blk.{i}.ffn_gate_exps.weight", intermediate, hidden, i, experts)
+        linear(f"blk.{i}.ffn_up_exps.weight", intermediate, hidden, i, experts)
+        linear(f"blk.{i}.ffn_down_exps.weight", hidden, intermediate, i, experts)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -122,12 +148,17 @@ def main() -> int:
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="a Qwen3-MoE of this many experts a layer (--intermediate: each expert's)")
+    parser.add_argument("--experts-used", type=int, default=8)
     args = parser.parse_args()
     if args.hidden % 256 or args.intermediate % 256:
         parser.error("--hidden and --intermediate must be multiples of 256 (K-quant rows)")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads)
+    write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
+          args.head_dim, args.experts, args.experts_used)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, preset {args.preset})")
     return 0
 

@@ -11,9 +11,9 @@ Mixtral's "softmax over the top-k logits" exactly (a softmax's ratios do not dep
 Qwen3-MoE renormalises when its config's `norm_topk_prob` says so.
 
 `fused_moe` (float weights), `int8_moe` (weight-only int8 experts) and `w4a8_moe` (a GGUF's own blocks
-times int8 activations, kernels/cpu_w4a8_linear.py) run each expert on the tokens routed to it only (`grouped_moe`): the T * k (token, expert) pairs are sorted by expert, each expert does one
-matmul over its gathered rows, and every token sums its k expert outputs in slot order (the order top-k
-gave them). `fused_moe_triton` is the same function for CUDA: two grouped GEMMs over the pairs padded per
+times int8 activations, one C++ call: kernels/cpu_w4a8_experts.py) run each expert on the tokens routed to it
+only (`grouped_moe`): the T * k (token, expert) pairs are sorted by expert, each expert does one matmul over
+its gathered rows, and every token sums its k expert outputs in slot order (the order top-k gave them). `fused_moe_triton` is the same function for CUDA: two grouped GEMMs over the pairs padded per
 expert to the kernel's row block, with no host sync. `fused_moe_ref` runs every expert on every token and
 masks by the routing weight: simple enough to be obviously right, and E / k times the arithmetic.
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_int8_linear import int8_linear, pack
-from kernels.cpu_w4a8_linear import w4a8_linear
+from kernels.cpu_w4a8_experts import w4a8_experts
 from kernels.runtime import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -68,8 +68,21 @@ def grouped_moe(
     expert: Callable[[int, torch.Tensor, torch.Tensor], None],  # (e, rows [n, H], out [n, H]): out = e(rows)
     experts_held: range | None = None,  # the experts `expert` computes (indices into the router's E); None: all
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """The MoE feed-forward over the routed (token, expert) pairs only, whatever form the experts' weights
-    take (`expert` computes one expert on its rows, `e` counted from experts_held.start).
+    """The MoE feed-forward over the routed (token, expert) pairs only: `route`, then `grouped_experts`."""
+    weights, experts = route(router_logits, top_k, renormalize)
+    held = range(router_logits.shape[1]) if experts_held is None else experts_held
+    return grouped_experts(x, weights, experts, expert, held)
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k] float32, each token's routing weights in slot order (`route`)
+    experts: torch.Tensor,  # [T, k] int64, the router's experts of those slots
+    expert: Callable[[int, torch.Tensor, torch.Tensor], None],  # (e, rows [n, H], out [n, H]): out = e(rows)
+    held: range,  # the experts `expert` computes (indices into the router's E)
+) -> torch.Tensor:  # [T, H], x's dtype
+    """The routed (token, expert) pairs of the experts in `held`, whatever form the experts' weights take
+    (`expert` computes one expert on its rows, `e` counted from held.start).
 
     With `experts_held` a part of the router's experts, only the pairs routed to those are computed; the
     others' rows are 0, so the result is this part's share of the whole sum (every token still adds its k
@@ -80,12 +93,10 @@ def grouped_moe(
     same way whatever else is in the batch (its expert matmuls are as batch-invariant as any GEMM's row is).
     One host sync per call (the per-expert row counts), which the loop over experts needs.
     """
-    num_tokens = x.shape[0]
-    weights, experts = route(router_logits, top_k, renormalize)
+    num_tokens, top_k = experts.shape
     flat_experts = experts.reshape(-1)  # [T*k] pair p = (token p // k, slot p % k)
     order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert, token order inside a group
-    counts = torch.bincount(flat_experts, minlength=router_logits.shape[1]).tolist()
-    held = range(len(counts)) if experts_held is None else experts_held
+    counts = torch.bincount(flat_experts, minlength=held.stop).tolist()
     begin = sum(counts[:held.start])  # the held experts' pairs are order[begin:end] (grouped by expert)
     end = begin + sum(counts[held.start:held.stop])
     rows = x.index_select(0, order[begin:end] // top_k)  # [P, H] each held pair's token, grouped by expert
@@ -173,16 +184,12 @@ def w4a8_moe(
     renormalize: bool = True,
     expert_offset: int = 0,  # w13_codes[0] is the router's expert `expert_offset`
 ) -> torch.Tensor:  # [T, H]
-    """`grouped_moe` over W4A8 experts: each expert's rows quantized per 32-block to int8, times its 4- or
-    8-bit codes, as the dense W4A8 layers compute."""
-    hidden, inter2 = x.shape[1], 2 * 32 * w2_codes.shape[2]  # w2 packed [E, H / 16, I / 32, ...]
-
-    def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
-        gate, up = w4a8_linear(rows, w13_codes[e], w13_scales[e], None, inter2, w13_zero).chunk(2, dim=-1)
-        out.copy_(w4a8_linear(F.silu(gate) * up, w2_codes[e], w2_scales[e], None, hidden, w2_zero))
-
-    return grouped_moe(x, router_logits, top_k, renormalize, expert,
-                       held_experts(router_logits, w13_codes.shape[0], expert_offset))
+    """Routing, then every routed pair through the W4A8 experts as the dense W4A8 layers compute, in one
+    C++ call (kernels/cpu_w4a8_experts.py; its reference is `grouped_experts`' loop over experts)."""
+    held_experts(router_logits, w13_codes.shape[0], expert_offset)  # ValueError for a range outside E
+    weights, experts = route(router_logits, top_k, renormalize)
+    return w4a8_experts(x.float().contiguous(), weights.contiguous(), experts.contiguous(), w13_codes, w13_scales,
+                        w13_zero, w2_codes, w2_scales, w2_zero, expert_offset)
 
 
 def pack_int8_experts(weight_int8: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,9 @@ def step_support(model: nn.Module) -> str | None:
             return f"attention {type(backend).__name__}, not the C++ kernel's backend"
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        if not hasattr(mlp, "gate_up_proj"):
+            return f"layer {i}: a {type(mlp).__name__} (the step covers dense MLPs)"
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         for linear in linears:
             if _linear_kind(linear) is None:
                 return f"layer {i}: a {type(linear).__name__} linear (the step takes W4A8 and W8A8 linears)"

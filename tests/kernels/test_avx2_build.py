@@ -27,7 +27,8 @@ def test_the_avx2_build_passes_the_kernel_and_step_tests():
     assert built.stdout.split() == ["False", "True", "False"], built.stderr[-2000:]
     tests = ["tests/kernels/test_cpu_fused_ops.py", "tests/kernels/test_cpu_w4a8_linear.py",
              "tests/kernels/test_cpu_w8a8_linear.py", "tests/kernels/test_cpu_sampling.py",
-             "tests/kernels/test_cpu_decode_attention.py", "tests/model/test_cpu_step.py"]
+             "tests/kernels/test_cpu_decode_attention.py", "tests/kernels/test_cpu_w4a8_experts.py",
+             "tests/model/test_cpu_step.py"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *tests],
                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]

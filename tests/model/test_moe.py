@@ -105,7 +105,7 @@ def test_missing_expert_is_a_one_line_error(moe_models, tmp_path):
 
 
 def test_w8a8_quantization_is_refused(moe_models):
-    with pytest.raises(ModelLoadError, match="--quantization int8, w4a8 \(a GGUF file\) or none"):
+    with pytest.raises(ModelLoadError, match=r"--quantization int8, w4a8 \(a GGUF file\) or none"):
         model.load(moe_models[3], quantization="w8a8")
 
 

@@ -1,0 +1,73 @@
+"""kernels/cpu_w4a8_experts.py: a MoE layer's W4A8 experts as one C++ call, equal bit for bit to the loop over
+experts it replaces, close to float experts on the same weights, and refusing bad inputs in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_w4a8_linear
+from kernels.cpu_w4a8_experts import w4a8_experts, w4a8_experts_ref
+from kernels.moe import fused_moe_ref, route, w4a8_moe
+
+pytestmark = pytest.mark.skipif(cpu_w4a8_linear.load() is None, reason="the CPU kernels could not be built here "
+                                "(a C++ compiler is needed); the references alone run")
+
+E, H, INTER = 8, 64, 96
+
+
+def experts(bits: int, seed: int = 0):
+    """Random packed experts: (w13 codes, scales), (w2 codes, scales), zero, and their float weights [E, N, K]."""
+    g = torch.Generator().manual_seed(seed)
+    top, zero = (16, 8) if bits == 4 else (256, 128)
+    stacks, floats = [], []
+    for n, k in ((2 * INTER, H), (H, INTER)):
+        codes = torch.randint(0, top, (E, n, k), generator=g, dtype=torch.uint8)
+        d = (torch.rand(E, n, k // 32, generator=g) * 0.3 / top + 1e-3).half()
+        packed = [cpu_w4a8_linear.pack(codes[e], d[e], None, bits) for e in range(E)]
+        stacks.append((torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed])))
+        floats.append((codes.float() - zero) * d.float().repeat_interleave(32, dim=-1))
+    return stacks, zero, floats
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (5, 3), (33, 2), (64, 8)])
+def test_one_call_equals_the_loop_over_experts(bits, num_tokens, top_k):
+    (w13, w2), zero, (f13, f2) = experts(bits, seed=bits)
+    x, logits = torch.randn(num_tokens, H), torch.randn(num_tokens, E)
+    weights, chosen = route(logits, top_k, True)
+    args = (x, weights.contiguous(), chosen.contiguous(), *w13, zero, *w2, zero)
+    out = w4a8_experts(*args, 0)
+    assert torch.equal(out, w4a8_experts_ref(*args, 0))
+    assert torch.equal(out, w4a8_moe(x, logits, *w13, zero, *w2, zero, top_k))
+    # int8 activations against float experts on the same weights: the W4A8 rounding only.
+    reference = fused_moe_ref(x, logits, f13, f2, top_k)
+    assert ((out - reference).norm() / reference.norm()).item() < 0.03
+    # A part of the experts (expert parallelism's stack): its pairs only, the rest 0, equal to the loop too.
+    part = (x, weights.contiguous(), chosen.contiguous(), w13[0][2:6].contiguous(), w13[1][2:6].contiguous(), zero,
+            w2[0][2:6].contiguous(), w2[1][2:6].contiguous(), zero)
+    assert torch.equal(w4a8_experts(*part, 2), w4a8_experts_ref(*part, 2))
+
+
+def test_batch_invariant():
+    """A token's output does not depend on which other tokens share the call."""
+    (w13, w2), zero, _ = experts(4, seed=3)
+    x, logits = torch.randn(17, H), torch.randn(17, E)
+    together = w4a8_moe(x, logits, *w13, zero, *w2, zero, 2)
+    alone = torch.cat([w4a8_moe(x[i:i + 1], logits[i:i + 1], *w13, zero, *w2, zero, 2) for i in range(17)])
+    assert torch.equal(together, alone)
+
+
+def test_bad_inputs_are_refused_in_one_line():
+    (w13, w2), zero, _ = experts(4)
+    x = torch.randn(3, H)
+    weights, chosen = route(torch.randn(3, E), 2, True)
+    weights, chosen = weights.contiguous(), chosen.contiguous()
+    with pytest.raises(RuntimeError, match="experts: \\[T, k\\] int64"):
+        w4a8_experts(x, weights, chosen.int(), *w13, zero, *w2, zero, 0)
+    with pytest.raises(RuntimeError, match="do not match x's H"):
+        w4a8_experts(torch.randn(3, H + 32), weights, chosen, *w13, zero, *w2, zero, 0)
+    with pytest.raises(RuntimeError, match="w2 codes"):
+        w4a8_experts(x, weights, chosen, *w13, zero, w2[0][..., :100].contiguous(), w2[1], zero, 0)
+    with pytest.raises(ValueError, match="not among the router's"):
+        w4a8_moe(x, torch.randn(3, E), *w13, zero, *w2, zero, 2, expert_offset=4)
