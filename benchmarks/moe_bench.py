@@ -6,7 +6,10 @@
 Baselines, in the same run on the same weights and routing:
 - `masked`: `fused_moe_ref`, every expert on every token, masked by the routing weight;
 - `hf loop`: transformers' loop (Qwen3MoeExperts.forward), per expert hit a mask, a gather and an index_add_.
-A last column times `int8_moe`, the same grouping over weight-only int8 experts (`--quantization int8`).
+The last columns time `int8_moe`, the same grouping over weight-only int8 experts (`--quantization int8`),
+and `w4a8_moe` over the same weights as 4-bit codes per 32-block (`--quantization w4a8` of a Q4_0 file): its
+one C++ call (kernels/cpu_w4a8_experts.py) and its reference, the Python loop over experts, both on the
+W4A8 kernel.
 The default shape is a Qwen3-MoE layer shrunk to run in seconds on two cores (Qwen3-30B-A3B: H 2048,
 E 128, top-8, I 768). Times are medians (kernels/timing.py) under inference mode, float32, torch's threads.
 """
@@ -23,7 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from bench_report import write_report  # noqa: E402
 from kernels.int8_matmul import quantize_int8_ref  # noqa: E402
-from kernels.moe import fused_moe, fused_moe_ref, int8_moe, moe_loop_hf, pack_int8_experts  # noqa: E402
+from kernels.cpu_w4a8_experts import w4a8_experts_ref  # noqa: E402
+from kernels.cpu_w4a8_linear import pack  # noqa: E402
+from kernels.moe import (  # noqa: E402
+    fused_moe,
+    fused_moe_ref,
+    int8_moe,
+    moe_loop_hf,
+    pack_int8_experts,
+    route,
+    w4a8_moe,
+)
 from kernels.timing import time_calls  # noqa: E402
 
 
@@ -53,10 +66,25 @@ def main() -> None:
     def int8_experts(x, logits, _w13, _w2, k):
         return int8_moe(x, logits, *int8, k)
 
+    w4a8 = []  # codes and scales of w13, then of w2: Q4_0's rule, d = max |w| / 8 a 32-block, u = w / d + 8
+    for w in (w13, w2):
+        blocks = w.reshape(e, w.shape[1], -1, 32)
+        d = (blocks.abs().amax(-1) / 8).half()
+        codes = (blocks / d.float().unsqueeze(-1) + 8).round().clamp(0, 15).to(torch.uint8).reshape(w.shape)
+        packed = [pack(codes[i], d[i], None, 4) for i in range(e)]
+        w4a8 += [torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed]), 8]
+
+    def w4a8_one_call(x, logits, _w13, _w2, k):
+        return w4a8_moe(x, logits, *w4a8, k)
+
+    def w4a8_loop(x, logits, _w13, _w2, k):
+        weights, experts = route(logits, k, True)
+        return w4a8_experts_ref(x, weights, experts, *w4a8, 0)
+
     print(f"threads {torch.get_num_threads()}, H {h}, E {e}, top-{k}, I {inter}, "
           f"expert weights {(w13.numel() + w2.numel()) * 4 / 2**20:.0f} MiB float32")
     header = (f"{'T':>4} {'experts hit':>11} | {'fused ms':>9} {'masked ms':>9} {'hf loop ms':>10} | "
-              f"{'masked/fused':>12} {'hf/fused':>8} | {'int8 ms':>8}")
+              f"{'masked/fused':>12} {'hf/fused':>8} | {'int8 ms':>8} | {'w4a8 ms':>8} {'w4a8 loop ms':>12}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -67,13 +95,14 @@ def main() -> None:
         hit = len(torch.topk(logits, k, dim=-1).indices.unique())
         times = {name: time_calls(lambda f=f, x=x, g=logits: f(x, g, w13, w2, k), min_time=args.min_time).median_s * 1e3
                  for name, f in (("fused", fused_moe), ("masked", fused_moe_ref), ("hf_loop", moe_loop_hf),
-                                 ("int8", int8_experts))}
+                                 ("int8", int8_experts), ("w4a8", w4a8_one_call), ("w4a8_loop", w4a8_loop))}
         row = {"tokens": t, "experts_hit": hit, **{f"{n}_ms": round(v, 3) for n, v in times.items()},
                "masked_over_fused": round(times["masked"] / times["fused"], 2),
                "hf_loop_over_fused": round(times["hf_loop"] / times["fused"], 2)}
         rows.append(row)
         print(f"{t:>4} {hit:>11} | {times['fused']:>9.2f} {times['masked']:>9.2f} {times['hf_loop']:>10.2f} | "
-              f"{row['masked_over_fused']:>12.2f} {row['hf_loop_over_fused']:>8.2f} | {times['int8']:>8.2f}")
+              f"{row['masked_over_fused']:>12.2f} {row['hf_loop_over_fused']:>8.2f} | {times['int8']:>8.2f} | "
+              f"{times['w4a8']:>8.2f} {times['w4a8_loop']:>12.2f}")
     write_report(args.out, rows, shape={"hidden": h, "experts": e, "top_k": k, "intermediate": inter})
 
 

@@ -3,7 +3,8 @@ the linears' bytes against the machine's copy bandwidth, and the roofline floor 
 
 One request at a time runs through real `LLMEngine.step()` calls, and its decode steps alternate between
 instrumented and bare. An instrumented step times, with `time.perf_counter` around each call: the linear
-layers by kind (forward hooks, summed over the layers), the RMSNorms and the embedding (hooks), the
+layers by kind (forward hooks, summed over the layers), a mixture of experts' blocks (router, routing and
+the k experts a token reads, whose bytes the row counts), the RMSNorms and the embedding (hooks), the
 attention backend's plan and forward (a wrapper installed with `model.attention.install`), the rotary and
 SiLU-times-up ops (a timed copy of the layers' `Ops`, plus the rotary cos/sin the decoder computes once a
 step) and the request's `TextStream.push` (detokenizing). Where the layers run as one C++ call
@@ -44,15 +45,18 @@ from model import llama
 from model.attention.base import BaseAttention
 from model.attention.install import wrapped
 from model.cpu_step import CpuDecoderStep
+from model.moe import Int8SparseMoeBlock, SparseMoeBlock, W4A8SparseMoeBlock
+
+MOE_BLOCKS = (SparseMoeBlock, Int8SparseMoeBlock, W4A8SparseMoeBlock)
 
 # The decoder's linear modules by the last part of their name -> the kind the breakdown reports.
 LINEAR_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head"}
-FORWARD_OPS = (*LINEAR_KINDS.values(), "attention", "attention plan", "rms_norm", "rotary", "silu_and_mul",
-               "embedding")
+FORWARD_OPS = (*LINEAR_KINDS.values(), "experts", "attention", "attention plan", "rms_norm", "rotary",
+               "silu_and_mul", "embedding")
 ENGINE_PHASES = ("schedule", "prepare", "forward", "sample")  # EngineStats.seconds, per step
 LABELS = {
     "qkv": "linear qkv", "o": "linear o", "gate_up": "linear gate_up", "down": "linear down",
-    "lm_head": "linear lm_head", "attention": "attention", "attention plan": "attention metadata",
+    "lm_head": "linear lm_head", "experts": "MoE router + k experts", "attention": "attention", "attention plan": "attention metadata",
     "rms_norm": "RMSNorm", "rotary": "rotary", "silu_and_mul": "SiLU (GELU) x up", "embedding": "embedding",
     "forward python": "python between ops (forward)", "forward": "model forward (not split)",
     "schedule": "scheduler", "prepare": "input building",
@@ -183,6 +187,8 @@ class TimedAttention(BaseAttention):
 
 def phase_of(name: str, module: nn.Module) -> str | None:
     """The breakdown's phase of a submodule timed by hooks (None: not timed on its own)."""
+    if isinstance(module, MOE_BLOCKS):
+        return "experts"
     if isinstance(module, llama.RMSNorm):
         return "rms_norm"
     if isinstance(module, nn.Embedding):
@@ -196,6 +202,16 @@ def linear_weight_bytes(module: nn.Module) -> int:
     skip = {"weight"} if getattr(module, "packed", None) is not None else set()
     tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     return sum(t.numel() * t.element_size() for name, t in tensors if t is not None and name not in skip)
+
+
+def experts_weight_bytes(block: nn.Module) -> int:
+    """Bytes a batch-1 step reads of a MoE block: its router, and top_k of its E experts' weights (their
+    kernel's layout where it has one, as `linear_weight_bytes` counts a linear's)."""
+    tensors = dict([*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)])
+    skip = {name.removesuffix("_packed") for name, t in tensors.items() if name.endswith("_packed") and t is not None}
+    experts = sum(t.numel() * t.element_size() for name, t in tensors.items() if t is not None and name not in skip)
+    num_experts = len(next(t for name, t in tensors.items() if name.startswith("w13") and t is not None))
+    return linear_weight_bytes(block.gate) + experts * block.top_k // num_experts
 
 
 def cpu_step_of(module: object) -> CpuDecoderStep | None:
@@ -342,6 +358,8 @@ def summarize(bare: list[dict], timed: list[dict], module: nn.Module, quantizati
     for name, sub in module.named_modules() if isinstance(module, nn.Module) else ():
         if (kind := LINEAR_KINDS.get(name.rsplit(".", 1)[-1])) is not None:
             weight_bytes[kind] += linear_weight_bytes(sub)
+        elif isinstance(sub, MOE_BLOCKS):
+            weight_bytes["experts"] += experts_weight_bytes(sub)
     phases = []
     for op in FORWARD_OPS:
         calls = round(median(timed, f"calls {op}"))

@@ -3,7 +3,8 @@
 Counted as a roofline counts them: the weights of every linear layer are read once per step whatever
 the batch (they are reused across the step's rows), the KV cache is read for every attended position
 and written for every new token, and each weight does one multiply-add (2 FLOPs) per row it touches.
-Norms, rotary embeddings and the embedding gather are left out: they are a few per cent at most.
+Norms, rotary embeddings and the embedding gather are left out: they are a few per cent at most. A mixture
+of experts' layer reads its router and the experts its tokens reach, and each token multiplies k of them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,29 @@ class ModelCost:
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
 
-    @property
-    def layer_matmul_params(self) -> int:
+    def _layers(self, experts_per_layer: float) -> float:
+        """Matmul weights of every layer: attention, and the MLP, dense (3 H I) or sparse (the router's E H
+        and `experts_per_layer` experts of 3 H I each)."""
         c = self.config
         attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-        return c.num_layers * (attention + 3 * c.hidden_size * c.intermediate_size)
+        sparse = sum(c.is_sparse_layer(i) for i in range(c.num_layers))
+        dense = c.num_layers - sparse
+        expert = 3 * c.hidden_size * c.moe_intermediate_size
+        return (c.num_layers * attention + dense * 3 * c.hidden_size * c.intermediate_size
+                + sparse * (c.num_experts * c.hidden_size + experts_per_layer * expert))
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights one token multiplies in the layers (a sparse layer's k experts, not its E)."""
+        return round(self._layers(self.config.num_experts_per_tok))
+
+    def layer_read_params(self, num_tokens: int) -> float:
+        """Weights a step of `num_tokens` tokens reads in the layers, each once: a sparse layer's experts
+        that at least one token reaches, E (1 - (1 - k / E)^T) on average (routing taken as uniform)."""
+        c = self.config
+        reached = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** num_tokens) \
+            if c.num_experts else 0.0
+        return self._layers(reached)
 
     @property
     def head_params(self) -> int:
@@ -48,16 +67,20 @@ class ModelCost:
 
     @property
     def num_params(self) -> int:
-        """Every parameter: the matmuls, the embedding (once if tied to the head) and the norms."""
+        """Every parameter: the matmuls (all experts), the embedding (once if tied to the head) and the norms."""
         c = self.config
         embedding = 0 if c.tie_word_embeddings else self.head_params
         norms = c.hidden_size * (2 * c.num_layers + 1)
-        return self.layer_matmul_params + self.head_params + embedding + norms
+        return round(self._layers(c.num_experts)) + self.head_params + embedding + norms
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes of weights one step reads: the layers' matmuls and the head."""
-        return (self.layer_matmul_params + self.head_params) * PRECISIONS[self.precision].weight_bytes
+        """Bytes of weights a one-token step reads: the layers' matmuls (k experts a sparse layer) and the head."""
+        return self.step_weight_bytes(1)
+
+    def step_weight_bytes(self, num_tokens: int) -> float:
+        """Bytes of weights a step of `num_tokens` tokens reads (a sparse layer's experts its tokens reach)."""
+        return (self.layer_read_params(num_tokens) + self.head_params) * PRECISIONS[self.precision].weight_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -85,7 +108,7 @@ class ModelCost:
         # The cache is read once per sequence (every query of a chunk shares the gathered blocks).
         kv_read = sum(s - q for q, s in zip(query_lens, seq_lens, strict=True)) * self.kv_bytes_per_token
         kv_write = num_tokens * self.kv_bytes_per_token
-        return StepCost(self.weight_bytes + kv_read + kv_write, flops)
+        return StepCost(self.step_weight_bytes(num_tokens) + kv_read + kv_write, flops)
 
     def decode_step(self, batch: int, context: int) -> StepCost:
         """`batch` sequences each adding one token after `context` cached ones."""

@@ -116,6 +116,27 @@ def test_the_cost_model_counts_the_modules_parameters(wide_dir, llama_dir):
     assert many.bytes - one.bytes == pytest.approx(63 * 17 * cost.kv_bytes_per_token)
 
 
+def test_the_cost_model_reads_the_experts_a_step_reaches(tmp_path):
+    """A mixture of experts: every expert counted as a parameter; a one-token step reads its router and k
+    of E experts a layer, a large batch nearly all E; each token multiplies k."""
+    import model
+    from tiny_models import make_hf_model
+
+    make_hf_model("mixtral", tmp_path / "moe")
+    loaded = model.load(str(tmp_path / "moe"))
+    c = loaded.config
+    cost = ModelCost(c, "fp32", 4)
+    assert cost.num_params == sum(p.numel() for p in loaded.module.parameters())
+    attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    expert = 3 * c.hidden_size * c.moe_intermediate_size
+    router = c.num_experts * c.hidden_size
+    layers = lambda experts: c.num_layers * (attention + router + experts * expert)  # noqa: E731
+    assert cost.weight_bytes == pytest.approx((layers(c.num_experts_per_tok) + cost.head_params) * 4)
+    assert cost.step_weight_bytes(1000) == pytest.approx((layers(c.num_experts) + cost.head_params) * 4)
+    assert cost.layer_matmul_params == layers(c.num_experts_per_tok)
+    assert cost.decode_step(64, 16).flops == pytest.approx(64 * cost.decode_step(1, 16).flops)
+
+
 def test_a_tiny_model_at_batch_one_is_overhead_or_memory_bound(llama_dir):
     # 32 output tokens: with 8, the request's life was a few tens of milliseconds, and one pause of the process
     # (a busy neighbour on 2 cores) between its arrival and its first step read as a queue-bound verdict.

@@ -116,3 +116,21 @@ def test_the_step_breakdown_of_a_w4a8_model(q4_gguf, tmp_path, capsys):
     assert b["roofline_floor_seconds"] == pytest.approx(b["weight_bytes"] / b["memory_bandwidth"])
     assert b["roofline_floor_fraction"] == pytest.approx(b["roofline_floor_seconds"] / b["step_seconds"])
     assert b["sse_chunk_seconds"] > 0 and b["num_steps"] >= 8
+
+
+def test_the_step_breakdown_of_a_mixture_of_experts(tmp_path, capsys):
+    """Qwen3-MoE's sparse layers: one row for each block (router, routing and the token's k experts), with
+    the bytes a token reads of it; the dense middle layer's MLP under the linear rows."""
+    write_gguf(make_hf_model("qwen3_moe", tmp_path / "hf"), tmp_path / "m.gguf", "Q4_0", "qwen3moe")
+    code = main(["doctor", "--model", str(tmp_path / "m.gguf"), "--max-num-seqs", "1", "--num-requests", "1",
+                 "--input-len", "16", "--output-len", "8", "--max-prefill", "32", "--out", str(tmp_path), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "MoE router + k experts" in out
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert report["model"]["quantization"] == {"asked": "auto", "resolved": "w4a8"}
+    phases = {p["name"]: p for p in report["step_breakdown"]["phases"]}
+    assert phases["experts"]["calls"] == 2 and phases["gate_up"]["calls"] == 1 and phases["experts"]["seconds"] > 0
+    # Hidden 64, 8 experts of 32, top 2, Q4_0 in the W4A8 layout: per expert gate/up 4 blocks of 16 rows x 2
+    # 32-blocks (256 bytes of codes, 32 of scales each), down 4 x 1; the float32 router 8 x 64.
+    per_expert = 4 * 2 * (256 + 32) + 4 * 1 * (256 + 32)
+    assert phases["experts"]["weight_bytes"] == 2 * (8 * 64 * 4 + per_expert * 8 * 2 // 8)
