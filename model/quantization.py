@@ -46,7 +46,7 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
 
     - a quantized GGUF file whose W4A8 layers read fewer bytes a step than W8A8's (mostly 4-bit codes:
       Q4_0, Q4_1, Q4_K; `gguf_checkpoint.linear_bytes`; Gemma 3 270M's file, mostly Q5_0 and Q8_0 read as
-      8-bit codes, reads 1.5% more and decodes 8-11% slower in W4A8), on a CPU, in one process: W4A8 over
+      8-bit codes, reads 2% more and decodes 8-11% slower in W4A8), on a CPU, in one process: W4A8 over
       the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
       and it adds no error to the file's weights (perplexity +0.38% against W8A8's +0.55%); at batches of
       16-32 it runs at 0.8-0.95x of W8A8, still far ahead of llama.cpp's server there. One scheme serves
