@@ -28,6 +28,7 @@ from model.errors import ModelLoadError
 BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
+REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `_requantized` (64 MB)
 
 
 @dataclass(frozen=True)
@@ -170,11 +171,18 @@ def _requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight
     if not is_block_type(type_name):
         raise ModelLoadError(f"{type_name} is not a quantized GGUF type the w4a8 layers can read "
                              "(use --quantization w8a8)")
-    try:
-        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-    except NotImplementedError:
-        raise ModelLoadError(f"the gguf package cannot dequantize {type_name} (use another file)") from None
-    return requantize_8bit(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(n, k)))
+    # In chunks of rows: a float32 copy of a whole expert stack would be several times the file's bytes.
+    step = max(1, REQUANTIZE_CHUNK // k)
+    parts = []
+    for start in range(0, n, step):
+        try:
+            w = gguf.quants.dequantize(raw[start:start + step], gguf.GGMLQuantizationType[type_name])
+        except NotImplementedError:
+            raise ModelLoadError(f"the gguf package cannot dequantize {type_name} (use another file)") from None
+        parts.append(requantize_8bit(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(-1, k))))
+    if len(parts) == 1:
+        return parts[0]
+    return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]), None, 8, 128)
 
 
 def requantize_8bit(w: torch.Tensor) -> BlockWeight:

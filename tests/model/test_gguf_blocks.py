@@ -71,6 +71,16 @@ def test_other_types_are_requantized_to_8_bits(name):
     assert ((weight.dequantize() - reference).abs() <= d * 0.5 * (1 + 2.0**-9) + 1e-7).all()
 
 
+def test_requantizing_in_chunks_of_rows_changes_nothing(monkeypatch):
+    from model import gguf_blocks
+
+    raw = _raw_blocks("Q6_K", np.random.default_rng(5))
+    whole = block_weight(raw, "Q6_K", (N, K))
+    monkeypatch.setattr(gguf_blocks, "REQUANTIZE_CHUNK", 5 * K)  # rows 0-4, 5-9, ...: the last chunk short
+    chunked = block_weight(raw, "Q6_K", (N, K))
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.d, whole.d)
+
+
 def test_requantizing_zeros_and_the_float_types():
     """All-zero blocks keep d = 0 (no division by zero); float types are no blocks; an unknown type and a
     row length that is no multiple of 32 are refused in one line."""
