@@ -85,3 +85,43 @@ def test_engine_batch_gives_each_prompt_its_text_alone(ours):
     # A base model: its continuation is about the subject, not an answer (" the capital of the country of
     # France. It is the largest city in France").
     assert "France" in ours.tokenizer.decode(together[0])
+
+
+def test_w4a8_reads_each_block_type_of_the_file(ours):
+    """The file's own Q5_0 and Q8_0 blocks (q/k/v, gate/up, the head) are read exactly; its Q4_K ones
+    (o, half the downs) with sub-block scales rounded once to float16; its Q6_K downs requantized to 8 bits:
+    every W4A8 layer's weights against the float model's, which the gguf package dequantized."""
+    import model
+    from kernels.cpu_w4a8_linear import scales_of, unpack
+    from model.gguf_checkpoint import GGUFFile
+
+    w4a8 = model.load("gemma-3-270m", quantization="w4a8")
+    types = {t.name: t.tensor_type.name for t in GGUFFile(ours.path).tensors}
+
+    def weights(linear):  # [N, K] float32, and the largest |d u| + |m| of each 32-block, broadcast
+        n = linear.out_features
+        codes, (d, m) = unpack(linear.codes, n).float(), scales_of(linear.scales, n)
+        d = d.repeat_interleave(32, dim=1)
+        if m is None:
+            return (codes - linear.zero) * d, None
+        m = m.repeat_interleave(32, dim=1)
+        return d * codes + m, d.abs() * codes + m.abs()
+
+    seen = set()
+    for i, (float_layer, layer) in enumerate(zip(ours.module.layers, w4a8.module.layers, strict=True)):
+        for name, part in (("self_attn.qkv_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                           ("mlp.gate_up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+            kind = types[f"blk.{i}.{part}.weight"]
+            seen.add(kind)
+            w, size = weights(layer.get_submodule(name))
+            reference = float_layer.get_submodule(name).weight
+            if kind == "Q4_K":
+                assert ((w - reference).abs() <= 2.0**-11 * size + 1e-7).all(), (i, name)
+            elif kind == "Q6_K":
+                d = scales_of(layer.get_submodule(name).scales, reference.shape[0])[0].repeat_interleave(32, dim=1)
+                assert ((w - reference).abs() <= 0.5 * d * (1 + 2.0**-9) + 1e-7).all(), (i, name)
+            else:
+                assert torch.equal(w, reference), (i, name, kind)
+    assert seen == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    head, _ = weights(w4a8.module.lm_head)
+    assert torch.equal(head, ours.module.lm_head.weight)  # the Q8_0 embedding, tied
