@@ -56,7 +56,8 @@ FORWARD_OPS = (*LINEAR_KINDS.values(), "experts", "attention", "attention plan",
 ENGINE_PHASES = ("schedule", "prepare", "forward", "sample")  # EngineStats.seconds, per step
 LABELS = {
     "qkv": "linear qkv", "o": "linear o", "gate_up": "linear gate_up", "down": "linear down",
-    "lm_head": "linear lm_head", "experts": "MoE router + k experts", "attention": "attention", "attention plan": "attention metadata",
+    "lm_head": "linear lm_head", "experts": "MoE router + k experts", "attention": "attention",
+    "attention plan": "attention metadata",
     "rms_norm": "RMSNorm", "rotary": "rotary", "silu_and_mul": "SiLU (GELU) x up", "embedding": "embedding",
     "forward python": "python between ops (forward)", "forward": "model forward (not split)",
     "schedule": "scheduler", "prepare": "input building",

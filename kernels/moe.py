@@ -13,8 +13,9 @@ Qwen3-MoE renormalises when its config's `norm_topk_prob` says so.
 `fused_moe` (float weights), `int8_moe` (weight-only int8 experts) and `w4a8_moe` (a GGUF's own blocks
 times int8 activations, one C++ call: kernels/cpu_w4a8_experts.py) run each expert on the tokens routed to it
 only (`grouped_moe`): the T * k (token, expert) pairs are sorted by expert, each expert does one matmul over
-its gathered rows, and every token sums its k expert outputs in slot order (the order top-k gave them). `fused_moe_triton` is the same function for CUDA: two grouped GEMMs over the pairs padded per
-expert to the kernel's row block, with no host sync. `fused_moe_ref` runs every expert on every token and
+its gathered rows, and every token sums its k expert outputs in slot order (the order top-k gave them).
+`fused_moe_triton` is the same function for CUDA: two grouped GEMMs over the pairs padded per expert to the
+kernel's row block, with no host sync. `fused_moe_ref` runs every expert on every token and
 masks by the routing weight: simple enough to be obviously right, and E / k times the arithmetic.
 
 Each of them takes an `expert_offset` (expert parallelism, parallel/shard.py): the stacked weights are then
