@@ -11,9 +11,11 @@ How each GGML type gets there (`block_weight`):
   bounds it), far below the 4-bit step;
 - every other quantized type (Q6_K, with its 16-input sub-blocks, Q2_K, Q3_K, the IQ types): requantized from
   the weights the `gguf` package dequantizes, 8 bits per 32-block the way Q8_0 is made (d = max |w| / 127 in
-  float16, u = round(w / d) + 128), at most half a step of 1/127 of the block's largest weight from the file's.
+  float16, u = round(w / d) + 128), at most half a step of 1/127 of the block's largest weight from the file's;
+- a float linear (F32, F16, BF16) in a quantized file (an output or embedding kept in 16 bits): requantized
+  the same way.
 
-Float types (F32, F16, BF16) are not blocks (`is_block_type`): `--quantization w8a8` serves them.
+A file whose linears are all float holds no blocks (`is_block_type`): `--quantization w8a8` serves it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from model.errors import ModelLoadError
 BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")  # read, in a quantized file, by requantizing
 REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `_requantized` (64 MB)
 
 
@@ -93,7 +96,7 @@ def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
     n, k = shape
     if k % BLOCK_SIZE:
         raise ModelLoadError(f"a {type_name} weight of {k} input channels: not a multiple of {BLOCK_SIZE}")
-    raw = np.ascontiguousarray(raw).reshape(n, -1)
+    raw = np.ascontiguousarray(raw).reshape(n, -1)  # float types: [N, K] of their own dtype (BF16: bytes)
     if type_name in EXACT_TYPES:
         return _legacy(raw, type_name, n, k)
     if type_name in SUB_BLOCK_TYPES:
@@ -165,12 +168,11 @@ def _sub_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
 
 
 def _requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
-    """Any other quantized type: the `gguf` package's float weights, quantized per 32-block to 8 bits."""
+    """Any other type: the `gguf` package's float weights, quantized per 32-block to 8 bits."""
     import gguf
 
-    if not is_block_type(type_name):
-        raise ModelLoadError(f"{type_name} is not a quantized GGUF type the w4a8 layers can read "
-                             "(use --quantization w8a8)")
+    if not (is_block_type(type_name) or type_name in FLOAT_TYPES):
+        raise ModelLoadError(f"{type_name} is not a GGUF type the w4a8 layers can read (use --quantization w8a8)")
     # In chunks of rows: a float32 copy of a whole expert stack would be several times the file's bytes.
     step = max(1, REQUANTIZE_CHUNK // k)
     parts = []

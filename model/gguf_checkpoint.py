@@ -27,7 +27,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
-from model.gguf_blocks import BlockWeight, block_weight, how_read, is_block_type, w4a8_bytes
+from model.gguf_blocks import FLOAT_TYPES, BlockWeight, block_weight, how_read, is_block_type, w4a8_bytes
 from model.gguf_file import GGUFFile, GGUFTensor
 from model.weights import LazyTensors
 
@@ -95,17 +95,21 @@ FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up
 
 def linear_bytes(path: Path) -> tuple[int, int] | None:
     """The weight bytes of the GGUF file's linear layers (experts included) in W4A8, on the file's own
-    blocks as model/gguf_blocks.py reads them, and in W8A8's int8 rows; None when a linear weight is not of
-    a quantized type, or the file cannot be read (loading it says why). W4A8 reads fewer where 4-bit codes
+    blocks as model/gguf_blocks.py reads them, and in W8A8's int8 rows; None for a file with no quantized
+    linear, one of a type that cannot be read, or one that cannot be read at all (loading it says why). W4A8 reads fewer where 4-bit codes
     (Q4_0, Q4_1, Q4_K) outweigh the 8-bit ones' per-block scales."""
     try:
         tensors = {t.name: t for t in GGUFFile(path).tensors}
     except (OSError, ValueError, struct.error):  # not GGUF, truncated: the loader's error is the one to show
         return None
     groups: dict[str, list[GGUFTensor]] = {}
-    for name in linear_gguf_names({name: t.tensor_type.name for name, t in tensors.items()}):
+    names = linear_gguf_names({name: t.tensor_type.name for name, t in tensors.items()})
+    if not any(name in tensors and is_block_type(tensors[name].tensor_type.name) for name in names):
+        return None  # a float file
+    for name in names:
         tensor = tensors.get(name)
-        if tensor is None or len(tensor.shape) not in (2, 3) or not is_block_type(tensor.tensor_type.name):
+        kind = tensor.tensor_type.name if tensor is not None else ""
+        if tensor is None or len(tensor.shape) not in (2, 3) or not (is_block_type(kind) or kind in FLOAT_TYPES):
             return None
         match = LAYER_PATTERN.fullmatch(name)
         key = f"{match.group(1)}.{FUSED.get(match.group(2), match.group(2))}" if match else name
@@ -270,15 +274,20 @@ class GGUFCheckpoint:
     def read_blocks(self) -> LazyTensors[BlockWeight]:
         """Every linear weight as its raw blocks, read when it is asked for, under Hugging Face names (the
         LM head as `lm_head.weight` also when tied), rows in the same order as `read_tensors`.
-        ModelLoadError, at once, when a linear weight is not of a quantized type (model/gguf_blocks.py says
-        how each type is read)."""
+        ModelLoadError, at once, when no linear weight is of a quantized type, or one is of a type that cannot
+        be read (model/gguf_blocks.py says how each type is read: a float one in a quantized file too)."""
         by_name = {t.name: t for t in self.reader.tensors}
         tensors = {}
-        for gguf_name in linear_gguf_names({name: t.tensor_type.name for name, t in by_name.items()}):
+        names = linear_gguf_names({name: t.tensor_type.name for name, t in by_name.items()})
+        if not any(is_block_type(by_name[name].tensor_type.name) for name in names):
+            kinds = sorted({by_name[name].tensor_type.name for name in names})
+            raise ModelLoadError(f"{self.path}: its linear weights are {', '.join(kinds)}; the w4a8 layers take a "
+                                 "quantized file's blocks (use --quantization w8a8)")
+        for gguf_name in names:
             tensor = by_name[gguf_name]
-            if not is_block_type(tensor.tensor_type.name):
-                raise ModelLoadError(f"{self.path}: tensor {gguf_name!r} is {tensor.tensor_type.name}; the w4a8 "
-                                     "layers take a quantized file's blocks (use --quantization w8a8)")
+            if not (is_block_type(tensor.tensor_type.name) or tensor.tensor_type.name in FLOAT_TYPES):
+                raise ModelLoadError(f"{self.path}: tensor {gguf_name!r} is {tensor.tensor_type.name}, which the "
+                                     "w4a8 layers cannot read (use --quantization w8a8)")
             name = "lm_head.weight" if gguf_name in ("output.weight", "token_embd.weight") else self._hf_name(gguf_name)
             tensors[name] = tensor
         counts = collections.Counter(t.tensor_type.name for t in tensors.values())

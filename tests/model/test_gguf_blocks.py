@@ -82,14 +82,18 @@ def test_requantizing_in_chunks_of_rows_changes_nothing(monkeypatch):
 
 
 def test_requantizing_zeros_and_the_float_types():
-    """All-zero blocks keep d = 0 (no division by zero); float types are no blocks; an unknown type and a
-    row length that is no multiple of 32 are refused in one line."""
+    """All-zero blocks keep d = 0 (no division by zero); float types are no blocks, but are read by
+    requantizing; an unreadable type and a row length that is no multiple of 32 are refused in one line."""
     weight = requantize_8bit(torch.zeros(2, 64))
     assert torch.equal(weight.dequantize(), torch.zeros(2, 64)) and (weight.d == 0).all()
     assert not any(is_block_type(t) for t in ("F32", "F16", "BF16", "I8", "F64", "no such type"))
     assert all(is_block_type(t) for t in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL"))
-    with pytest.raises(ModelLoadError, match="not a quantized GGUF type"):
-        block_weight(np.zeros((2, 128), np.uint8), "F16", (2, 64))
+    with pytest.raises(ModelLoadError, match="not a GGUF type the w4a8 layers can read"):
+        block_weight(np.zeros((2, 64), np.int8), "I8", (2, 64))
+    # A float linear in a quantized file (an output kept in 16 bits) is requantized as Q6_K is.
+    half = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float16)
+    weight = block_weight(half, "F16", (2, 64))
+    assert torch.equal(weight.codes, requantize_8bit(torch.from_numpy(half).float()).codes)
     with pytest.raises(ModelLoadError, match="not a multiple of 32"):
         block_weight(np.zeros((2, 40), np.uint8), "Q8_0", (2, 40))
 

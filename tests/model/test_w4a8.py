@@ -71,8 +71,15 @@ def test_w4a8_tracks_the_float_model_and_is_batch_invariant(tmp_path, family, qt
 def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
     hf = make_hf_model("llama3", tmp_path / "hf")
     write_gguf(hf, tmp_path / "f32.gguf", "F32")
-    with pytest.raises(ModelLoadError, match="is F32; the w4a8 layers take a quantized file's blocks"):
+    with pytest.raises(ModelLoadError, match="linear weights are F32; the w4a8 layers take a quantized file's"):
         model.load(tmp_path / "f32.gguf", quantization="w4a8")
+    # A float output beside quantized layers is requantized to 8 bits, as llama.cpp's 16-bit-output files need.
+    write_gguf(hf, tmp_path / "f32_head.gguf", "Q4_0", qtypes={"output": "F32"})
+    mixed = model.load(tmp_path / "f32_head.gguf", quantization="w4a8")
+    assert (mixed.module.lm_head.bits, mixed.module.layers[0].mlp.down_proj.bits) == (8, 4)
+    prompts = [[5, 9, 30, 31, 2, 17, 40]]
+    reference = _logits(model.load(tmp_path / "f32_head.gguf").module, prompts)
+    assert ((_logits(mixed.module, prompts) - reference).norm() / reference.norm()).item() < 0.05
     with pytest.raises(ValueError, match="GGUF file's own 4-bit blocks"):
         model.load(tmp_path / "hf", quantization="w4a8")
     # `auto` takes W4A8 only where it applies, W8A8 elsewhere (on a CPU with the int8 kernels' VNNI tiles).
@@ -95,6 +102,7 @@ def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
     write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
     write_gguf(hf, tmp_path / "q5.gguf", "Q5_0", qtypes={"output": "Q8_0"})  # Gemma 3 270M's kind of file
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "q4_k_m.gguf") == "w4a8"
+    assert resolve_quantization("auto", "float32", "cpu", tmp_path / "f32_head.gguf") == "w4a8"
     for name in ("mix.gguf", "q8.gguf", "q5.gguf"):
         assert resolve_quantization("auto", "float32", "cpu", tmp_path / name) == "w8a8", name
     for name in ("q4.gguf", "f32.gguf"):  # the header scan `auto` uses reads what gguf's reader reads
