@@ -188,7 +188,7 @@ class TimedAttention(BaseAttention):
 
 def phase_of(name: str, module: nn.Module) -> str | None:
     """The breakdown's phase of a submodule timed by hooks (None: not timed on its own)."""
-    if isinstance(module, MOE_BLOCKS):
+    if isinstance(module, MOE_BLOCKS):  # inside the C++ step, a part it times (its hooks do not run there)
         return "experts"
     if isinstance(module, llama.RMSNorm):
         return "rms_norm"
@@ -255,11 +255,15 @@ def instrumented(module: nn.Module, stopwatch: Stopwatch) -> Iterator[None]:
             stopwatch.active = True
             yield
             if cpu_step is not None:  # the parts timed inside the C++ call, with the calls the eager layers make
-                layers = module.config.num_layers
-                norms = sum(isinstance(m, llama.RMSNorm) for m in module.modules())  # each runs once a step
+                config = module.config
+                sparse = sum(config.is_sparse_layer(i) for i in range(config.num_layers))
+                calls = {"rms_norm": sum(isinstance(m, llama.RMSNorm) for m in module.modules()),  # once a step
+                         "experts": sparse, "gate_up": config.num_layers - sparse,
+                         "silu_and_mul": config.num_layers - sparse, "down": config.num_layers - sparse}
                 for part, seconds in cpu_step.take_profile().items():
-                    stopwatch.seconds[part] += seconds
-                    stopwatch.calls[part] += norms if part == "rms_norm" else layers
+                    if calls.get(part, config.num_layers):
+                        stopwatch.seconds[part] += seconds
+                        stopwatch.calls[part] += calls.get(part, config.num_layers)
         finally:
             stopwatch.active = False
             if patched_rotary is not None:

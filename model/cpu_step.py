@@ -11,8 +11,9 @@ whenever the step cannot. `step_support(model)` says why a model cannot (None: i
 the decoders `ladder serve` runs on a CPU by default: float32 activations; W4A8 (a GGUF's blocks) or W8A8
 linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and Gemma 3's (q/k norms,
 sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); nothing wrapped or
-hooked (LoRA slots, tensor-parallel all-reduces). Not covered: mixtures of experts, float or weight-only
-int8 linears. Per step it takes a float32, bfloat16 or float16 cache (`--kv-cache-dtype`) and plans whose
+hooked (LoRA slots, tensor-parallel all-reduces); mixtures of experts whose experts are W4A8 (the router
+and routing through ATen's own calls, as the eager block makes them). Not covered: float or weight-only int8
+linears and experts, a rank's part of the experts. Per step it takes a float32, bfloat16 or float16 cache (`--kv-cache-dtype`) and plans whose
 every token is a kernel row (`CpuAttentionPlan` without a gathered part: chunks up to 1,024 tokens).
 
 The step holds the modules' tensors as they were when it was built. A module, parameter or buffer
@@ -32,6 +33,7 @@ from torch.nn.modules import module as nn_module
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
 from model.precision import KV_CACHE_DTYPES
+from model.moe import W4A8SparseMoeBlock
 from model.quantization import W8A8Linear
 from model.w4a8_linear import W4A8Linear
 
@@ -91,9 +93,15 @@ def step_support(model: nn.Module) -> str | None:
             return f"attention {type(backend).__name__}, not the C++ kernel's backend"
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):
-            return f"layer {i}: a {type(mlp).__name__} (the step covers dense MLPs)"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if isinstance(mlp, W4A8SparseMoeBlock):
+            if mlp.expert_offset or type(mlp.gate) is not nn.Linear or mlp.gate.bias is not None \
+                    or mlp.gate.weight.dtype != torch.float32 or _hooked(mlp.gate):
+                return f"layer {i}: experts held in part, or a router other than a float32 linear"
+            linears = (attn.qkv_proj, attn.o_proj)
+        elif not hasattr(mlp, "gate_up_proj"):
+            return f"layer {i}: a {type(mlp).__name__} (the step takes dense MLPs and W4A8 experts)"
+        else:
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         for linear in linears:
             if _linear_kind(linear) is None:
                 return f"layer {i}: a {type(linear).__name__} linear (the step takes W4A8 and W8A8 linears)"
@@ -109,7 +117,7 @@ class CpuDecoderStep:
     """The layers of one model as `ladder_cpu::DecoderStep`; call it in place of the layer loop."""
 
     # The parts the C++ step times when profiling (its `take_profile` order), under the doctor's names.
-    PARTS = ("rms_norm", "qkv", "rotary", "attention", "o", "gate_up", "silu_and_mul", "down")
+    PARTS = ("rms_norm", "qkv", "rotary", "attention", "o", "gate_up", "silu_and_mul", "down", "experts")
 
     def __init__(self, model: nn.Module) -> None:
         config = model.config
@@ -127,7 +135,9 @@ class CpuDecoderStep:
                      layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
             tensors += [empty if n is None else n.weight.detach() for n in norms]
             ints.append(int(model.windowed[i] if mixed else uniform_window))
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            moe = isinstance(mlp, W4A8SparseMoeBlock)
+            for linear in (attn.qkv_proj, attn.o_proj) if moe else (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                    mlp.down_proj):
                 kind = _linear_kind(linear)
                 bias = empty if linear.bias is None else linear.bias
                 if kind == 0:
@@ -135,6 +145,12 @@ class CpuDecoderStep:
                 else:
                     tensors += [linear.packed, linear.wsum, linear.scale, bias]
                 ints += [kind, getattr(linear, "zero", 0)]
+            if moe:  # kind 2: the experts' stacks and the router in the gate_up and down places
+                tensors += [mlp.w13_codes, mlp.w13_scales, mlp.gate.weight.detach(), empty,
+                            mlp.w2_codes, mlp.w2_scales, empty, empty]
+                ints += [2, mlp.w13_zero, 2, mlp.w2_zero, mlp.top_k, int(mlp.renormalize)]
+            else:
+                ints += [0, 0]
         tensors.append(model.norm.weight.detach())
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)
         self.scale = config.attention_scale

@@ -4,6 +4,7 @@
 // the same machine code, so their results are equal bit for bit.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -58,6 +59,35 @@ struct W4A8Scratch {
 
 // out [M, N] = x [M, K] times the weight; `portable`: the portable loop even where tiles exist.
 LADDER_SHARED void w4a8_rows(const float* x, int64_t M, const W4A8Weight& w, float* out, W4A8Scratch& scratch, bool portable);
+
+// w4a8_experts.cpp -----------------------------------------------------------------------------------
+
+// E experts' W4A8 weights of one shape, each packed as cpu_w4a8_linear.pack packs a weight, stacked:
+// codes [E, NBLK, KB, CB] uint8, scales [E, NBLK, KB, S, 16] float16 bits.
+struct W4A8Stack {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  int64_t E, N, NBLK, KB, S;
+  bool four;
+  int32_t zero;
+
+  W4A8Weight expert(int64_t e) const {
+    const int64_t CB = four ? 256 : 512;
+    return W4A8Weight{codes + e * NBLK * KB * CB, scales + e * NBLK * KB * S * 16, nullptr, N, KB * 32, NBLK,
+                      static_cast<int>(S), four, zero};
+  }
+};
+
+// out [T, H] = sum over each row's k slots of weights[t, slot] * expert(x[t]), slots in order, for the
+// experts of `experts` [T, k] (the router's numbering) that the stacks hold: experts expert_offset ..
+// expert_offset + E - 1 (a pair routed elsewhere adds 0). expert(x) = w2 (silu(gate) * up), gate and up
+// the rows of w13 [2I, H] (I = w2's K), x [T, H] float32.
+LADDER_SHARED void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weights, const int64_t* experts,
+                       int64_t k, const W4A8Stack& w13, const W4A8Stack& w2, int64_t expert_offset, float* out,
+                       W4A8Scratch& scratch);
+
+// The stack of a MoE layer's packed expert tensors (checked: their shapes, dtypes, N rows an expert).
+W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name);
 
 // w8a8_linear.cpp ------------------------------------------------------------------------------------
 

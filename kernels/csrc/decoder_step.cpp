@@ -17,9 +17,12 @@
 //            sandwich norms), q_norm, k_norm ([head_dim]); then qkv, o, gate_up, down, four tensors each:
 //            W4A8 (codes, scales, -, bias), W8A8 (packed, wsum, scale, bias). An absent one is an empty
 //            tensor. Then the final norm [hidden].
+//            A mixture-of-experts layer (kind 2 for gate_up and down) puts its experts' W4A8 stacks there:
+//            gate_up (w13 codes, w13 scales, the float32 router [E, hidden], -), down (w2 codes, w2 scales, -, -).
 //   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), then per layer: windowed (1:
-//            the layer reads the local tables and rotates by the local cos/sin), and per linear kind (0 W4A8,
-//            1 W8A8) and zero (W4A8's implied offset).
+//            the layer reads the local tables and rotates by the local cos/sin), per linear kind (0 W4A8,
+//            1 W8A8, 2 a MoE layer's experts) and zero (W4A8's implied offset), then top_k and renormalize
+//            (a MoE layer's; 0 else).
 // forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2], kv_caches (one [2, blocks,
 //   block_size, kv_heads, head_dim] per layer, all float32, all bfloat16 or all float16: keys and values
 //   are rounded to the cache's type as they are written, as torch's conversion rounds them), slot_mapping [T], block_tables [T, max_blocks],
@@ -42,10 +45,10 @@ namespace ladder {
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 22;
-constexpr int64_t kIntsPerLayer = 9;
+constexpr int64_t kIntsPerLayer = 11;
 
 // The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
-enum Part { kNorms, kQkv, kRotary, kAttention, kO, kGateUp, kAct, kDown, kParts };
+enum Part { kNorms, kQkv, kRotary, kAttention, kO, kGateUp, kAct, kDown, kExperts, kParts };
 
 // One linear of a layer, W4A8 or W8A8.
 struct Linear {
@@ -92,11 +95,37 @@ Linear make_linear(const std::vector<at::Tensor>& t, int64_t at, int64_t kind, i
   return l;
 }
 
+// A mixture-of-experts MLP: the float router and the experts' W4A8 stacks (their tensors held here).
+struct Experts {
+  at::Tensor router, w13_codes, w13_scales, w2_codes, w2_scales;
+  W4A8Stack w13{}, w2{};
+  int64_t top_k = 0;
+  bool renormalize = false;
+};
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm, q_norm, k_norm;
   Linear qkv, o, gate_up, down;
   bool windowed = false;
+  bool moe = false;  // the MLP is `experts`, not gate_up and down
+  Experts experts;
 };
+
+Experts make_experts(const std::vector<at::Tensor>& t, int64_t at, const int64_t* z, int64_t hidden) {
+  Experts x;
+  x.w13_codes = t[at].contiguous(), x.w13_scales = t[at + 1].contiguous(), x.router = t[at + 2].contiguous();
+  x.w2_codes = t[at + 4].contiguous(), x.w2_scales = t[at + 5].contiguous();
+  TORCH_CHECK(x.w2_codes.dim() == 4, "DecoderStep: w2 codes [E, NBLK, KB, CB] expected");
+  const int64_t inter = x.w2_codes.size(2) * 32;
+  x.w13 = w4a8_stack(x.w13_codes, x.w13_scales, 2 * inter, z[6], "DecoderStep: w13");
+  x.w2 = w4a8_stack(x.w2_codes, x.w2_scales, hidden, z[8], "DecoderStep: w2");
+  TORCH_CHECK(x.w13.E == x.w2.E && x.w13.KB * 32 == hidden, "DecoderStep: expert stacks of another shape");
+  TORCH_CHECK(x.router.scalar_type() == at::kFloat && x.router.dim() == 2 && x.router.size(0) == x.w13.E &&
+              x.router.size(1) == hidden, "DecoderStep: a float32 router [E, hidden] expected");
+  x.top_k = z[9], x.renormalize = z[10] != 0;
+  TORCH_CHECK(x.top_k >= 1 && x.top_k <= x.w13.E, "DecoderStep: top_k in 1..E");
+  return x;
+}
 
 // fn(t) for each row t < T, rows split over threads as the eager ops split them (about 32 K floats of
 // work a piece; `width` floats a row): each row is computed alone, so the split changes no result.
@@ -161,8 +190,15 @@ class DecoderStep : public torch::CustomClassHolder {
       Layer layer{norm(t[at], hidden_, true), norm(t[at + 1], hidden_, true), norm(t[at + 2], hidden_, false),
                   norm(t[at + 3], hidden_, false), norm(t[at + 4], head_dim_, false), norm(t[at + 5], head_dim_, false),
                   make_linear(t, at + 6, z[1], z[2], qkv, hidden_), make_linear(t, at + 10, z[3], z[4], hidden_, q),
-                  make_linear(t, at + 14, z[5], z[6], 2 * inter_, hidden_),
-                  make_linear(t, at + 18, z[7], z[8], hidden_, inter_), z[0] != 0};
+                  Linear{}, Linear{}, z[0] != 0};
+      layer.moe = z[5] == 2;
+      TORCH_CHECK(layer.moe == (z[7] == 2), "DecoderStep: a MoE layer's gate_up and down are both kind 2");
+      if (layer.moe) {
+        layer.experts = make_experts(t, at + 14, z, hidden_);
+      } else {
+        layer.gate_up = make_linear(t, at + 14, z[5], z[6], 2 * inter_, hidden_);
+        layer.down = make_linear(t, at + 18, z[7], z[8], hidden_, inter_);
+      }
       TORCH_CHECK(layer.pre_feedforward_norm.defined() == layer.post_feedforward_norm.defined() &&
                   layer.q_norm.defined() == layer.k_norm.defined(), "DecoderStep: sandwich norms and q/k norms in pairs");
       layers_.push_back(std::move(layer));
@@ -267,14 +303,19 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       });
       clock.lap(kNorms);
-      layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_);
-      clock.lap(kGateUp);
-      rows(T, I, [&](int64_t t) {
-        (gelu_ ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up_.data() + t * 2 * I, 1, I, act_.data() + t * I);
-      });
-      clock.lap(kAct);
-      layer.down.run(act_.data(), T, y, s4_, s8_);
-      clock.lap(kDown);
+      if (layer.moe) {
+        run_experts(layer.experts, h, T, y);
+        clock.lap(kExperts);
+      } else {
+        layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_);
+        clock.lap(kGateUp);
+        rows(T, I, [&](int64_t t) {
+          (gelu_ ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up_.data() + t * 2 * I, 1, I, act_.data() + t * I);
+        });
+        clock.lap(kAct);
+        layer.down.run(act_.data(), T, y, s4_, s8_);
+        clock.lap(kDown);
+      }
       if (layer.post_feedforward_norm.defined()) {
         rows(T, H, [&](int64_t t) { rms_norm_row(y + t * H, data(layer.post_feedforward_norm), eps_, H, y + t * H); });
         clock.lap(kNorms);
@@ -290,11 +331,26 @@ class DecoderStep : public torch::CustomClassHolder {
     return out;
   }
 
+  // y [T, H] = the MoE block of rows h [T, H]: the router and the routing by the ATen calls the eager block
+  // makes (kernels/moe.py `route`: softmax in float32, top k, renormalised), on a copy of h in a tensor of
+  // torch's own (the GEMM's path may depend on alignment), then the experts (w4a8_experts_rows).
+  void run_experts(const Experts& x, const float* h, int64_t T, float* y) {
+    auto rows_in = at::empty({T, hidden_}, at::kFloat);
+    std::copy(h, h + T * hidden_, rows_in.data_ptr<float>());
+    const auto probs = at::softmax(at::linear(rows_in, x.router), -1);
+    auto [weights, chosen] = at::topk(probs, x.top_k, -1);
+    if (x.renormalize) weights = weights / weights.sum(-1, true);
+    weights = weights.contiguous(), chosen = chosen.contiguous();
+    w4a8_experts_rows(h, T, hidden_, weights.data_ptr<float>(), chosen.data_ptr<int64_t>(), x.top_k, x.w13, x.w2, 0, y,
+                      s4_);
+  }
+
   // Time each part of the steps from now on (on: a clock read between parts, about 20 ns each), or stop.
   void set_profiling(bool on) { profiling_ = on; }
 
   // Seconds in each part (norms, qkv, rotary, attention with the cache write, o, gate_up, the gated
-  // activation, down) over the steps since the last call, which starts the count again.
+  // activation, down, a MoE layer's router and experts) over the steps since the last call, which starts the
+  // count again.
   std::vector<double> take_profile() {
     std::vector<double> seconds(profile_.begin(), profile_.end());
     std::fill(profile_.begin(), profile_.end(), 0.0);

@@ -11,16 +11,51 @@
 #include "tile.h"
 
 namespace ladder {
-namespace {
 
-// Expert e of a stack packed as cpu_w4a8_linear.pack packs one weight: codes [E, NBLK, KB, CB] uint8,
-// scales [E, NBLK, KB, S, 16] float16.
-W4A8Weight expert_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t e, int64_t N, int64_t zero) {
-  const int64_t NBLK = codes.size(1), KB = codes.size(2), CB = codes.size(3), S = scales.size(3);
-  const auto* scale_bits = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  return W4A8Weight{codes.data_ptr<uint8_t>() + e * NBLK * KB * CB, scale_bits + e * NBLK * KB * S * BN, nullptr,
-                    N, KB * 32, NBLK, static_cast<int>(S), CB == 256, static_cast<int32_t>(zero)};
+void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weights, const int64_t* experts, int64_t k,
+                       const W4A8Stack& w13, const W4A8Stack& w2, int64_t expert_offset, float* out,
+                       W4A8Scratch& scratch) {
+  const int64_t E = w13.E, I = w2.KB * 32, P = T * k;
+  // Pairs p = t * k + slot, grouped by held expert in pair order (the reference's stable sort).
+  std::vector<std::vector<int64_t>> pairs(E);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t e = experts[p] - expert_offset;
+    if (e >= 0 && e < E) pairs[e].push_back(p);
+  }
+  std::vector<float> pair_out(P * H, 0.f);  // pairs of experts held elsewhere stay 0
+  std::vector<float> rows, gate_up, act, down;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& mine = pairs[e];
+    const int64_t n = static_cast<int64_t>(mine.size());
+    if (n == 0) continue;
+    rows.resize(n * H);
+    for (int64_t i = 0; i < n; ++i) std::copy(x + (mine[i] / k) * H, x + (mine[i] / k + 1) * H, rows.data() + i * H);
+    gate_up.resize(n * 2 * I);
+    w4a8_rows(rows.data(), n, w13.expert(e), gate_up.data(), scratch, false);
+    act.resize(n * I);
+    silu_and_mul_rows(gate_up.data(), n, I, act.data());
+    down.resize(n * H);
+    w4a8_rows(act.data(), n, w2.expert(e), down.data(), scratch, false);
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = weights[mine[i]];
+      float* dst = pair_out.data() + mine[i] * H;
+      const float* src = down.data() + i * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * w;
+    }
+  }
+  // Each token's k rows added in slot order, element by element.
+  for (int64_t t = 0; t < T; ++t) {
+    float* dst = out + t * H;
+    const float* first = pair_out.data() + t * k * H;
+    std::copy(first, first + H, dst);
+    for (int64_t slot = 1; slot < k; ++slot) {
+      const float* src = pair_out.data() + (t * k + slot) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+    }
+  }
 }
+
+namespace {
 
 void check_stack(const at::Tensor& codes, const at::Tensor& scales, const char* name) {
   TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 4 && codes.scalar_type() == at::kByte &&
@@ -33,68 +68,38 @@ void check_stack(const at::Tensor& codes, const at::Tensor& scales, const char* 
               name, " scales: [E, NBLK, KB, 1 or 2, 16] float16 contiguous CPU, as its codes");
 }
 
+}  // namespace
+
+// A stack's tensors (checked) as the kernel takes them; N the rows of each expert's weight.
+W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name) {
+  check_stack(codes, scales, name);
+  TORCH_CHECK(N > (codes.size(1) - 1) * BN && N <= codes.size(1) * BN, name, ": ", N, " rows do not match ",
+              codes.size(1), " packed blocks");
+  return W4A8Stack{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                   codes.size(0), N, codes.size(1), codes.size(2), scales.size(3), codes.size(3) == 256,
+                   static_cast<int32_t>(zero)};
+}
+
+namespace {
+
 at::Tensor w4a8_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
                         const at::Tensor& w13_codes, const at::Tensor& w13_scales, int64_t w13_zero,
                         const at::Tensor& w2_codes, const at::Tensor& w2_scales, int64_t w2_zero,
                         int64_t expert_offset) {
   check_rows(x);
-  check_stack(w13_codes, w13_scales, "w13");
-  check_stack(w2_codes, w2_scales, "w2");
-  const int64_t T = x.size(0), H = x.size(1), E = w13_codes.size(0), I = w2_codes.size(2) * 32;
+  const int64_t T = x.size(0), H = x.size(1), I = w2_codes.dim() == 4 ? w2_codes.size(2) * 32 : 0;
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == T && weights.scalar_type() == at::kFloat &&
                   weights.is_contiguous(), "weights: [T, k] float32 contiguous");
   TORCH_CHECK(experts.sizes() == weights.sizes() && experts.scalar_type() == at::kLong && experts.is_contiguous(),
               "experts: [T, k] int64 contiguous, as weights");
-  TORCH_CHECK(w2_codes.size(0) == E && w13_codes.size(2) * 32 == H && w2_codes.size(1) * BN >= H &&
-                  w13_codes.size(1) * BN >= 2 * I,
-              "w13 [E, 2I, H] and w2 [E, H, I] do not match x's H = ", H);
-  const int64_t k = weights.size(1), P = T * k;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weights.data_ptr<float>();
-  const int64_t* ep = experts.data_ptr<int64_t>();
-
-  // Pairs p = t * k + slot, grouped by held expert in pair order (the reference's stable sort).
-  std::vector<std::vector<int64_t>> pairs(E);
-  for (int64_t p = 0; p < P; ++p) {
-    const int64_t e = ep[p] - expert_offset;
-    if (e >= 0 && e < E) pairs[e].push_back(p);
-  }
-  auto pair_out = at::zeros({P, H}, x.options());  // pairs of experts held elsewhere stay 0
-  float* po = pair_out.data_ptr<float>();
-  std::vector<float> rows, gate_up, act, down;
+  const W4A8Stack w13 = w4a8_stack(w13_codes, w13_scales, 2 * I, w13_zero, "w13");
+  const W4A8Stack w2 = w4a8_stack(w2_codes, w2_scales, H, w2_zero, "w2");
+  TORCH_CHECK(w2.E == w13.E && w13.KB * 32 == H, "w13 [E, 2I, H] and w2 [E, H, I] do not match x's H = ", H);
+  auto out = at::empty({T, H}, x.options());
   W4A8Scratch scratch;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& mine = pairs[e];
-    const int64_t n = static_cast<int64_t>(mine.size());
-    if (n == 0) continue;
-    rows.resize(n * H);
-    for (int64_t i = 0; i < n; ++i) std::copy(xp + (mine[i] / k) * H, xp + (mine[i] / k + 1) * H, rows.data() + i * H);
-    gate_up.resize(n * 2 * I);
-    w4a8_rows(rows.data(), n, expert_weight(w13_codes, w13_scales, e, 2 * I, w13_zero), gate_up.data(), scratch,
-              false);
-    act.resize(n * I);
-    silu_and_mul_rows(gate_up.data(), n, I, act.data());
-    down.resize(n * H);
-    w4a8_rows(act.data(), n, expert_weight(w2_codes, w2_scales, e, H, w2_zero), down.data(), scratch, false);
-    for (int64_t i = 0; i < n; ++i) {
-      const float w = wp[mine[i]];
-      float* dst = po + mine[i] * H;
-      const float* src = down.data() + i * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * w;
-    }
-  }
-  // Each token's k rows added in slot order, element by element.
-  auto total = at::empty({T, H}, x.options());
-  float* tp = total.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* dst = tp + t * H;
-    std::copy(po + t * k * H, po + (t * k + 1) * H, dst);
-    for (int64_t slot = 1; slot < k; ++slot) {
-      const float* src = po + (t * k + slot) * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
-    }
-  }
-  return total;
+  w4a8_experts_rows(x.data_ptr<float>(), T, H, weights.data_ptr<float>(), experts.data_ptr<int64_t>(),
+                    weights.size(1), w13, w2, expert_offset, out.data_ptr<float>(), scratch);
+  return out;
 }
 
 }  // namespace

@@ -65,7 +65,7 @@ def test_bad_inputs_are_refused_in_one_line():
     weights, chosen = weights.contiguous(), chosen.contiguous()
     with pytest.raises(RuntimeError, match="experts: \\[T, k\\] int64"):
         w4a8_experts(x, weights, chosen.int(), *w13, zero, *w2, zero, 0)
-    with pytest.raises(RuntimeError, match="do not match x's H"):
+    with pytest.raises(RuntimeError, match="96 rows do not match 4 packed blocks"):  # w2 holds H = 64 rows
         w4a8_experts(torch.randn(3, H + 32), weights, chosen, *w13, zero, *w2, zero, 0)
     with pytest.raises(RuntimeError, match="w2 codes"):
         w4a8_experts(x, weights, chosen, *w13, zero, w2[0][..., :100].contiguous(), w2[1], zero, 0)

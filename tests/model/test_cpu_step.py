@@ -97,6 +97,22 @@ def test_tiny_w4a8_models_equal_the_eager_layers(tmp_path, family, qtype):
     _assert_same(module, TURNS, max_len=64)
 
 
+@pytest.mark.parametrize("family,arch,qtype", [("qwen3_moe", "qwen3moe", "Q4_1"), ("mixtral", "llama", "Q8_0")])
+def test_w4a8_experts_equal_the_eager_layers(tmp_path, family, arch, qtype):
+    """Mixture-of-experts layers in the step: the router and the routing by ATen's calls, the experts by the
+    C++ experts kernel, bit for bit the eager block's (Qwen3-MoE with its dense middle layer, Mixtral all
+    sparse), on prefill chunks beside decodes."""
+    write_gguf(make_hf_model(family, tmp_path / "hf"), tmp_path / "m.gguf", qtype, arch)
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    assert step_support(module) is None
+    prompts = [list(range(100, 160)), list(range(300, 305)), [42]]
+    turns = [prompts, [[7], [8], list(range(200, 240))]] + [[[t], [t + 1], [t + 2]] for t in range(250, 254)]
+    _assert_same(module, turns)
+    module.layers[0].mlp.expert_offset = 1  # a rank's part of the experts: the eager block runs it
+    assert "experts held in part" in step_support(module)
+    module.layers[0].mlp.expert_offset = 0
+
+
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
 def test_tiny_w8a8_models_equal_the_eager_layers(tiny_hf_dir, family):
     """W8A8 linears; Qwen3's q/k norms; Gemma 3's sandwich norms, q/k norms, GeGLU, scaled embedding and a
