@@ -32,8 +32,8 @@ from torch.nn.modules import module as nn_module
 
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
-from model.precision import KV_CACHE_DTYPES
 from model.moe import W4A8SparseMoeBlock
+from model.precision import KV_CACHE_DTYPES
 from model.quantization import W8A8Linear
 from model.w4a8_linear import W4A8Linear
 
