@@ -85,7 +85,7 @@ def grouped_experts(
     """The routed (token, expert) pairs of the experts in `held`, whatever form the experts' weights take
     (`expert` computes one expert on its rows, `e` counted from held.start).
 
-    With `experts_held` a part of the router's experts, only the pairs routed to those are computed; the
+    With `held` a part of the router's experts, only the pairs routed to those are computed; the
     others' rows are 0, so the result is this part's share of the whole sum (every token still adds its k
     rows in slot order, and adding an exact 0 changes no bit).
 

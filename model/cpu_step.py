@@ -13,7 +13,8 @@ linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and G
 sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); nothing wrapped or
 hooked (LoRA slots, tensor-parallel all-reduces); mixtures of experts whose experts are W4A8 (the router
 and routing through ATen's own calls, as the eager block makes them). Not covered: float or weight-only int8
-linears and experts, a rank's part of the experts. Per step it takes a float32, bfloat16 or float16 cache (`--kv-cache-dtype`) and plans whose
+linears and experts, a rank's part of the experts. Per step it takes a float32, bfloat16 or float16 cache
+(`--kv-cache-dtype`) and plans whose
 every token is a kernel row (`CpuAttentionPlan` without a gathered part: chunks up to 1,024 tokens).
 
 The step holds the modules' tensors as they were when it was built. A module, parameter or buffer
@@ -136,8 +137,8 @@ class CpuDecoderStep:
             tensors += [empty if n is None else n.weight.detach() for n in norms]
             ints.append(int(model.windowed[i] if mixed else uniform_window))
             moe = isinstance(mlp, W4A8SparseMoeBlock)
-            for linear in (attn.qkv_proj, attn.o_proj) if moe else (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                    mlp.down_proj):
+            dense = () if moe else (mlp.gate_up_proj, mlp.down_proj)
+            for linear in (attn.qkv_proj, attn.o_proj, *dense):
                 kind = _linear_kind(linear)
                 bias = empty if linear.bias is None else linear.bias
                 if kind == 0:

@@ -55,9 +55,8 @@ void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weight
   }
 }
 
-namespace {
-
-void check_stack(const at::Tensor& codes, const at::Tensor& scales, const char* name) {
+// A stack's tensors (checked) as the kernel takes them; N the rows of each expert's weight.
+W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name) {
   TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 4 && codes.scalar_type() == at::kByte &&
                   codes.is_contiguous() && (codes.size(3) == 256 || codes.size(3) == 512),
               name, " codes: [E, NBLK, KB, 256 or 512] uint8 contiguous CPU");
@@ -66,13 +65,6 @@ void check_stack(const at::Tensor& codes, const at::Tensor& scales, const char* 
                   scales.size(2) == codes.size(2) && (scales.size(3) == 1 || scales.size(3) == 2) &&
                   scales.size(4) == BN,
               name, " scales: [E, NBLK, KB, 1 or 2, 16] float16 contiguous CPU, as its codes");
-}
-
-}  // namespace
-
-// A stack's tensors (checked) as the kernel takes them; N the rows of each expert's weight.
-W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name) {
-  check_stack(codes, scales, name);
   TORCH_CHECK(N > (codes.size(1) - 1) * BN && N <= codes.size(1) * BN, name, ": ", N, " rows do not match ",
               codes.size(1), " packed blocks");
   return W4A8Stack{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
