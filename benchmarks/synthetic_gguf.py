@@ -5,7 +5,7 @@ presets lay out real files: for measuring speed on shapes no packaged model has 
         [--hidden 2048] [--layers 16] [--intermediate 8192] [--heads 32] [--kv-heads 8]
 
 Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn_v and ffn_down: Q6_K, as
-llama.cpp's Q4_K_M gives more bits to those), q4_0, q8_0. The defaults are Llama 3.2 1B's shapes; the
+llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q8_0. The defaults are Llama 3.2 1B's shapes; the
 tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's: 1.17B parameters in all.
 `--experts E --experts-used K` writes a Qwen3-MoE instead (every layer sparse, `--intermediate` rows per
 expert; ffn_down_exps takes the place of ffn_down in the preset), e.g. Qwen3-30B-A3B's layer shapes with
@@ -28,6 +28,7 @@ SCALES = {
     "Q4_0": {0: 2e-3},
     "Q8_0": {0: 2e-4},
     "Q4_K": {0: 2e-4, 2: 1.5e-3},
+    "Q5_K": {0: 1e-4, 2: 1.5e-3},
     "Q6_K": {208: 5e-4},
 }
 
@@ -45,11 +46,11 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
 
 
 def tensor_kind(preset: str, name: str, layer: int | None) -> str:
-    if preset != "q4_k_m":
+    if preset not in ("q4_k_m", "q5_k_m"):
         return preset.upper()
     if name == "output" or (name in ("attn_v", "ffn_down") and layer is not None and layer % 2 == 0):
         return "Q6_K"
-    return "Q4_K"
+    return "Q4_K" if preset == "q4_k_m" else "Q5_K"
 
 
 @functools.cache
@@ -142,7 +143,7 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", choices=["q4_k_m", "q4_0", "q8_0"], default="q4_k_m")
+    parser.add_argument("--preset", choices=["q4_k_m", "q5_k_m", "q4_0", "q8_0"], default="q4_k_m")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=8192)

@@ -1,9 +1,9 @@
-"""W4A8 linear for the CPU over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) weight
-codes times int8 activations quantized per 32-block on the fly.
+"""W4A8 linear for the CPU over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1), 5-bit (Q5_0, Q5_1) or
+8-bit (Q8_0) weight codes times int8 activations quantized per 32-block on the fly.
 
 The weight of output n over input block b (32 input channels) is w = d[n, b] * u + m[n, b], with u an
-unsigned code (0..15, or 0..255) and d, m float16, which is exactly how the file stores it: Q4_1 keeps
-d and m; Q4_0 is m = -8 d; Q8_0 (signed q) is u = q + 128, m = -128 d. The weights carry no error beyond
+unsigned code (0..15, 0..31 or 0..255) and d, m float16, which is exactly how the file stores it: Q4_1
+and Q5_1 keep d and m; Q4_0 is m = -8 d, Q5_0 m = -16 d; Q8_0 (signed q) is u = q + 128, m = -128 d. The weights carry no error beyond
 the file's own. Each 32-block of an input row is quantized symmetrically, as llama.cpp's Q8_1 does:
 s = max(max|x_block|, 1e-12) / 127, a = round(x / s) (half to even). Then
 
@@ -20,8 +20,10 @@ The product runs on AVX-512 VNNI: `vpdpbusd` multiplies 64 unsigned bytes (the c
 bytes (four activations broadcast to 16 lanes) into 16 int32 sums, so unsigned codes need no offset.
 Codes are packed once (`pack`) per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes,
 4-bit as [4, 16, 4] bytes whose low nibbles hold groups 0-3 and high nibbles groups 4-7 (a 64-byte
-load and two masks feed two instructions). A 4-bit weight moves 5/8 of the bytes of an int8 one
-(Q4_1: 20 bytes per 32 weights), which is what bounds a batch-1 decode step. d and m stay float16,
+load and two masks feed two instructions), 5-bit as the 4-bit bytes of the low four bits followed by one
+64-bit mask a group, bit t the fifth bit of the group's byte t (one masked byte add of 16 per 64 codes on
+AVX-512; a shuffle and compare on AVX2). A 4-bit weight moves 5/8 of the bytes of an int8 one (Q4_1: 20
+bytes per 32 weights), a 5-bit one 3/4 (24), which is what bounds a batch-1 decode step. d and m stay float16,
 [16] each per block, converted in registers. Threads split the blocks of output channels. Where AVX-512
 VNNI is missing, AVX2 tiles over the same layout compute the same exact integer sums (`vpmaddubsw`,
 `vpmaddwd`), and a portable loop is compiled where AVX2 is missing too (and can be asked for, for tests).
@@ -39,6 +41,9 @@ from kernels.cpu_extension import cpu_op, load
 BLOCK_N = 16  # output channels per packed block
 BLOCK_K = 32  # input channels per quantization block (the GGUF's and the activations')
 GROUP_K = 4  # input channels summed by one vpdpbusd lane
+# Bytes of packed codes per 16 outputs and 32-block, by code width: 4-bit nibbles, the same nibbles and a
+# 64-byte plane of fifth bits, or one byte a code.
+CODE_BYTES = {4: 256, 5: 320, 8: 512}
 
 
 def has_vnni() -> bool:
@@ -88,25 +93,32 @@ def w4a8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: to
 
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes uint8 [N, K] (bits 4: 0..15; 8: 0..255), d and m float16 [N, K / 32] (m None: w = d * (u -
-    zero), the kernel's `zero`) -> (codes [ceil(N / 16), K / 32, 256 or 512] uint8, scales [ceil(N / 16), K / 32, 1 or
-    2, 16] float16), zero-padded to whole blocks of 16 outputs."""
+    """codes uint8 [N, K] (0 .. 2^bits - 1; bits 4, 5 or 8), d and m float16 [N, K / 32] (m None: w = d *
+    (u - zero), the kernel's `zero`) -> (codes [ceil(N / 16), K / 32, CODE_BYTES[bits]] uint8, scales
+    [ceil(N / 16), K / 32, 1 or 2, 16] float16), zero-padded to whole blocks of 16 outputs."""
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] % BLOCK_K:
         raise ValueError(f"expected uint8 codes [N, K] with K a multiple of {BLOCK_K}, got {codes.dtype} "
                          f"{tuple(codes.shape)}")
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits not in CODE_BYTES:
+        raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
+    if bits < 8 and codes.numel() and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"{bits}-bit codes must be in 0..{(1 << bits) - 1}")
     n, k = codes.shape
     blocks, kb = -(-n // BLOCK_N), k // BLOCK_K
     padded = codes.new_zeros(blocks * BLOCK_N, k)
     padded[:n] = codes
     # [blocks, 16, kb, 8 groups, 4] -> [blocks, kb, 8, 16, 4]
     grouped = padded.view(blocks, BLOCK_N, kb, 8, GROUP_K).permute(0, 2, 3, 1, 4)
-    if bits == 4:
-        if codes.numel() and int(codes.max()) > 15:
-            raise ValueError("4-bit codes must be in 0..15")
-        grouped = grouped[:, :, :4] | (grouped[:, :, 4:] << 4)  # inputs 16.. in the high nibbles
-    packed = grouped.contiguous().view(blocks, kb, -1)
+    if bits == 8:
+        packed = grouped.contiguous().view(blocks, kb, -1)
+    else:
+        low = grouped & 0x0F
+        packed = (low[:, :, :4] | (low[:, :, 4:] << 4)).contiguous().view(blocks, kb, -1)  # inputs 16.. high
+        if bits == 5:  # group g's fifth bits, bit t for byte t of its 64 (channel t / 4, input t % 4)
+            fifth = (grouped >> 4).contiguous().view(blocks, kb, 8, 8, 8)  # [.., group, byte, bit]
+            weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+            masks = (fifth * weights).sum(-1, dtype=torch.int32).to(torch.uint8).view(blocks, kb, 64)
+            packed = torch.cat([packed, masks], dim=-1)
     parts = [d] if m is None else [d, m]
     scales = torch.zeros(blocks * BLOCK_N, kb, len(parts), dtype=torch.float16)
     for i, part in enumerate(parts):
@@ -115,12 +127,28 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
     return packed, scales
 
 
+def code_width(packed: torch.Tensor) -> int:
+    """The bits of a packed weight's codes, from its bytes per block (`CODE_BYTES`)."""
+    width = {v: k for k, v in CODE_BYTES.items()}.get(packed.shape[-1])
+    if width is None:
+        raise ValueError(f"packed codes of {packed.shape[-1]} bytes a block: expected one of "
+                         f"{sorted(CODE_BYTES.values())}")
+    return width
+
+
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of `pack`'s codes: uint8 [N, K]."""
-    blocks, kb, cb = packed.shape
-    grouped = packed.view(blocks, kb, cb // (BLOCK_N * GROUP_K), BLOCK_N, GROUP_K)
-    if cb == 256:
-        grouped = torch.cat([grouped & 0x0F, grouped >> 4], dim=2)
+    blocks, kb = packed.shape[:2]
+    bits = code_width(packed)
+    if bits == 8:
+        grouped = packed.view(blocks, kb, 8, BLOCK_N, GROUP_K)
+    else:
+        nibbles = packed[..., :256].reshape(blocks, kb, 4, BLOCK_N, GROUP_K)
+        grouped = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
+        if bits == 5:
+            masks = packed[..., 256:].reshape(blocks, kb, 8, 8, 1)
+            fifth = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., group, byte, bit]
+            grouped = grouped | (fifth.reshape(grouped.shape) << 4)
     return grouped.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_N, kb * BLOCK_K)[:n]
 
 

@@ -6,7 +6,8 @@ Q8_0, with float16-rounded sub-block scales for Q4_K and Q5_K, requantized to 8 
 and quantize each 32-block of the activations to int8 on the fly (kernels/cpu_w4a8_linear.py). No
 calibration (SmoothQuant) is needed: only the activations are rounded, per block of 32, which bounds an
 outlier's damage to its own block. A batch-1 decode step reads 5/8 of the bytes the W8A8 layers read for
-the 4-bit projections (and an 8-bit LM head as it is).
+the 4-bit projections (4-bit codes and 16-bit scales per 32), 3/4 for the 5-bit ones, and an 8-bit LM head
+as it is.
 
 The module (model/w4a8_linear.py) is a swap applied from outside model/llama.py, like model/quantization.py's INT8 forms: q/k/v and
 gate/up are fused here the way model/weights.py fuses the float weights (rows concatenated).
@@ -62,13 +63,13 @@ def split_experts(weight: BlockWeight, num_experts: int) -> list[BlockWeight]:
 
 
 def concat(parts: list[BlockWeight]) -> BlockWeight:
-    """Row-concatenated weights in one format, each part's weights exactly: 4-bit parts beside 8-bit ones
-    widen to 8-bit codes (a K-quant file's q and k beside its Q6_K v); parts of different zeros, or with
-    and without m, get an explicit m = -zero d (exact in float16: zero is a power of two)."""
+    """Row-concatenated weights in one format, each part's weights exactly: narrower parts widen to the
+    widest part's codes (a K-quant file's Q4_K q and k beside its Q6_K v: 8 bits); parts of different zeros,
+    or with and without m, get an explicit m = -zero d (exact in float16: zero is a power of two)."""
     if len(parts) == 1:
         return parts[0]
-    if len({p.bits for p in parts}) > 1:
-        parts = [p.widened() for p in parts]
+    bits = max(p.bits for p in parts)
+    parts = [p.widened(bits) for p in parts]
     if len({(p.m is None, p.zero) for p in parts}) > 1:
         parts = [p if p.m is not None else BlockWeight(p.codes, p.d, (p.d.float() * -p.zero).half(), p.bits, 0)
                  for p in parts]

@@ -3,9 +3,8 @@ codes u and float16 scales, w = d * u + m (or d * (u - zero)).
 
 How each GGML type gets there (`block_weight`):
 
-- exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q8_0, Q5_0, Q5_1 (8-bit codes; a 5-bit
-  code is an 8-bit one below 32);
-- K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored; each sub-block's scale and min, a
+- exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q5_0, Q5_1 (5-bit), Q8_0 (8-bit);
+- K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored (4- and 5-bit); each sub-block's scale and min, a
   6-bit integer times the super-block's float16 d or dmin, rounded once to float16. That rounding moves a
   weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
   bounds it), far below the 4-bit step;
@@ -39,7 +38,7 @@ class BlockWeight:
     """A linear weight [N, K] in blocks of 32 inputs: w[n, k] = d[n, k / 32] * codes[n, k] + m[n, k / 32]
     (m given), or d * (codes - zero) (m None)."""
 
-    codes: torch.Tensor  # [N, K] uint8, 0..15 (bits 4) or 0..255 (bits 8)
+    codes: torch.Tensor  # [N, K] uint8, 0 .. 2^bits - 1 (bits 4, 5 or 8)
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor | None  # [N, K / 32] float16
     bits: int
@@ -52,10 +51,12 @@ class BlockWeight:
             return (self.codes.float() - self.zero) * d
         return d * self.codes.float() + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)
 
-    def widened(self) -> BlockWeight:
-        """The same weight with 8-bit codes (a 4-bit code is an 8-bit one below 16): exact, for fusing
-        4-bit parts beside 8-bit ones."""
-        return self if self.bits == 8 else BlockWeight(self.codes, self.d, self.m, 8, self.zero)
+    def widened(self, bits: int) -> BlockWeight:
+        """The same weight with codes of `bits` >= its own (a 4-bit code is a 5- or 8-bit one below 16):
+        exact, for fusing narrower parts beside wider ones."""
+        if bits < self.bits:
+            raise ValueError(f"{self.bits}-bit codes cannot narrow to {bits} bits")
+        return self if bits == self.bits else BlockWeight(self.codes, self.d, self.m, bits, self.zero)
 
 
 def is_block_type(type_name: str) -> bool:
@@ -68,8 +69,11 @@ def is_block_type(type_name: str) -> bool:
 
 
 def code_bits(type_name: str) -> int:
-    """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 8 for every other type."""
-    return 4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8
+    """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 8 for every
+    other type."""
+    if type_name in ("Q4_0", "Q4_1", "Q4_K"):
+        return 4
+    return 5 if type_name in ("Q5_0", "Q5_1", "Q5_K") else 8
 
 
 def w4a8_bytes(type_names: list[str], rows: list[int], k: int) -> int:
@@ -126,8 +130,7 @@ def _legacy(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
     if fifth is not None:
         codes = codes | fifth
     zero = {"Q4_0": 8, "Q5_0": 16}.get(type_name, 0)
-    bits = 4 if type_name.startswith("Q4") else 8
-    return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)), d, m, bits, zero)
+    return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)), d, m, code_bits(type_name), zero)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -162,9 +165,9 @@ def _sub_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
     if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
         raise ModelLoadError(f"a {type_name} weight's sub-block scales exceed float16's range "
                              "(use --quantization w8a8)")
-    bits = 4 if type_name == "Q4_K" else 8
     return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)),
-                       torch.from_numpy(scale.reshape(n, -1)), torch.from_numpy(minimum.reshape(n, -1)), bits, 0)
+                       torch.from_numpy(scale.reshape(n, -1)), torch.from_numpy(minimum.reshape(n, -1)),
+                       code_bits(type_name), 0)
 
 
 def _requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:

@@ -35,6 +35,12 @@ from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
 from model.moe import is_moe_checkpoint, quantize_experts
 from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS, parse_dtype
 
+# `auto` takes W4A8 over W8A8 where it reads at most this fraction of W8A8's weight bytes a step. Both stream
+# their weights at about the copy bandwidth at batch 1, but W4A8's float work per 32-block (its scales and
+# mins) costs more than W8A8's per row: at 0.94x the bytes (Gemma 3 270M's file, its 8-bit LM head most of
+# it) W4A8's step measured 1.07x W8A8's; at 0.74-0.83x (a 1B Q4_K_M or Q5_K_M file) it is the faster.
+W4A8_BYTES_AT_MOST = 0.9
+
 if TYPE_CHECKING:  # the decoder imports its C++ step, which takes this module's W8A8 linears
     from model.llama import LlamaForCausalLM
 
@@ -44,15 +50,15 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
     """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
     "Fast by default"), for `model` (None: the embedded default) on `device`:
 
-    - a quantized GGUF file whose W4A8 layers read fewer bytes a step than W8A8's (mostly 4-bit codes:
-      Q4_0, Q4_1, Q4_K; `gguf_checkpoint.linear_bytes`; Gemma 3 270M's file, mostly Q5_0 and Q8_0 read as
-      8-bit codes, reads 2% more and decodes 8-11% slower in W4A8), on a CPU, in one process: W4A8 over
-      the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
+    - a quantized GGUF file whose W4A8 layers read at most 0.9x W8A8's bytes a step (`W4A8_BYTES_AT_MOST`;
+      mostly 4- and 5-bit codes: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K; `gguf_checkpoint.linear_bytes`; Gemma 3
+      270M's file, its Q8_0 LM head most of its bytes, reads 0.94x and decodes 7% slower in W4A8), on a
+      CPU, in one process: W4A8 over the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
       and it adds no error to the file's weights (perplexity +0.38% against W8A8's +0.55%); at batches of
       16-32 it runs at 0.8-0.95x of W8A8, still far ahead of llama.cpp's server there. One scheme serves
       every batch: mixing the two per step would make a request's tokens depend on its batch.
     - other float32 weights on a CPU (a Hugging Face directory, a float GGUF, a GGUF of mostly 8-bit codes
-      such as Gemma 3 270M's, tensor-parallel ranks, which do not split W4A8): W8A8;
+      such as Gemma 3 270M's or a Q8_0 file, tensor-parallel ranks, which do not split W4A8): W8A8;
     - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing;
     - a CPU without AVX-512 VNNI or AVX2 (or a build without a compiler): nothing, since the int8 kernels'
       portable loops run several times slower than torch's float32 matmuls there (`int8_kernels_are_fast`);
@@ -69,7 +75,7 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
         if model is not None and is_moe_checkpoint(Path(model).expanduser()):
             # W8A8's calibration does not cover expert weights (model/moe.py): W4A8 or float32.
             return "w4a8" if sizes else "none"
-        return "w4a8" if sizes and sizes[0] < sizes[1] else "w8a8"
+        return "w4a8" if sizes and sizes[0] <= W4A8_BYTES_AT_MOST * sizes[1] else "w8a8"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")
     if quantization == "w4a8" and torch.device(device).type == "cuda":

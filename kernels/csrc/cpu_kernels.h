@@ -38,15 +38,22 @@ LADDER_SHARED void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64
 
 // w4a8_linear.cpp ------------------------------------------------------------------------------------
 
-// A packed W4A8 weight (kernels/cpu_w4a8_linear.py `pack`): codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit,
-// 512 for 8-bit), scales [NBLK, KB, S, 16] float16 bits, bias [N] or nullptr.
+// Bytes of packed codes per 16 outputs and 32-block (kernels/cpu_w4a8_linear.py CODE_BYTES): 4-bit
+// nibbles (256), the same nibbles and a 64-byte plane of fifth bits (320), one byte a code (512).
+constexpr int64_t w4a8_code_bytes(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 8 ? 512 : 0; }
+
+// The code width of a packed weight of CB bytes a block: 4, 5 or 8, or 0 for none of them.
+constexpr int w4a8_code_bits(int64_t CB) { return CB == 256 ? 4 : CB == 320 ? 5 : CB == 512 ? 8 : 0; }
+
+// A packed W4A8 weight (kernels/cpu_w4a8_linear.py `pack`): codes [NBLK, KB, w4a8_code_bytes(bits)] uint8,
+// scales [NBLK, KB, S, 16] float16 bits, bias [N] or nullptr.
 struct W4A8Weight {
   const uint8_t* codes;
   const uint16_t* scales;
   const float* bias;
   int64_t N, K, NBLK;
   int S;
-  bool four;
+  int bits;
   int32_t zero;
 };
 
@@ -68,13 +75,12 @@ struct W4A8Stack {
   const uint8_t* codes;
   const uint16_t* scales;
   int64_t E, N, NBLK, KB, S;
-  bool four;
+  int bits;
   int32_t zero;
 
   W4A8Weight expert(int64_t e) const {
-    const int64_t CB = four ? 256 : 512;
-    return W4A8Weight{codes + e * NBLK * KB * CB, scales + e * NBLK * KB * S * 16, nullptr, N, KB * 32, NBLK,
-                      static_cast<int>(S), four, zero};
+    return W4A8Weight{codes + e * NBLK * KB * w4a8_code_bytes(bits), scales + e * NBLK * KB * S * 16, nullptr, N,
+                      KB * 32, NBLK, static_cast<int>(S), bits, zero};
   }
 };
 

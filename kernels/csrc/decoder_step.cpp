@@ -60,7 +60,7 @@ struct Linear {
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (kind == 0) {
       w4a8_rows(x, M, W4A8Weight{a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), bp,
-                                 n, k, a.size(0), static_cast<int>(b.size(2)), a.size(2) == 256,
+                                 n, k, a.size(0), static_cast<int>(b.size(2)), w4a8_code_bits(a.size(2)),
                                  static_cast<int32_t>(zero)}, out, s4, false);
     } else {
       w8a8_rows(x, M, W8A8Weight{a.data_ptr<int8_t>(), b.data_ptr<int32_t>(), c.data_ptr<float>(), bp, n, k, a.size(0)},
@@ -76,7 +76,7 @@ Linear make_linear(const std::vector<at::Tensor>& t, int64_t at, int64_t kind, i
   Linear l{kind, t[at].contiguous(), t[at + 1].contiguous(), optional(t[at + 2]), optional(t[at + 3]), n, k, zero};
   const int64_t blocks = (n + 15) / 16;
   if (kind == 0) {
-    TORCH_CHECK(l.a.scalar_type() == at::kByte && l.a.dim() == 3 && (l.a.size(2) == 256 || l.a.size(2) == 512) &&
+    TORCH_CHECK(l.a.scalar_type() == at::kByte && l.a.dim() == 3 && w4a8_code_bits(l.a.size(2)) != 0 &&
                 l.a.size(1) * 32 == k && l.a.size(0) == blocks, "DecoderStep: W4A8 codes of a [", n, ", ", k,
                 "] linear expected");
     TORCH_CHECK(l.b.scalar_type() == at::kHalf && l.b.dim() == 4 && l.b.size(0) == blocks && l.b.size(1) == l.a.size(1) &&

@@ -58,8 +58,8 @@ void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weight
 // A stack's tensors (checked) as the kernel takes them; N the rows of each expert's weight.
 W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name) {
   TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 4 && codes.scalar_type() == at::kByte &&
-                  codes.is_contiguous() && (codes.size(3) == 256 || codes.size(3) == 512),
-              name, " codes: [E, NBLK, KB, 256 or 512] uint8 contiguous CPU");
+                  codes.is_contiguous() && w4a8_code_bits(codes.size(3)) != 0,
+              name, " codes: [E, NBLK, KB, 256, 320 or 512] uint8 contiguous CPU");
   TORCH_CHECK(scales.device().is_cpu() && scales.dim() == 5 && scales.scalar_type() == at::kHalf &&
                   scales.is_contiguous() && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
                   scales.size(2) == codes.size(2) && (scales.size(3) == 1 || scales.size(3) == 2) &&
@@ -68,7 +68,7 @@ W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t 
   TORCH_CHECK(N > (codes.size(1) - 1) * BN && N <= codes.size(1) * BN, name, ": ", N, " rows do not match ",
               codes.size(1), " packed blocks");
   return W4A8Stack{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                   codes.size(0), N, codes.size(1), codes.size(2), scales.size(3), codes.size(3) == 256,
+                   codes.size(0), N, codes.size(1), codes.size(2), scales.size(3), w4a8_code_bits(codes.size(3)),
                    static_cast<int32_t>(zero)};
 }
 

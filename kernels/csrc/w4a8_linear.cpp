@@ -1,10 +1,12 @@
-// W4A8 linear over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) weight codes times
-// int8 activations quantized per 32-block. The weight of output n over input block b is
-// w = d[n, b] * u + m[n, b] (u an unsigned code, d and m float16); m is implied (m = -zero * d) when the
-// scales hold d only. Bit-equal to its torch reference: every product and sum in the reference's order.
-// Codes per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes, 4-bit as [4, 16, 4] bytes
-// whose low nibbles hold groups 0-3 and high nibbles groups 4-7. The integer sums run on AVX-512 VNNI's
-// vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the portable loop.
+// W4A8 linear over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1, Q4_K), 5-bit (Q5_0, Q5_1, Q5_K) or
+// 8-bit (Q8_0) weight codes times int8 activations quantized per 32-block. The weight of output n over input
+// block b is w = d[n, b] * u + m[n, b] (u an unsigned code, d and m float16); m is implied (m = -zero * d)
+// when the scales hold d only. Bit-equal to its torch reference: every product and sum in the reference's
+// order. Codes per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes; 4-bit as [4, 16, 4]
+// bytes whose low nibbles hold groups 0-3 and high nibbles groups 4-7; 5-bit as the 4-bit layout of the low
+// four bits, then per group g (0-7) a 64-bit mask whose bit t is the fifth bit of byte t of that group's 64
+// (channel t / 4, input t % 4), so that one mask register adds 16 to the codes it marks. The integer sums
+// run on AVX-512 VNNI's vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the portable loop.
 #include <torch/library.h>
 
 #include <cmath>
@@ -87,7 +89,7 @@ void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, 
 #endif
 
 #ifdef LADDER_VNNI
-template <bool FOUR>
+template <int BITS>
 struct W4A8Tiles {
   using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
                       const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
@@ -105,13 +107,13 @@ struct W4A8Tiles {
                    const int32_t* __restrict xsum, int64_t KB, const uint8_t* __restrict codes,
                    const uint16_t* __restrict scales, int S, int32_t zero,
                    const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
-    constexpr int64_t CB = FOUR ? 256 : 512;
+    constexpr int64_t CB = w4a8_code_bytes(BITS);
     __m512 y[MR][NB];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) y[i][j] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
     for (int64_t b = 0; b < KB; ++b) {
       __m512i acc[MR][NB];
 #pragma GCC unroll 8
@@ -124,14 +126,22 @@ struct W4A8Tiles {
 #pragma GCC unroll 8
         for (int64_t line = 0; line < CB; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(codes + j * KB * CB + (b + kAhead) * CB + line), _MM_HINT_T0);
-      if constexpr (FOUR) {
+      if constexpr (BITS != 8) {
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
 #pragma GCC unroll 8
           for (int j = 0; j < NB; ++j) {
-            const __m512i raw = _mm512_loadu_si512(codes + j * KB * CB + b * CB + l * 64);
-            const __m512i wlo = _mm512_and_si512(raw, nibble);  // groups 0-3: inputs 4l .. 4l + 3
-            const __m512i whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
+            const uint8_t* block = codes + j * KB * CB + b * CB;
+            const __m512i raw = _mm512_loadu_si512(block + l * 64);
+            __m512i wlo = _mm512_and_si512(raw, nibble);  // groups 0-3: inputs 4l .. 4l + 3
+            __m512i whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
+            if constexpr (BITS == 5) {  // + 16 where the group's mask marks a fifth bit
+              uint64_t flo, fhi;
+              std::memcpy(&flo, block + 256 + l * 8, 8);
+              std::memcpy(&fhi, block + 256 + (4 + l) * 8, 8);
+              wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(flo), wlo, sixteen);
+              whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(fhi), whi, sixteen);
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
               int32_t a0, a1;
@@ -195,7 +205,17 @@ struct W4A8Tiles {
   }
 };
 #elif defined(LADDER_AVX2_INT8)
-template <bool FOUR>
+// 16 where bit t of `mask` is set, in byte t of 32, else 0: a 5-bit weight's fifth bits, as a vector.
+inline __m256i fifth_bits(uint32_t mask) {
+  // Byte t takes byte t / 8 of the mask (vpshufb reads each 128-bit lane's copy), then tests its bit t % 8.
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+}
+
+template <int BITS>
 struct W4A8Tiles {
   using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
                       const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
@@ -219,18 +239,21 @@ struct W4A8Tiles {
                    const int32_t* __restrict xsum, int64_t KB, const uint8_t* __restrict codes,
                    const uint16_t* __restrict scales, int S, int32_t zero,
                    const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
-    constexpr int64_t CB = FOUR ? 256 : 512;
+    constexpr int64_t CB = w4a8_code_bytes(BITS);
     constexpr int VW = kVectors[MR] < 2 * NB ? kVectors[MR] : 2 * NB;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int v0 = 0; v0 < 2 * NB; v0 += VW) {
       if (n0 + v0 * 8 >= N) break;
       // Vector v's 32 bytes in each group's 64: channels 8(v % 2) .. + 7 of block v / 2, 4 inputs each.
+      // Its fifth bits (5-bit codes): bits 32(v % 2) .. + 31 of each group's mask.
       const uint8_t* cv[VW];
+      const uint8_t* fv[VW];
       const uint16_t* sv[VW];
 #pragma GCC unroll 4
       for (int j = 0; j < VW; ++j) {
         const int v = v0 + j;
         cv[j] = codes + (v / 2) * KB * CB + (v % 2) * 32;
+        fv[j] = codes + (v / 2) * KB * CB + 256 + (v % 2) * 4;
         sv[j] = scales + (v / 2) * KB * S * BN + (v % 2) * 8;
       }
       __m256 y[MR][VW];
@@ -251,10 +274,12 @@ struct W4A8Tiles {
           for (int64_t line = 0; line < CB; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(cv[j] + (b + kAhead) * CB + line), _MM_HINT_T0);
         __m256i dot[MR][VW];
-        if constexpr (FOUR) {
-          // vpmaddubsw of codes u <= 15 by any int8 a: a pair is at most 2 * 15 * 128 = 3840, and the 8
-          // pairs of a lane over the 32-block (4 groups, low and high nibbles) at most 30720 < 32767, so
-          // the block adds up in int16 without saturating; one vpmaddwd by ones then widens it.
+        if constexpr (BITS != 8) {
+          // vpmaddubsw of codes u <= 15 by an int8 a (|a| <= 127 by construction): a pair is at most
+          // 2 * 15 * 127 = 3810, and the 8 pairs of a lane over the 32-block (4 groups, low and high
+          // nibbles) at most 30480 < 32767, so the block adds up in int16 without overflowing; one vpmaddwd
+          // by ones then widens it. 5-bit codes (u <= 31: 7874 a pair) widen every two groups (31496).
+          constexpr int kWiden = BITS == 4 ? 4 : 2;
           const __m256i nibble = _mm256_set1_epi8(0x0F);
           __m256i sum16[MR][VW];
           // Not unrolled: unrolled, GCC reorders the int16 additions and spills the products it gathers.
@@ -266,17 +291,24 @@ struct W4A8Tiles {
 #pragma GCC unroll 4
               for (int j = 0; j < VW; ++j) {
                 const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + l * 64));
-                const __m256i lo = _mm256_and_si256(raw, nibble);  // group l: inputs 4l .. 4l + 3
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
+                __m256i lo = _mm256_and_si256(raw, nibble);  // group l: inputs 4l .. 4l + 3
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
+                if constexpr (BITS == 5) {
+                  uint32_t flo, fhi;
+                  std::memcpy(&flo, fv[j] + b * CB + l * 8, 4);
+                  std::memcpy(&fhi, fv[j] + b * CB + (4 + l) * 8, 4);
+                  lo = _mm256_or_si256(lo, fifth_bits(flo));
+                  hi = _mm256_or_si256(hi, fifth_bits(fhi));
+                }
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi));
-                sum16[i][j] = l == 0 ? p : _mm256_add_epi16(sum16[i][j], p);
+                sum16[i][j] = l % kWiden == 0 ? p : _mm256_add_epi16(sum16[i][j], p);
+                if (l % kWiden == kWiden - 1) {
+                  const __m256i wide = _mm256_madd_epi16(sum16[i][j], ones);
+                  dot[i][j] = l < kWiden ? wide : _mm256_add_epi32(dot[i][j], wide);
+                }
               }
             }
           }
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-            for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_madd_epi16(sum16[i][j], ones);
         } else {
           // 8-bit codes u = w + 128, w = u ^ 0x80 signed: vpmaddubsw takes |w| <= 128 and a with w's
           // sign (vpsignb), |a| <= 127 (|x / s| <= 127 by construction; a NaN's code is 0), so a pair is
@@ -351,9 +383,9 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 
 // The same sums as the tiles, one output at a time, in the reference's order.
 void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* xc, const int32_t* xsum, int64_t KB,
-                    const uint8_t* codes, const uint16_t* scales, int S, int32_t zero, bool four, const float* bias,
+                    const uint8_t* codes, const uint16_t* scales, int S, int32_t zero, int bits, const float* bias,
                     float* out, int64_t ldo, int64_t n0, int64_t N, int64_t M) {
-  const int64_t CB = four ? 256 : 512;
+  const int64_t CB = w4a8_code_bytes(bits);
   for (int c = 0; c < BN && n0 + c < N; ++c) {
     for (int64_t i = 0; i < M; ++i) {
       float y = 0.f;
@@ -361,9 +393,14 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
         int32_t dot = 0;
         for (int k = 0; k < QK; ++k) {
           int32_t u;
-          if (four) {  // input k of the block: group (k % 16) / 4, low nibble below 16, high from 16
-            const uint8_t byte = codes[b * CB + ((k % 16) / 4) * 64 + c * 4 + k % 4];
+          if (bits != 8) {  // input k of the block: group (k % 16) / 4, low nibble below 16, high from 16
+            const int t = c * 4 + k % 4;  // its byte in the group's 64
+            const uint8_t byte = codes[b * CB + ((k % 16) / 4) * 64 + t];
             u = k < 16 ? (byte & 0x0F) : (byte >> 4);
+            if (bits == 5) {  // mask g = (k % 16) / 4 + 4 (k >= 16), bit t
+              const int g = (k % 16) / 4 + (k < 16 ? 0 : 4);
+              u |= ((codes[b * CB + 256 + g * 8 + t / 8] >> (t % 8)) & 1) << 4;
+            }
           } else {
             u = codes[b * CB + (k / 4) * 64 + c * 4 + k % 4];
           }
@@ -387,7 +424,7 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
 }  // namespace
 
 void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8Scratch& scratch, bool portable) {
-  const int64_t K = w.K, KB = w.K / QK, N = w.N, NBLK = w.NBLK, CB = w.four ? 256 : 512;
+  const int64_t K = w.K, KB = w.K / QK, N = w.N, NBLK = w.NBLK, CB = w4a8_code_bytes(w.bits);
   if (M == 0 || N == 0) return;
 #if !defined(LADDER_VNNI) && !defined(LADDER_AVX2_INT8)
   portable = true;
@@ -421,7 +458,7 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
     const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
     parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        portable_block(xq, K, xs, xc, xsum, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, w.four, bp, op, N,
+        portable_block(xq, K, xs, xc, xsum, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, w.bits, bp, op, N,
                        b * BN, N, M);
     });
     return;
@@ -431,18 +468,20 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
     tile(xq + m * K, K, xs + m * KB, xc + m * KB, xsum + m * KB, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, bp,
          op + m * N, N, b * BN, N);
   };
-  if (w.four) {
-    for_each_tile<W4A8Tiles<true>>(M, NBLK, work_per_block, min_work, call);
+  if (w.bits == 4) {
+    for_each_tile<W4A8Tiles<4>>(M, NBLK, work_per_block, min_work, call);
+  } else if (w.bits == 5) {
+    for_each_tile<W4A8Tiles<5>>(M, NBLK, work_per_block, min_work, call);
   } else {
-    for_each_tile<W4A8Tiles<false>>(M, NBLK, work_per_block, min_work, call);
+    for_each_tile<W4A8Tiles<8>>(M, NBLK, work_per_block, min_work, call);
   }
 #endif
 }
 
 namespace {
 
-// ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256 for 4-bit, 512
-// for 8-bit); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d); bias [N] or none.
+// ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256, 320 or 512 for
+// 4-, 5- or 8-bit codes); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d); bias [N] or none.
 // Returns [..., N] float32. portable: the portable loop even where the VNNI or AVX2 tiles exist (tests).
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias_in, int64_t N, int64_t zero, bool portable) {
@@ -450,7 +489,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
               "w4a8_linear: CPU tensors only");
   const at::Tensor x = float_rows(x_in);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              (codes.size(2) == 256 || codes.size(2) == 512), "codes: [NBLK, KB, 256 or 512] uint8");
+              w4a8_code_bits(codes.size(2)) != 0, "codes: [NBLK, KB, 256, 320 or 512] uint8");
   TORCH_CHECK(scales.dim() == 4 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(3) == BN &&
               (scales.size(2) == 1 || scales.size(2) == 2), "scales: [NBLK, KB, 1 or 2, 16] float16");
@@ -460,7 +499,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   const auto bias = float_vector(bias_in);
   const W4A8Weight w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                      optional_vector_data(bias, N, "bias"), N, K, NBLK, static_cast<int>(scales.size(2)),
-                     codes.size(2) == 256, static_cast<int32_t>(zero)};
+                     w4a8_code_bits(codes.size(2)), static_cast<int32_t>(zero)};
   auto out = at::empty({M, N}, x.options());
   W4A8Scratch scratch;
   w4a8_rows(x.data_ptr<float>(), M, w, out.data_ptr<float>(), scratch, portable);

@@ -19,7 +19,7 @@ E, H, INTER = 8, 64, 96
 def experts(bits: int, seed: int = 0):
     """Random packed experts: (w13 codes, scales), (w2 codes, scales), zero, and their float weights [E, N, K]."""
     g = torch.Generator().manual_seed(seed)
-    top, zero = (16, 8) if bits == 4 else (256, 128)
+    top, zero = 1 << bits, 1 << (bits - 1)
     stacks, floats = [], []
     for n, k in ((2 * INTER, H), (H, INTER)):
         codes = torch.randint(0, top, (E, n, k), generator=g, dtype=torch.uint8)
@@ -30,7 +30,7 @@ def experts(bits: int, seed: int = 0):
     return stacks, zero, floats
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (5, 3), (33, 2), (64, 8)])
 def test_one_call_equals_the_loop_over_experts(bits, num_tokens, top_k):
     (w13, w2), zero, (f13, f2) = experts(bits, seed=bits)

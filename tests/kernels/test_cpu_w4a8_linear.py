@@ -1,6 +1,6 @@
 """The C++ CPU W4A8 linear over GGUF blocks: bit for bit its torch reference (activations quantized per
-32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0 and Q8_0 forms, any
-batch and thread count, on the VNNI tiles and the portable loop; and the GGUF reader's blocks are exactly
+32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0, Q5_1, Q5_0 and Q8_0
+forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF reader's blocks are exactly
 the weights the float model is built from."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from model.gguf_blocks import BlockWeight
 pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W4A8 kernel could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch reference is used instead")
 
-FORMATS = {"q4_1": (4, 0, True), "q4_0": (4, 8, False), "q8_0": (8, 128, False)}  # bits, zero, has m
+FORMATS = {"q4_1": (4, 0, True), "q4_0": (4, 8, False), "q5_1": (5, 0, True), "q5_0": (5, 16, False),
+           "q8_0": (8, 128, False)}  # bits, zero, has m
 
 
 def _case(m, n, k, form, seed=0):
@@ -98,5 +99,9 @@ def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
         kernel.pack(w.codes[:, :40], w.d, None, 8)
     with pytest.raises(ValueError, match="0..15"):
         kernel.pack(w.codes, w.d, None, 4)
+    with pytest.raises(ValueError, match="0..31"):
+        kernel.pack(w.codes, w.d, None, 5)
+    with pytest.raises(ValueError, match="4, 5 or 8"):
+        kernel.pack(w.codes, w.d, None, 6)
     # The op's torch reference, from the packed form.
     assert torch.equal(kernel.w4a8_linear_ref(x, codes, scales, None, 48, 128, False), out.view(6, 48))

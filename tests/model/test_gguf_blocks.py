@@ -39,8 +39,8 @@ def test_legacy_blocks_are_the_float_weights(name):
     values = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
     raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[name])
     weight = block_weight(raw, name, (N, K))
-    assert weight.bits == (4 if name.startswith("Q4") else 8)
-    assert int(weight.codes.max()) <= {"Q4": 15, "Q5": 31, "Q8": 255}[name[:2]]
+    assert weight.bits == {"Q4": 4, "Q5": 5, "Q8": 8}[name[:2]]
+    assert int(weight.codes.max()) < 1 << weight.bits
     assert torch.equal(weight.dequantize(), _reference(raw, name))
 
 
@@ -50,7 +50,7 @@ def test_sub_block_scales_round_once_to_float16(name):
     times its code plus that of its min (2^-11 of each, relative)."""
     raw = _raw_blocks(name, np.random.default_rng(1))
     weight = block_weight(raw, name, (N, K))
-    assert weight.bits == (4 if name == "Q4_K" else 8) and weight.m is not None
+    assert weight.bits == (4 if name == "Q4_K" else 5) and weight.m is not None
     assert int(weight.codes.max()) == (15 if name == "Q4_K" else 31)
     error = (weight.dequantize() - _reference(raw, name)).abs()
     d, m = (t.float().repeat_interleave(BLOCK_SIZE, dim=1) for t in (weight.d, weight.m))
@@ -101,9 +101,12 @@ def test_requantizing_zeros_and_the_float_types():
 def test_widened_codes_are_the_same_weights():
     values = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32)
     four = block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1), "Q4_1", (N, K))
-    eight = four.widened()
-    assert eight.bits == 8 and torch.equal(eight.dequantize(), four.dequantize())
-    assert eight.widened() is eight
+    for bits in (5, 8):
+        wide = four.widened(bits)
+        assert wide.bits == bits and torch.equal(wide.dequantize(), four.dequantize())
+        assert wide.widened(bits) is wide
+    with pytest.raises(ValueError, match="cannot narrow"):
+        four.widened(8).widened(5)
 
 
 def test_w4a8_bytes_are_the_packed_layers():
@@ -123,3 +126,10 @@ def test_w4a8_bytes_are_the_packed_layers():
                        None)
     assert alone.codes.numel() + alone.scales.numel() * 2 == w4a8_bytes(["Q4_0"], [N], K)
     assert isinstance(concat([parts[0]]), BlockWeight)
+    # Q4_K gate beside a Q5_0 up: 5-bit codes (an explicit m for the Q5_0 part's zero), 3/4 of a W8A8 byte.
+    gate = block_weight(_raw_blocks("Q4_K", rng), "Q4_K", (N, K))
+    up = block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q5_0), "Q5_0", (N, K))
+    fused = W4A8Linear(concat([gate, up]), None)
+    assert fused.bits == 5 and fused.codes.shape[-1] == 320 and fused.scales.shape[2] == 2
+    assert fused.codes.numel() + fused.scales.numel() * 2 == w4a8_bytes(["Q4_K", "Q5_0"], [N, N], K)
+    assert torch.equal(concat([gate, up]).dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))
