@@ -94,9 +94,11 @@ def test_the_tokens_per_second_panel_moves_under_load(page, server, tmp_path):
     idle = float(page.inner_text("#tokens-per-s"))
     stop = threading.Event()
 
-    def stream_until_stopped() -> None:
-        # A new stream as soon as one ends: on a fast host 400 tokens are over before the next poll.
-        body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    def stream_until_stopped(max_tokens: int) -> None:
+        # A new stream as soon as one ends: on a fast host 400 tokens are over before the next poll. The
+        # streams' lengths differ, so that they do not all end in the same step and leave the engine idle
+        # for the moment the next ones take to arrive.
+        body = {"prompt": "Count to a thousand:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         while not stop.is_set():
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
                               headers={"Authorization": f"Bearer {API_KEY}"}) as response:
@@ -104,14 +106,18 @@ def test_the_tokens_per_second_panel_moves_under_load(page, server, tmp_path):
                     if stop.is_set():
                         return  # closing the stream aborts the request
 
-    workers = [threading.Thread(target=stream_until_stopped) for _ in range(3)]
+    workers = [threading.Thread(target=stream_until_stopped, args=(n,)) for n in (400, 461, 523)]
     for worker in workers:
         worker.start()
     try:
-        page.wait_for_function(f"parseFloat(document.getElementById('tokens-per-s').textContent) > {idle}",
-                               timeout=30_000)
-        busy = float(page.inner_text("#tokens-per-s"))
-        running = int(page.inner_text("#running"))
+        # One poll's two panels, read together: tokens/s above idle and streams running in the engine.
+        seen = page.wait_for_function(
+            """idle => {
+                const busy = parseFloat(document.getElementById('tokens-per-s').textContent);
+                const running = parseInt(document.getElementById('running').textContent);
+                return busy > idle && running >= 1 ? [busy, running] : false;
+            }""", arg=idle, timeout=30_000)
+        busy, running = seen.json_value()
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     finally:
         stop.set()
