@@ -32,6 +32,10 @@ class ModelCost:
     config: ModelConfig
     precision: str  # a name of model/precision.py
     kv_itemsize: int  # bytes of one cached key or value element
+    # Bytes a matmul weight takes as the loaded kernels read it, scales included (`breakdown.
+    # matmul_weight_bytes` / `matmul_params`); None: the precision's nominal size. W4A8's depends on the
+    # file: 0.5625-1.125 bytes by its blocks' widths.
+    bytes_per_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -66,6 +70,11 @@ class ModelCost:
         return self.config.vocab_size * self.config.hidden_size
 
     @property
+    def matmul_params(self) -> int:
+        """Weights of every matmul: the layers' (every expert) and the head."""
+        return round(self._layers(self.config.num_experts)) + self.head_params
+
+    @property
     def num_params(self) -> int:
         """Every parameter: the matmuls (all experts), the embedding (once if tied to the head) and the norms."""
         c = self.config
@@ -80,7 +89,8 @@ class ModelCost:
 
     def step_weight_bytes(self, num_tokens: int) -> float:
         """Bytes of weights a step of `num_tokens` tokens reads (a sparse layer's experts its tokens reach)."""
-        return (self.layer_read_params(num_tokens) + self.head_params) * PRECISIONS[self.precision].weight_bytes
+        per_weight = self.bytes_per_weight or PRECISIONS[self.precision].weight_bytes
+        return (self.layer_read_params(num_tokens) + self.head_params) * per_weight
 
     @property
     def kv_bytes_per_token(self) -> int:

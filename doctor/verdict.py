@@ -109,13 +109,13 @@ def fewer_bytes_step(e: Evidence) -> str:
         return ", and quantize the weights (int8 and w8a8 read a quarter of fp32's bytes)"
     current = PRECISIONS[e.precision]
     if current.name == "w4a8":
-        return ("; the weights are already 4-bit blocks (w4a8, 0.625 bytes per weight): batching is what "
-                "spreads their bytes over more tokens")
+        return ("; the weights are already the file's 4- to 8-bit blocks (w4a8): batching is what spreads "
+                "their bytes over more tokens")
     if current.quantized:
         if e.is_artifact:
             return f"; the weights are already {current.name} (1 byte per weight)"
-        return (f"; the weights are already {current.name} (1 byte per weight): a GGUF of Q4_0, Q4_1 or Q8_0 "
-                "blocks served with `--quantization w4a8` reads 5/8 of that")
+        return (f"; the weights are already {current.name} (1 byte per weight): a GGUF of 4- or 5-bit blocks "
+                "(Q4_K_M, Q5_K_M, Q4_0, ...) served with `--quantization w4a8` reads 5/8 to 3/4 of that")
     share = {4: "a quarter", 2: "half"}.get(int(current.weight_bytes), "fewer")
     return f", and quantize the weights: {precision_change(e, 'w8a8')} reads {share} of {current.name}'s bytes"
 
