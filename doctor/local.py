@@ -22,7 +22,7 @@ from engine.llm_engine import LLMEngine, set_kv_cache_dtype
 from kernels.kv_layout import blocks_for_tokens
 from model.loader import LoadedModel, load
 from model.precision import PRECISIONS, precision_of_dtype
-from model.quantization import resolve_quantization
+from model.quantization import linear_bytes_of, resolve_quantization
 
 
 def default_device() -> str:
@@ -120,7 +120,10 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     evidence = evidence_for(evidence_load, operating, cost, machine, is_artifact=config.artifact is not None)
     # A model whose layers have different attention windows runs eager only (model/attention/install.py).
     compilable = getattr(loaded.module, "local_attention", None) is None
-    verdict = classify(dataclasses.replace(evidence, compilable=compilable))
+    # What this file's own blocks would read in w4a8, for advice on a model served otherwise.
+    sizes = linear_bytes_of(config.model) if config.artifact is None else None
+    verdict = classify(dataclasses.replace(evidence, compilable=compilable,
+                                           w4a8_bytes_ratio=sizes and sizes[0] / sizes[1]))
     notes = [note] if (note := contention_note()) else []
     return DoctorReport(loaded.name, str(machine.device), cost, kernels_of(loaded), machines, sweep, evidence_load,
                         operating, verdict, notes=notes, quantization=quantization_of(config, loaded, cost),

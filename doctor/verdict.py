@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from model.precision import PRECISIONS
+from model.quantization import W4A8_BYTES_AT_MOST
 
 BOUNDS = ("communication", "queue", "overhead", "memory", "compute")
 COMMUNICATION_SHARE = 0.3  # of step time in collectives
@@ -40,6 +41,8 @@ class Evidence:
     precision: str | None = None  # what the linears run in (model/precision.py); None: not known
     is_artifact: bool = False  # a compiled artifact: its precision changes by compiling another one
     compilable: bool = True  # False: `ladder compile` refuses the model (Gemma 3's per-layer windows)
+    # A quantized GGUF's W4A8 bytes a step over W8A8's (model/quantization.linear_bytes_of); None: no such file.
+    w4a8_bytes_ratio: float | None = None
     faster_kinds: dict[str, float] = field(default_factory=dict)  # matmul kind -> peak ratio to the model's kind
 
 
@@ -114,8 +117,15 @@ def fewer_bytes_step(e: Evidence) -> str:
     if current.quantized:
         if e.is_artifact:
             return f"; the weights are already {current.name} (1 byte per weight)"
-        return (f"; the weights are already {current.name} (1 byte per weight): a GGUF of 4- or 5-bit blocks "
-                "(Q4_K_M, Q5_K_M, Q4_0, ...) served with `--quantization w4a8` reads 5/8 to 3/4 of that")
+        ratio = e.w4a8_bytes_ratio
+        if ratio is None:
+            return (f"; the weights are already {current.name} (1 byte per weight): a GGUF of 4- or 5-bit blocks "
+                    "(Q4_K_M, Q5_K_M, Q4_0, ...) served with `--quantization w4a8` reads 5/8 to 3/4 of that")
+        if ratio <= W4A8_BYTES_AT_MOST:
+            return (f"; the weights are already {current.name} (1 byte per weight): this file's own blocks, "
+                    f"`--quantization w4a8`, read {ratio:.2f}x of that")
+        return (f"; the weights are already {current.name} (1 byte per weight), and this file's own blocks "
+                f"would read {ratio:.2f}x of that in w4a8: not enough to pay for its float work per 32 weights")
     share = {4: "a quarter", 2: "half"}.get(int(current.weight_bytes), "fewer")
     return f", and quantize the weights: {precision_change(e, 'w8a8')} reads {share} of {current.name}'s bytes"
 

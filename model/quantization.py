@@ -71,7 +71,7 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
             return "none"
         if not int8_kernels_are_fast():
             return "none"
-        sizes = _linear_bytes(model) if tensor_parallel_size == 1 else None
+        sizes = linear_bytes_of(model) if tensor_parallel_size == 1 else None
         if model is not None and is_moe_checkpoint(Path(model).expanduser()):
             # W8A8's calibration does not cover expert weights (model/moe.py): W4A8 or float32.
             return "w4a8" if sizes else "none"
@@ -92,7 +92,7 @@ def int8_kernels_are_fast() -> bool:
     return cpu_w4a8_linear.has_int8_tiles()
 
 
-def _linear_bytes(model: str | Path | None) -> tuple[int, int] | None:
+def linear_bytes_of(model: str | Path | None) -> tuple[int, int] | None:
     """(W4A8's, W8A8's) weight bytes for a quantized GGUF file (model/gguf_checkpoint.linear_bytes); None for
     anything else."""
     from model.default import is_packaged, packaged_model_path

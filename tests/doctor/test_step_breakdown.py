@@ -52,6 +52,16 @@ def test_a_quantized_model_is_not_told_to_quantize_again(precision):
         assert all("compile it in the same precision" in step for step in overhead)
 
 
+def test_a_w8a8_gguf_is_told_what_its_own_blocks_would_read():
+    """The advice names this file's W4A8 bytes where they are known: worth it at <= 0.9x, not above."""
+    fewer = classify(Evidence(**UNDER_MEMORY, precision="w8a8", w4a8_bytes_ratio=0.74)).next_step
+    assert "this file's own blocks, `--quantization w4a8`, read 0.74x" in fewer
+    close = classify(Evidence(**UNDER_MEMORY, precision="w8a8", w4a8_bytes_ratio=0.94)).next_step
+    assert "would read 0.94x of that in w4a8: not enough" in close and "--quantization w4a8" not in close
+    unknown = classify(Evidence(**UNDER_MEMORY, precision="w8a8")).next_step
+    assert "a GGUF of 4- or 5-bit blocks" in unknown
+
+
 def test_a_float_model_is_told_how_its_own_configuration_quantizes():
     loaded = classify(Evidence(**UNDER_MEMORY, precision="fp32")).next_step
     assert "`--quantization w8a8`" in loaded and "ladder compile" not in loaded
