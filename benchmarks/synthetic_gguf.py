@@ -5,8 +5,9 @@ presets lay out real files: for measuring speed on shapes no packaged model has 
         [--hidden 2048] [--layers 16] [--intermediate 8192] [--heads 32] [--kv-heads 8]
 
 Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn_v and ffn_down: Q6_K, as
-llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q8_0. The defaults are Llama 3.2 1B's shapes; the
-tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's: 1.17B parameters in all.
+llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q8_0. The defaults are
+Llama 3.2 1B's shapes; the tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's:
+1.17B parameters in all.
 `--experts E --experts-used K` writes a Qwen3-MoE instead (every layer sparse, `--intermediate` rows per
 expert; ffn_down_exps takes the place of ffn_down in the preset), e.g. Qwen3-30B-A3B's layer shapes with
 fewer layers and experts: `--experts 32 --experts-used 8 --intermediate 768 --heads 32 --kv-heads 4

@@ -3,9 +3,10 @@
 
 The weight of output n over input block b (32 input channels) is w = d[n, b] * u + m[n, b], with u an
 unsigned code (0..15, 0..31 or 0..255) and d, m float16, which is exactly how the file stores it: Q4_1
-and Q5_1 keep d and m; Q4_0 is m = -8 d, Q5_0 m = -16 d; Q8_0 (signed q) is u = q + 128, m = -128 d. The weights carry no error beyond
-the file's own. Each 32-block of an input row is quantized symmetrically, as llama.cpp's Q8_1 does:
-s = max(max|x_block|, 1e-12) / 127, a = round(x / s) (half to even). Then
+and Q5_1 keep d and m; Q4_0 is m = -8 d, Q5_0 m = -16 d; Q8_0 (signed q) is u = q + 128, m = -128 d.
+The weights carry no error beyond the file's own. Each 32-block of an input row is quantized
+symmetrically, as llama.cpp's Q8_1 does: s = max(max|x_block|, 1e-12) / 127, a = round(x / s) (half to
+even). Then
 
     y[n] = sum over b, in order, of   (float(dot[n, b]) * s[b]) * d[n, b]  +  m[n, b] * (s[b] * sum(a_b))
 

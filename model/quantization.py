@@ -53,10 +53,11 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
     - a quantized GGUF file whose W4A8 layers read at most 0.9x W8A8's bytes a step (`W4A8_BYTES_AT_MOST`;
       mostly 4- and 5-bit codes: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K; `gguf_checkpoint.linear_bytes`; Gemma 3
       270M's file, its Q8_0 LM head most of its bytes, reads 0.94x and decodes 7% slower in W4A8), on a
-      CPU, in one process: W4A8 over the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight bytes, so one stream decodes 1.2-1.8x faster,
-      and it adds no error to the file's weights (perplexity +0.38% against W8A8's +0.55%); at batches of
-      16-32 it runs at 0.8-0.95x of W8A8, still far ahead of llama.cpp's server there. One scheme serves
-      every batch: mixing the two per step would make a request's tokens depend on its batch.
+      CPU, in one process: W4A8 over the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight
+      bytes, so one stream decodes 1.2-1.8x faster, and it adds no error to the file's weights (perplexity
+      +0.38% against W8A8's +0.55%); at batches of 16-32 it runs at 0.8-0.95x of W8A8, still far ahead of
+      llama.cpp's server there. One scheme serves every batch: mixing the two per step would make a
+      request's tokens depend on its batch.
     - other float32 weights on a CPU (a Hugging Face directory, a float GGUF, a GGUF of mostly 8-bit codes
       such as Gemma 3 270M's or a Q8_0 file, tensor-parallel ranks, which do not split W4A8): W8A8;
     - a 16-bit dtype or a GPU, where 16-bit weights are the fast path: nothing;
