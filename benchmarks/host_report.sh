@@ -2,7 +2,7 @@
 # Every figure of a host that the one-stream work asks for, in one run, for benchmarks/RESULTS.md: the host
 # (lscpu), `ladder doctor` on the default model (its batch-1 step against the copy bandwidth), ladder against
 # llama.cpp's server at 1, 4, 16 and 32 users, the copying and the free chat workloads with and without
-# `--speculative-tokens 8`, the KV cache dtypes' batch-32 step, and a 1B-parameter Q4_K_M model
+# `--speculative-tokens 8`, the KV cache dtypes' batch-32 step, and 1B-parameter Q4_K_M and Q5_K_M models
 # (benchmarks/synthetic_gguf.py) against llama.cpp. Each part that fails is noted and the rest still runs.
 #
 #   benchmarks/host_report.sh [--out DIR] [--quick]
@@ -92,5 +92,11 @@ part "a 1B-parameter Q4_K_M model: ladder doctor" \
 part "a 1B-parameter Q4_K_M model: ladder against llama.cpp" \
   benchmarks/peer_llamacpp.sh --model "$OUT/llama1b-q4_k_m.gguf" --concurrency "$SPEC_USERS" \
   --requests-per-user "$PER_USER" "${LEN[@]}" --out "$OUT/peer-1b"
-rm -f "$OUT/llama1b-q4_k_m.gguf" "$SUMMARY.progress"
+rm -f "$OUT/llama1b-q4_k_m.gguf"
+part "a 1B-parameter Q5_K_M model (synthetic weights, 5-bit codes in W4A8): writing it" \
+  "$PY" benchmarks/synthetic_gguf.py "${SYNTH[@]}" --preset q5_k_m --out "$OUT/llama1b-q5_k_m.gguf"
+part "a 1B-parameter Q5_K_M model: ladder against llama.cpp" \
+  benchmarks/peer_llamacpp.sh --model "$OUT/llama1b-q5_k_m.gguf" --concurrency "$SPEC_USERS" \
+  --requests-per-user "$PER_USER" "${LEN[@]}" --out "$OUT/peer-1b-q5"
+rm -f "$OUT/llama1b-q5_k_m.gguf" "$SUMMARY.progress"
 echo "wrote $SUMMARY"
