@@ -95,8 +95,8 @@ class Int8SparseMoeBlock(nn.Module):
 
 
 class W4A8SparseMoeBlock(nn.Module):
-    """SparseMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`): per expert, its 4- or
-    8-bit codes and float16 scales packed as the dense W4A8 layers pack theirs, activations quantized per
+    """SparseMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`): per expert, its 4-, 5-
+    or 8-bit codes and float16 scales packed as the dense W4A8 layers pack theirs, activations quantized per
     32-block to int8 (kernels/moe.py `w4a8_moe`). The router stays float, as in Int8SparseMoeBlock."""
 
     def __init__(self, gate: nn.Linear, w13: list[BlockWeight], w2: list[BlockWeight], top_k: int,

@@ -23,7 +23,7 @@ class W4A8Linear(nn.Module):
         self.out_features, self.in_features = weight.codes.shape
         self.bits, self.zero = weight.bits, weight.zero
         codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits)
-        self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 256 or 512] uint8
+        self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 256, 320 or 512] uint8: 4-, 5-, 8-bit
         self.register_buffer("scales", scales)  # [ceil(N / 16), K / 32, 1 or 2, 16] float16
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
