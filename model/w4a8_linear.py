@@ -1,4 +1,4 @@
-"""The W4A8 linear module: a GGUF's own 4- or 8-bit blocks, packed once for the CPU kernel
+"""The W4A8 linear module: a GGUF's own 4-, 5- or 8-bit blocks, packed once for the CPU kernel
 (kernels/cpu_w4a8_linear.py), times int8 activations quantized per 32-block."""
 
 from __future__ import annotations
