@@ -216,16 +216,18 @@ def experts_weight_bytes(block: nn.Module, reached: int | None = None) -> int:
     return linear_weight_bytes(block.gate) + experts * (block.top_k if reached is None else reached) // num_experts
 
 
-def matmul_weight_bytes(module: nn.Module) -> int:
-    """Bytes of every matmul weight of a decoder as its kernels read them: each linear (the head too), and
-    each MoE block's router and all its experts. Over `ModelCost.matmul_params`, the bytes a weight takes."""
-    total = 0
+def matmul_weight_bytes(module: nn.Module) -> tuple[int, int]:
+    """Bytes of a decoder's matmul weights as its kernels read them: (every linear, the head and the MoE
+    routers; all the experts). Over `ModelCost.dense_params` and `expert_params`, the bytes a weight takes."""
+    dense = experts = 0
     for name, sub in module.named_modules():
         if name.rsplit(".", 1)[-1] in LINEAR_KINDS:
-            total += linear_weight_bytes(sub)
+            dense += linear_weight_bytes(sub)
         elif isinstance(sub, MOE_BLOCKS):
-            total += experts_weight_bytes(sub, reached=sub.gate.out_features)  # the router's E
-    return total
+            router = linear_weight_bytes(sub.gate)
+            dense += router
+            experts += experts_weight_bytes(sub, reached=sub.gate.out_features) - router  # the router's E
+    return dense, experts
 
 
 def cpu_step_of(module: object) -> CpuDecoderStep | None:

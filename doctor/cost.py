@@ -33,9 +33,11 @@ class ModelCost:
     precision: str  # a name of model/precision.py
     kv_itemsize: int  # bytes of one cached key or value element
     # Bytes a matmul weight takes as the loaded kernels read it, scales included (`breakdown.
-    # matmul_weight_bytes` / `matmul_params`); None: the precision's nominal size. W4A8's depends on the
-    # file: 0.5625-1.125 bytes by its blocks' widths.
+    # matmul_weight_bytes` over `dense_params` and `expert_params`): the dense weights' (attention, dense
+    # MLPs, routers, head) and the experts'; None: the precision's nominal size. W4A8's depends on the file
+    # (0.5625-1.125 bytes by its blocks' widths), and a MoE model's router stays float beside W4A8 experts.
     bytes_per_weight: float | None = None
+    expert_bytes_per_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -57,22 +59,33 @@ class ModelCost:
         """Weights one token multiplies in the layers (a sparse layer's k experts, not its E)."""
         return round(self._layers(self.config.num_experts_per_tok))
 
+    def _reached(self, num_tokens: int) -> float:
+        """Experts of a sparse layer that at least one of `num_tokens` tokens reaches, E (1 - (1 - k / E)^T)
+        on average (routing taken as uniform)."""
+        c = self.config
+        return c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** num_tokens) \
+            if c.num_experts else 0.0
+
+    def expert_params(self, experts_per_layer: float | None = None) -> float:
+        """Weights of `experts_per_layer` experts (None: all E) in every sparse layer."""
+        c = self.config
+        sparse = sum(c.is_sparse_layer(i) for i in range(c.num_layers))
+        count = c.num_experts if experts_per_layer is None else experts_per_layer
+        return sparse * count * 3 * c.hidden_size * c.moe_intermediate_size
+
     def layer_read_params(self, num_tokens: int) -> float:
         """Weights a step of `num_tokens` tokens reads in the layers, each once: a sparse layer's experts
-        that at least one token reaches, E (1 - (1 - k / E)^T) on average (routing taken as uniform)."""
-        c = self.config
-        reached = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** num_tokens) \
-            if c.num_experts else 0.0
-        return self._layers(reached)
+        that at least one token reaches (`_reached`)."""
+        return self._layers(self._reached(num_tokens))
 
     @property
     def head_params(self) -> int:
         return self.config.vocab_size * self.config.hidden_size
 
     @property
-    def matmul_params(self) -> int:
-        """Weights of every matmul: the layers' (every expert) and the head."""
-        return round(self._layers(self.config.num_experts)) + self.head_params
+    def dense_params(self) -> int:
+        """Weights of every matmul but the experts: attention, dense MLPs, routers and the head."""
+        return round(self._layers(self.config.num_experts) - self.expert_params()) + self.head_params
 
     @property
     def num_params(self) -> int:
@@ -89,8 +102,10 @@ class ModelCost:
 
     def step_weight_bytes(self, num_tokens: int) -> float:
         """Bytes of weights a step of `num_tokens` tokens reads (a sparse layer's experts its tokens reach)."""
-        per_weight = self.bytes_per_weight or PRECISIONS[self.precision].weight_bytes
-        return (self.layer_read_params(num_tokens) + self.head_params) * per_weight
+        dense = self.bytes_per_weight or PRECISIONS[self.precision].weight_bytes
+        expert = self.expert_bytes_per_weight or dense
+        experts = self.expert_params(self._reached(num_tokens))
+        return (self.layer_read_params(num_tokens) - experts + self.head_params) * dense + experts * expert
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -100,9 +100,10 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     engine = LLMEngine(engine_config(config, loaded, device, quantization), loaded=loaded)
     module = engine.model.module
     cost = ModelCost(loaded.config, precision_of(loaded), module.kv_cache_dtype.itemsize)
-    held = matmul_weight_bytes(module) if isinstance(module, torch.nn.Module) else 0
-    if held:  # the bytes the loaded kernels read (W4A8: the file's block widths), not the nominal size
-        cost = dataclasses.replace(cost, bytes_per_weight=held / cost.matmul_params)
+    dense, experts = matmul_weight_bytes(module) if isinstance(module, torch.nn.Module) else (0, 0)
+    if dense:  # the bytes the loaded kernels read (W4A8: the file's block widths), not the nominal size
+        cost = dataclasses.replace(cost, bytes_per_weight=dense / cost.dense_params,
+                                   expert_bytes_per_weight=experts / cost.expert_params() if experts else None)
     shapes = model_shapes(loaded, config)
     machines = [measure_machine(module.device, shapes, on_progress=on_progress)]
     if module.device.type == "cuda":  # the host's limits too, for comparison

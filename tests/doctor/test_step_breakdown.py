@@ -145,3 +145,5 @@ def test_the_step_breakdown_of_a_mixture_of_experts(tmp_path, capsys):
     # 32-blocks (256 bytes of codes, 32 of scales each), down 4 x 1; the float32 router 8 x 64.
     per_expert = 4 * 2 * (256 + 32) + 4 * 1 * (256 + 32)
     assert phases["experts"]["weight_bytes"] == 2 * (8 * 64 * 4 + per_expert * 8 * 2 // 8)
+    # The model line counts the same bytes: float routers and W4A8 experts each at their own size.
+    assert report["model"]["weight_bytes"] == pytest.approx(report["step_breakdown"]["weight_bytes"])
