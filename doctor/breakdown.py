@@ -205,15 +205,19 @@ def linear_weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for name, t in tensors if t is not None and name not in skip)
 
 
-def experts_weight_bytes(block: nn.Module, reached: int | None = None) -> int:
-    """Bytes a step reads of a MoE block whose tokens reach `reached` of its E experts (None: top_k, a
-    batch-1 step's): its router and their weights (their kernel's layout where it has one, as
-    `linear_weight_bytes` counts a linear's)."""
+def all_experts_bytes(block: nn.Module) -> int:
+    """Bytes of a MoE block's E experts' weights, in their kernel's layout where they have one (the router
+    is not counted)."""
     tensors = dict([*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)])
     skip = {name.removesuffix("_packed") for name, t in tensors.items() if name.endswith("_packed") and t is not None}
-    experts = sum(t.numel() * t.element_size() for name, t in tensors.items() if t is not None and name not in skip)
-    num_experts = len(next(t for name, t in tensors.items() if name.startswith("w13") and t is not None))
-    return linear_weight_bytes(block.gate) + experts * (block.top_k if reached is None else reached) // num_experts
+    return sum(t.numel() * t.element_size() for name, t in tensors.items() if t is not None and name not in skip)
+
+
+def experts_weight_bytes(block: nn.Module) -> int:
+    """Bytes a batch-1 step reads of a MoE block: its router, and top_k of its E experts' weights (their
+    kernel's layout where it has one, as `linear_weight_bytes` counts a linear's)."""
+    num_experts = block.gate.out_features  # the router's E
+    return linear_weight_bytes(block.gate) + all_experts_bytes(block) * block.top_k // num_experts
 
 
 def matmul_weight_bytes(module: nn.Module) -> tuple[int, int]:
@@ -224,9 +228,8 @@ def matmul_weight_bytes(module: nn.Module) -> tuple[int, int]:
         if name.rsplit(".", 1)[-1] in LINEAR_KINDS:
             dense += linear_weight_bytes(sub)
         elif isinstance(sub, MOE_BLOCKS):
-            router = linear_weight_bytes(sub.gate)
-            dense += router
-            experts += experts_weight_bytes(sub, reached=sub.gate.out_features) - router  # the router's E
+            dense += linear_weight_bytes(sub.gate)
+            experts += all_experts_bytes(sub)
     return dense, experts
 
 
