@@ -5,7 +5,7 @@ presets lay out real files: for measuring speed on shapes no packaged model has 
         [--hidden 2048] [--layers 16] [--intermediate 8192] [--heads 32] [--kv-heads 8]
 
 Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn_v and ffn_down: Q6_K, as
-llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q8_0. The defaults are
+llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q6_k, q8_0. The defaults are
 Llama 3.2 1B's shapes; the tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's:
 1.17B parameters in all.
 `--experts E --experts-used K` writes a Qwen3-MoE instead (every layer sparse, `--intermediate` rows per
@@ -144,7 +144,7 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", choices=["q4_k_m", "q5_k_m", "q4_0", "q8_0"], default="q4_k_m")
+    parser.add_argument("--preset", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0"], default="q4_k_m")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=8192)

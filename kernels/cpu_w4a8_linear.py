@@ -1,5 +1,5 @@
-"""W4A8 linear for the CPU over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1), 5-bit (Q5_0, Q5_1) or
-8-bit (Q8_0) weight codes times int8 activations quantized per 32-block on the fly.
+"""W4A8 linear for the CPU over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1), 5-bit (Q5_0, Q5_1), 6-bit
+(Q6_K) or 8-bit (Q8_0) weight codes times int8 activations quantized per 32-block on the fly.
 
 The weight of output n over input block b (32 input channels) is w = d[n, b] * u + m[n, b], with u an
 unsigned code (0..15, 0..31 or 0..255) and d, m float16, which is exactly how the file stores it: Q4_1
@@ -12,7 +12,11 @@ even). Then
 
 with dot = sum_k u * a exact in int32, each product and sum rounded to float32 as written, left to right:
 `(y + t) + r`. Where m is implied (m = -zero * d), the offset is taken out of the integer sum instead,
-exactly: y[n] = sum over b of (float(sum_k (u - zero) * a) * s[b]) * d[n, b], one product fewer. The
+exactly: y[n] = sum over b of (float(sum_k (u - zero) * a) * s[b]) * d[n, b], one product fewer. 6-bit
+codes (Q6_K) carry an int8 sub-scale c per 16 inputs besides d: w = d * c * (u - zero) (+ m), and the
+integer sum weighs its two halves, dot = c_lo * sum_{k<16} (u - zero) a + c_hi * sum_{k>=16} (u - zero) a,
+exact in int32 and below 2^24 (so exact as a float too: 2 * 16 * 32 * 127 * 128), which is how llama.cpp
+sums a Q6_K row. The
 torch reference (`w4a8_matmul_ref`) does the same operations in the same order, so the C++ kernel equals
 it bit for bit for every shape, batch and thread count, and a row's result never
 depends on the rows beside it.
@@ -23,8 +27,12 @@ Codes are packed once (`pack`) per 16 output channels and 32-block: 8-bit as [8 
 4-bit as [4, 16, 4] bytes whose low nibbles hold groups 0-3 and high nibbles groups 4-7 (a 64-byte
 load and two masks feed two instructions), 5-bit as the 4-bit bytes of the low four bits followed by one
 64-bit mask a group, bit t the fifth bit of the group's byte t (one masked byte add of 16 per 64 codes on
-AVX-512; a shuffle and compare on AVX2). A 4-bit weight moves 5/8 of the bytes of an int8 one (Q4_1: 20
-bytes per 32 weights), a 5-bit one 3/4 (24), which is what bounds a batch-1 decode step. d and m stay float16,
+AVX-512; a shuffle and compare on AVX2), 6-bit as the 4-bit bytes (four lines of 64), then two 64-byte
+vectors of bit pairs, byte t of vector p holding bits 4-5 of the codes of byte t in lines 2p and 2p + 1
+(line 2p's low and high nibble's at bits 0-1 and 2-3, line 2p + 1's at 4-5 and 6-7: a shift and a mask a
+line on either ISA), then the 32 sub-scales, [16 channels, 2 halves] int8. A 4-bit weight moves 5/8 of the bytes of an
+int8 one (Q4_1: 20 bytes per 32 weights), a 5-bit one 3/4 (24), a 6-bit one 7/8 (28), which is what bounds
+a batch-1 decode step. d and m stay float16,
 [16] each per block, converted in registers. Threads split the blocks of output channels. Where AVX-512
 VNNI is missing, AVX2 tiles over the same layout compute the same exact integer sums (`vpmaddubsw`,
 `vpmaddwd`), and a portable loop is compiled where AVX2 is missing too (and can be asked for, for tests).
@@ -42,9 +50,10 @@ from kernels.cpu_extension import cpu_op, load
 BLOCK_N = 16  # output channels per packed block
 BLOCK_K = 32  # input channels per quantization block (the GGUF's and the activations')
 GROUP_K = 4  # input channels summed by one vpdpbusd lane
-# Bytes of packed codes per 16 outputs and 32-block, by code width: 4-bit nibbles, the same nibbles and a
-# 64-byte plane of fifth bits, or one byte a code.
-CODE_BYTES = {4: 256, 5: 320, 8: 512}
+# Bytes of packed codes per 16 outputs and 32-block, by code width: 4-bit nibbles; the same nibbles and a
+# 64-byte plane of fifth bits; the nibbles, 128 bytes of bit pairs and 32 int8 sub-scales; or one byte a code.
+CODE_BYTES = {4: 256, 5: 320, 6: 416, 8: 512}
+SUB_SCALE_BYTES = 32  # 6-bit: [16 channels, 2 halves of 16 inputs] int8, at the end of each block's codes
 
 
 def has_vnni() -> bool:
@@ -70,41 +79,51 @@ def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def w4a8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
-                    zero: int = 0) -> torch.Tensor:
+                    zero: int = 0, sub: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: x [M, K] float32 quantized per 32-block, times weights w = d * codes + m (m given) or
-    w = d * (codes - zero) (m None), codes uint8 [N, K] (0..15 or 0..255), d and m float32 [N, K / 32]
-    -> [M, N] float32."""
+    w = d * (codes - zero) (m None), codes uint8 [N, K] (0..15, 0..31 or 0..255), d and m float32 [N, K / 32]
+    -> [M, N] float32. With sub (int8 [N, K / 16], 6-bit codes): w = d * sub * (codes - zero) (+ m)."""
     rows, k = x.shape
     a, s, c = quantize_blocks_ref(x)
     # The integer products run on int8 codes: codes - zero fits, and so does codes - 128 (added back as
     # 128 * sum(a)) for codes that carry their own m.
-    shift = 128 if m is not None else zero
+    shift = 128 if m is not None and sub is None else zero
     signed = (codes.to(torch.int16) - shift).to(torch.int8)
     y = x.new_zeros(rows, codes.shape[0])
     for b in range(k // BLOCK_K):
         cols = slice(b * BLOCK_K, (b + 1) * BLOCK_K)
-        dot = torch._int_mm(a[:, cols], signed[:, cols].t())  # [M, N] int32, exact
+        if sub is None:
+            dot = torch._int_mm(a[:, cols], signed[:, cols].t())  # [M, N] int32, exact
+        else:  # each half of 16 inputs weighed by its sub-scale, in int32
+            lo, hi = slice(b * BLOCK_K, b * BLOCK_K + 16), slice(b * BLOCK_K + 16, (b + 1) * BLOCK_K)
+            dot = (torch._int_mm(a[:, lo], signed[:, lo].t()) * sub[:, 2 * b].int()
+                   + torch._int_mm(a[:, hi], signed[:, hi].t()) * sub[:, 2 * b + 1].int())
         if m is None:
             y = y + (dot.float() * s[:, b:b + 1]) * d[:, b]
         else:
-            dot = dot + 128 * a[:, cols].sum(dim=-1, keepdim=True, dtype=torch.int32)
+            if sub is None:
+                dot = dot + 128 * a[:, cols].sum(dim=-1, keepdim=True, dtype=torch.int32)
             y = (y + (dot.float() * s[:, b:b + 1]) * d[:, b]) + m[:, b] * c[:, b:b + 1]
     return y
 
 
-def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, sub: torch.Tensor | None = None
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes uint8 [N, K] (0 .. 2^bits - 1; bits 4, 5 or 8), d and m float16 [N, K / 32] (m None: w = d *
-    (u - zero), the kernel's `zero`) -> (codes [ceil(N / 16), K / 32, CODE_BYTES[bits]] uint8, scales
-    [ceil(N / 16), K / 32, 1 or 2, 16] float16), zero-padded to whole blocks of 16 outputs."""
+    """codes uint8 [N, K] (0 .. 2^bits - 1; bits 4, 5, 6 or 8), d and m float16 [N, K / 32] (m None: w = d *
+    (u - zero), the kernel's `zero`), sub int8 [N, K / 16] (6-bit codes only: their sub-scales) -> (codes
+    [ceil(N / 16), K / 32, CODE_BYTES[bits]] uint8, scales [ceil(N / 16), K / 32, 1 or 2, 16] float16),
+    zero-padded to whole blocks of 16 outputs."""
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] % BLOCK_K:
         raise ValueError(f"expected uint8 codes [N, K] with K a multiple of {BLOCK_K}, got {codes.dtype} "
                          f"{tuple(codes.shape)}")
     if bits not in CODE_BYTES:
-        raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
+        raise ValueError(f"bits must be 4, 5, 6 or 8, got {bits}")
     if bits < 8 and codes.numel() and int(codes.max()) >= 1 << bits:
         raise ValueError(f"{bits}-bit codes must be in 0..{(1 << bits) - 1}")
     n, k = codes.shape
+    if (sub is not None) != (bits == 6) or (sub is not None and (sub.dtype != torch.int8 or
+                                                                 tuple(sub.shape) != (n, k // 16))):
+        raise ValueError(f"6-bit codes take int8 sub-scales [N, K / 16] = [{n}, {k // 16}], other widths none")
     blocks, kb = -(-n // BLOCK_N), k // BLOCK_K
     padded = codes.new_zeros(blocks * BLOCK_N, k)
     padded[:n] = codes
@@ -114,12 +133,21 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
         packed = grouped.contiguous().view(blocks, kb, -1)
     else:
         low = grouped & 0x0F
-        packed = (low[:, :, :4] | (low[:, :, 4:] << 4)).contiguous().view(blocks, kb, -1)  # inputs 16.. high
+        planes = [(low[:, :, :4] | (low[:, :, 4:] << 4)).contiguous().view(blocks, kb, -1)]  # inputs 16.. high
         if bits == 5:  # group g's fifth bits, bit t for byte t of its 64 (channel t / 4, input t % 4)
-            fifth = (grouped >> 4).contiguous().view(blocks, kb, 8, 8, 8)  # [.., group, byte, bit]
             weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
-            masks = (fifth * weights).sum(-1, dtype=torch.int32).to(torch.uint8).view(blocks, kb, 64)
-            packed = torch.cat([packed, masks], dim=-1)
+            plane = (grouped >> 4).contiguous().view(blocks, kb, 8, 8, 8)  # [.., group, byte, bit]
+            planes.append((plane * weights).sum(-1, dtype=torch.int32).to(torch.uint8).view(blocks, kb, 64))
+        if bits == 6:  # line 2p + r's half h (group 4h + 2p + r) at bits 2 (2r + h) of vector p
+            pairs = (grouped >> 4).reshape(blocks, kb, 2, 2, 2, 64).to(torch.int32)  # [.., h, p, r, byte]
+            vectors = sum(pairs[:, :, h, :, r] << (2 * (2 * r + h)) for h in range(2) for r in range(2))
+            planes.append(vectors.to(torch.uint8).view(blocks, kb, 128))
+        if sub is not None:  # [N, kb, 2] -> [blocks, kb, 16 channels, 2 halves]
+            padded_sub = sub.new_zeros(blocks * BLOCK_N, kb, 2)
+            padded_sub[:n] = sub.view(n, kb, 2)
+            planes.append(padded_sub.view(blocks, BLOCK_N, kb, 2).permute(0, 2, 1, 3).contiguous()
+                          .view(torch.uint8).view(blocks, kb, SUB_SCALE_BYTES))
+        packed = torch.cat(planes, dim=-1)
     parts = [d] if m is None else [d, m]
     scales = torch.zeros(blocks * BLOCK_N, kb, len(parts), dtype=torch.float16)
     for i, part in enumerate(parts):
@@ -147,10 +175,24 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
         nibbles = packed[..., :256].reshape(blocks, kb, 4, BLOCK_N, GROUP_K)
         grouped = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
         if bits == 5:
-            masks = packed[..., 256:].reshape(blocks, kb, 8, 8, 1)
-            fifth = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., group, byte, bit]
-            grouped = grouped | (fifth.reshape(grouped.shape) << 4)
+            masks = packed[..., 256:320].reshape(blocks, kb, 8, 8, 1)
+            plane = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., group, byte, bit]
+            grouped = grouped | (plane.reshape(grouped.shape) << 4)
+        if bits == 6:
+            vectors = packed[..., 256:384].reshape(blocks, kb, 1, 2, 1, 64)  # [.., h, p, r, byte]
+            shifts = torch.tensor([[0, 4], [2, 6]], dtype=torch.uint8).view(2, 1, 2, 1)  # 2 (2r + h) by [h, r]
+            pairs = (vectors >> shifts) & 3  # [.., h, p, r, byte]: group 4h + 2p + r
+            grouped = grouped | (pairs.reshape(grouped.shape) << 4)
     return grouped.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_N, kb * BLOCK_K)[:n]
+
+
+def sub_scales_of(packed: torch.Tensor, n: int) -> torch.Tensor | None:
+    """`pack`'s sub-scales of 6-bit codes, int8 [N, K / 16]; None for other widths."""
+    if code_width(packed) != 6:
+        return None
+    blocks, kb = packed.shape[:2]
+    sub = packed[..., -SUB_SCALE_BYTES:].contiguous().view(torch.int8).view(blocks, kb, BLOCK_N, 2)
+    return sub.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, kb * 2)[:n]
 
 
 def scales_of(scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -164,7 +206,7 @@ def w4a8_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     """`w4a8_linear` by the torch reference, from the packed weight (`portable` is the kernel's alone)."""
     k = x.shape[-1]
     d, m = scales_of(scales, n)
-    y = w4a8_matmul_ref(x.reshape(-1, k).float(), unpack(codes, n), d, m, zero)
+    y = w4a8_matmul_ref(x.reshape(-1, k).float(), unpack(codes, n), d, m, zero, sub_scales_of(codes, n))
     return (y if bias is None else y + bias.float()).view(*x.shape[:-1], n)
 
 
@@ -176,6 +218,6 @@ def w4a8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias
                 zero: int = 0, portable: bool = False) -> torch.Tensor:
     """y [..., N] float32 = x [..., K] times the packed weight (`pack`), + bias; equal bit for bit to
     `w4a8_matmul_ref` on the unpacked codes and scales. `zero`: w = d * (u - zero) when the scales hold d
-    only (Q4_0: 8, Q8_0 stored as q + 128: 128). `portable`: the C++ kernel's portable loop even where its
-    VNNI tiles exist (tests)."""
+    only (Q4_0: 8, Q8_0 stored as q + 128: 128), and for 6-bit codes whether or not they hold m (Q6_K: 32).
+    `portable`: the C++ kernel's portable loop even where its VNNI tiles exist (tests)."""
     return _w4a8_linear(x, codes, scales, bias, n, zero, portable)

@@ -1,13 +1,13 @@
 """W4A8: linear layers that compute on a GGUF file's own quantized blocks.
 
 The float model loaded from such a file holds the dequantized weights, d * u + m per 32-block; these
-layers keep u, d and m as the file has them (model/gguf_blocks.py: exactly for Q4_0, Q4_1, Q5_0, Q5_1 and
-Q8_0, with float16-rounded sub-block scales for Q4_K and Q5_K, requantized to 8 bits for the other types)
-and quantize each 32-block of the activations to int8 on the fly (kernels/cpu_w4a8_linear.py). No
+layers keep u, d and m as the file has them (model/gguf_blocks.py: exactly for Q4_0, Q4_1, Q5_0, Q5_1,
+Q6_K and Q8_0, with float16-rounded sub-block scales for Q4_K and Q5_K, requantized to 8 bits for the other
+types) and quantize each 32-block of the activations to int8 on the fly (kernels/cpu_w4a8_linear.py). No
 calibration (SmoothQuant) is needed: only the activations are rounded, per block of 32, which bounds an
 outlier's damage to its own block. A batch-1 decode step reads 5/8 of the bytes the W8A8 layers read for
-the 4-bit projections (4-bit codes and 16-bit scales per 32), 3/4 for the 5-bit ones, and an 8-bit LM head
-as it is.
+the 4-bit projections (4-bit codes and 16-bit scales per 32), 3/4 for the 5-bit ones, 7/8 for the 6-bit
+ones (their sub-scales too), and an 8-bit LM head as it is.
 
 The module (model/w4a8_linear.py) is a swap applied from outside model/llama.py, like model/quantization.py's INT8 forms: q/k/v and
 gate/up are fused here the way model/weights.py fuses the float weights (rows concatenated).
@@ -54,28 +54,31 @@ def replaced_weights(config: ModelConfig) -> set[str]:
 def split_experts(weight: BlockWeight, num_experts: int) -> list[BlockWeight]:
     """A stacked expert weight read as [E * N, K] rows -> E weights of [N, K]."""
     n = weight.codes.shape[0] // num_experts
-
-    def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
-        return None if t is None else t[e * n:(e + 1) * n]
-
-    return [BlockWeight(rows(weight.codes, e), rows(weight.d, e), rows(weight.m, e), weight.bits, weight.zero)
-            for e in range(num_experts)]
+    return [weight.rows(slice(e * n, (e + 1) * n)) for e in range(num_experts)]
 
 
 def concat(parts: list[BlockWeight]) -> BlockWeight:
     """Row-concatenated weights in one format, each part's weights exactly: narrower parts widen to the
-    widest part's codes (a K-quant file's Q4_K q and k beside its Q6_K v: 8 bits); parts of different zeros,
-    or with and without m, get an explicit m = -zero d (exact in float16: zero is a power of two)."""
+    widest part's codes (a K-quant file's Q4_K q and k beside its Q6_K v: 6 bits, sub-scales of 1 and zero
+    32 for the Q4_K rows; beside a Q8_0 part, 8 bits, the Q6_K rows requantized); parts of different zeros,
+    or with and without m, get an explicit m: -zero d (exact in float16: zero is a power of two), or, for
+    6-bit codes, which all share zero 32, m = 0."""
     if len(parts) == 1:
         return parts[0]
     bits = max(p.bits for p in parts)
     parts = [p.widened(bits) for p in parts]
     if len({(p.m is None, p.zero) for p in parts}) > 1:
-        parts = [p if p.m is not None else BlockWeight(p.codes, p.d, (p.d.float() * -p.zero).half(), p.bits, 0)
-                 for p in parts]
-    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-    return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].bits,
-                       parts[0].zero)
+        if bits == 6:
+            parts = [p if p.m is not None else BlockWeight(p.codes, p.d, torch.zeros_like(p.d), 6, p.zero, p.sub)
+                     for p in parts]
+        else:
+            parts = [p if p.m is not None else BlockWeight(p.codes, p.d, (p.d.float() * -p.zero).half(), p.bits, 0)
+                     for p in parts]
+
+    def cat(name: str) -> torch.Tensor | None:
+        return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+
+    return BlockWeight(cat("codes"), cat("d"), cat("m"), parts[0].bits, parts[0].zero, cat("sub"))
 
 
 def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> LlamaForCausalLM:

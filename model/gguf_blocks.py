@@ -1,14 +1,16 @@
 """A GGUF linear weight's quantized blocks as the W4A8 kernel reads them: per 32 inputs of a row, unsigned
-codes u and float16 scales, w = d * u + m (or d * (u - zero)).
+codes u and float16 scales, w = d * u + m (or d * (u - zero)); 6-bit codes with an int8 sub-scale c per 16
+inputs besides: w = d * c * (u - zero) (+ m).
 
 How each GGML type gets there (`block_weight`):
 
-- exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q5_0, Q5_1 (5-bit), Q8_0 (8-bit);
+- exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q5_0, Q5_1 (5-bit), Q6_K (6-bit, its
+  16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q8_0 (8-bit);
 - K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored (4- and 5-bit); each sub-block's scale and min, a
   6-bit integer times the super-block's float16 d or dmin, rounded once to float16. That rounding moves a
   weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
   bounds it), far below the 4-bit step;
-- every other quantized type (Q6_K, with its 16-input sub-blocks, Q2_K, Q3_K, the IQ types): requantized from
+- every other quantized type (Q2_K, Q3_K, the IQ types): requantized from
   the weights the `gguf` package dequantizes, 8 bits per 32-block the way Q8_0 is made (d = max |w| / 127 in
   float16, u = round(w / d) + 128), at most half a step of 1/127 of the block's largest weight from the file's;
 - a float linear (F32, F16, BF16) in a quantized file (an output or embedding kept in 16 bits): requantized
@@ -27,36 +29,60 @@ import torch
 from model.errors import ModelLoadError
 
 BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
-EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K")
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # read, in a quantized file, by requantizing
-REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `_requantized` (64 MB)
+REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `requantized` (64 MB)
+
+
+SIX_BIT_ZERO = 32  # 6-bit codes' zero (Q6_K's): w = d * c * (u - 32)
 
 
 @dataclass(frozen=True)
 class BlockWeight:
     """A linear weight [N, K] in blocks of 32 inputs: w[n, k] = d[n, k / 32] * codes[n, k] + m[n, k / 32]
-    (m given), or d * (codes - zero) (m None)."""
+    (m given), or d * (codes - zero) (m None). 6-bit codes carry sub, an int8 scale per 16 inputs: w = d *
+    sub[n, k / 16] * (codes - zero), + m where m is given (zero is 32 either way)."""
 
-    codes: torch.Tensor  # [N, K] uint8, 0 .. 2^bits - 1 (bits 4, 5 or 8)
+    codes: torch.Tensor  # [N, K] uint8, 0 .. 2^bits - 1 (bits 4, 5, 6 or 8)
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor | None  # [N, K / 32] float16
     bits: int
     zero: int
+    sub: torch.Tensor | None = None  # [N, K / 16] int8: 6-bit codes only
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: for the exact types, what the `gguf` package dequantizes (the float model's weight)."""
         d = self.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
+        if self.sub is not None:  # (d * c) * q, the `gguf` package's order
+            w = (d * self.sub.float().repeat_interleave(BLOCK_SIZE // 2, dim=1)) * (self.codes.float() - self.zero)
+            return w if self.m is None else w + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)
         if self.m is None:
             return (self.codes.float() - self.zero) * d
         return d * self.codes.float() + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)
 
+    def rows(self, index: torch.Tensor | slice) -> BlockWeight:
+        """The weight of these output rows, in this order."""
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return BlockWeight(self.codes[index], self.d[index], take(self.m), self.bits, self.zero, take(self.sub))
+
     def widened(self, bits: int) -> BlockWeight:
-        """The same weight with codes of `bits` >= its own (a 4-bit code is a 5- or 8-bit one below 16):
-        exact, for fusing narrower parts beside wider ones."""
+        """The same weight with codes of `bits` >= its own, for fusing narrower parts beside wider ones: exact
+        from 4 or 5 bits (a 4-bit code is a 5- or 8-bit one below 16; as a 6-bit one it moves to zero 32 under
+        sub-scales of 1); from 6 bits to 8 requantized (`requantize_8bit`), as the other K-quants are."""
         if bits < self.bits:
             raise ValueError(f"{self.bits}-bit codes cannot narrow to {bits} bits")
-        return self if bits == self.bits else BlockWeight(self.codes, self.d, self.m, bits, self.zero)
+        if bits == self.bits:
+            return self
+        if self.bits == 6:
+            return requantize_8bit(self.dequantize())
+        if bits == 6:  # u - zero = (u + 32 - zero) - 32, and 15 + 32 < 64
+            codes = self.codes + (SIX_BIT_ZERO - self.zero)
+            ones = torch.ones(self.codes.shape[0], self.codes.shape[1] // 16, dtype=torch.int8)
+            return BlockWeight(codes, self.d, self.m, 6, SIX_BIT_ZERO, ones)
+        return BlockWeight(self.codes, self.d, self.m, bits, self.zero)
 
 
 def is_block_type(type_name: str) -> bool:
@@ -69,21 +95,25 @@ def is_block_type(type_name: str) -> bool:
 
 
 def code_bits(type_name: str) -> int:
-    """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 8 for every
-    other type."""
+    """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 6 for Q6_K, 8 for
+    every other type."""
     if type_name in ("Q4_0", "Q4_1", "Q4_K"):
         return 4
+    if type_name == "Q6_K":
+        return 6
     return 5 if type_name in ("Q5_0", "Q5_1", "Q5_K") else 8
 
 
 def w4a8_bytes(type_names: list[str], rows: list[int], k: int) -> int:
     """Bytes a decode step reads of one W4A8 layer fused from parts of these types (rows [N] of K inputs
-    each): codes, then float16 scales per 32 inputs, d alone or d and m (a part with a min, or parts of
-    different types, which `model/block_quantization.concat` gives an explicit m)."""
+    each): codes (6-bit: and an int8 sub-scale per 16), then float16 scales per 32 inputs, d alone or d and
+    m (a part with a min, or parts of different types, which `model/block_quantization.concat` gives an
+    explicit m)."""
     bits = max(code_bits(t) for t in type_names)
     two = len(set(type_names)) > 1 or any(t in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") for t in type_names)
     n = sum(rows)
-    return n * k * bits // 8 + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
+    sub = n * k // 16 if bits == 6 else 0
+    return n * k * bits // 8 + sub + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
 
 
 def how_read(type_name: str) -> str:
@@ -101,11 +131,13 @@ def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
     if k % BLOCK_SIZE:
         raise ModelLoadError(f"a {type_name} weight of {k} input channels: not a multiple of {BLOCK_SIZE}")
     raw = np.ascontiguousarray(raw).reshape(n, -1)  # float types: [N, K] of their own dtype (BF16: bytes)
+    if type_name == "Q6_K":
+        return _six_bit(raw, n, k)
     if type_name in EXACT_TYPES:
         return _legacy(raw, type_name, n, k)
     if type_name in SUB_BLOCK_TYPES:
         return _sub_blocks(raw, type_name, n, k)
-    return _requantized(raw, type_name, n, k)
+    return requantized(raw, type_name, n, k)
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -170,8 +202,27 @@ def _sub_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
                        code_bits(type_name), 0)
 
 
-def _requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
-    """Any other type: the `gguf` package's float weights, quantized per 32-block to 8 bits."""
+def _six_bit(raw: np.ndarray, n: int, k: int) -> BlockWeight:
+    """Q6_K (210 bytes per 256 inputs): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one
+    per 16 inputs), float16 d; w = d sc_j (q - 32) with q = low | high << 4 in 0..63."""
+    if k % 256:
+        raise ModelLoadError(f"a Q6_K weight of {k} input channels: not a multiple of 256")
+    kb = k // 256
+    blocks = raw.reshape(n, kb, 210)
+    # Each half of 128 inputs is four runs of 32: the low nibbles of its ql bytes 0-31, then of 32-63, then
+    # their high nibbles; the runs' top two bits are bit pairs 0, 1, 2, 3 of its 32 qh bytes.
+    ql = blocks[..., :128].reshape(n, kb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    qh = blocks[..., 128:192].reshape(n, kb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    codes = ((ql & 0x0F).reshape(n, kb, 2, 4, 32) | ((qh & 0x03) << 4)).reshape(n, k)
+    sub = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, kb * 16)
+    d = _f16(blocks[..., 208:210]).repeat_interleave(256 // BLOCK_SIZE, dim=1)  # [n, k / 32]: a super-block's
+    return BlockWeight(torch.from_numpy(np.ascontiguousarray(codes)), d, None, 6, SIX_BIT_ZERO,
+                       torch.from_numpy(sub.copy()))
+
+
+def requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
+    """A quantized (or float) type's weights as the `gguf` package dequantizes them, quantized per 32-block to
+    8 bits (`requantize_8bit`): how `block_weight` reads every type it cannot read exactly."""
     import gguf
 
     if not (is_block_type(type_name) or type_name in FLOAT_TYPES):

@@ -302,9 +302,7 @@ class GGUFCheckpoint:
         weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
         if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
-            order = unpermute_rotary(torch.arange(n), heads)  # the rows' new order
-            m = None if weight.m is None else weight.m[order]
-            weight = BlockWeight(weight.codes[order], weight.d[order], m, weight.bits, weight.zero)
+            weight = weight.rows(unpermute_rotary(torch.arange(n), heads))  # the rows' new order
         return weight
 
     def _hf_name(self, name: str) -> str | None:

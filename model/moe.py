@@ -107,7 +107,7 @@ class W4A8SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = gate
         for name, experts in (("w13", w13), ("w2", w2)):
-            packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits) for w in experts]
+            packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub) for w in experts]
             self.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
             self.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
             setattr(self, f"{name}_zero", experts[0].zero)

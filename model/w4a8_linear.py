@@ -1,4 +1,4 @@
-"""The W4A8 linear module: a GGUF's own 4-, 5- or 8-bit blocks, packed once for the CPU kernel
+"""The W4A8 linear module: a GGUF's own 4-, 5-, 6- or 8-bit blocks, packed once for the CPU kernel
 (kernels/cpu_w4a8_linear.py), times int8 activations quantized per 32-block."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class W4A8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
         self.bits, self.zero = weight.bits, weight.zero
-        codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits)
-        self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 256, 320 or 512] uint8: 4-, 5-, 8-bit
+        codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits, weight.sub)
+        # [ceil(N / 16), K / 32, 256, 320, 416 or 512] uint8: 4-, 5-, 6- (with sub-scales) or 8-bit
+        self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)  # [ceil(N / 16), K / 32, 1 or 2, 16] float16
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 

@@ -39,11 +39,16 @@ LADDER_SHARED void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64
 // w4a8_linear.cpp ------------------------------------------------------------------------------------
 
 // Bytes of packed codes per 16 outputs and 32-block (kernels/cpu_w4a8_linear.py CODE_BYTES): 4-bit
-// nibbles (256), the same nibbles and a 64-byte plane of fifth bits (320), one byte a code (512).
-constexpr int64_t w4a8_code_bytes(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 8 ? 512 : 0; }
+// nibbles (256), the same nibbles and a 64-byte plane of fifth bits (320), those, a plane of sixth bits and
+// 32 int8 sub-scales (416), one byte a code (512).
+constexpr int64_t w4a8_code_bytes(int bits) {
+  return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 416 : bits == 8 ? 512 : 0;
+}
 
-// The code width of a packed weight of CB bytes a block: 4, 5 or 8, or 0 for none of them.
-constexpr int w4a8_code_bits(int64_t CB) { return CB == 256 ? 4 : CB == 320 ? 5 : CB == 512 ? 8 : 0; }
+// The code width of a packed weight of CB bytes a block: 4, 5, 6 or 8, or 0 for none of them.
+constexpr int w4a8_code_bits(int64_t CB) {
+  return CB == 256 ? 4 : CB == 320 ? 5 : CB == 416 ? 6 : CB == 512 ? 8 : 0;
+}
 
 // A packed W4A8 weight (kernels/cpu_w4a8_linear.py `pack`): codes [NBLK, KB, w4a8_code_bytes(bits)] uint8,
 // scales [NBLK, KB, S, 16] float16 bits, bias [N] or nullptr.
@@ -57,11 +62,12 @@ struct W4A8Weight {
   int32_t zero;
 };
 
-// The activations of M rows quantized per 32-block, reused from call to call.
+// The activations of M rows quantized per 32-block, reused from call to call: codes, scale, scale times
+// the codes' sum, that sum, and the sum of the block's first 16 codes (6-bit weights weigh the halves apart).
 struct W4A8Scratch {
   std::vector<int8_t> xq;
   std::vector<float> xs, xc;
-  std::vector<int32_t> xsum;
+  std::vector<int32_t> xsum, xlo;
 };
 
 // out [M, N] = x [M, K] times the weight; `portable`: the portable loop even where tiles exist.

@@ -1,12 +1,18 @@
-// W4A8 linear over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1, Q4_K), 5-bit (Q5_0, Q5_1, Q5_K) or
-// 8-bit (Q8_0) weight codes times int8 activations quantized per 32-block. The weight of output n over input
-// block b is w = d[n, b] * u + m[n, b] (u an unsigned code, d and m float16); m is implied (m = -zero * d)
-// when the scales hold d only. Bit-equal to its torch reference: every product and sum in the reference's
-// order. Codes per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes; 4-bit as [4, 16, 4]
-// bytes whose low nibbles hold groups 0-3 and high nibbles groups 4-7; 5-bit as the 4-bit layout of the low
-// four bits, then per group g (0-7) a 64-bit mask whose bit t is the fifth bit of byte t of that group's 64
-// (channel t / 4, input t % 4), so that one mask register adds 16 to the codes it marks. The integer sums
-// run on AVX-512 VNNI's vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the portable loop.
+// W4A8 linear over a GGUF's own quantized blocks: 4-bit (Q4_0, Q4_1, Q4_K), 5-bit (Q5_0, Q5_1, Q5_K), 6-bit
+// (Q6_K) or 8-bit (Q8_0) weight codes times int8 activations quantized per 32-block. The weight of output n
+// over input block b is w = d[n, b] * u + m[n, b] (u an unsigned code, d and m float16); m is implied (m =
+// -zero * d) when the scales hold d only. 6-bit codes carry an int8 sub-scale c per 16 inputs: w = d * c *
+// (u - zero) (+ m). Bit-equal to its torch reference: every product and sum in the reference's order. Codes
+// per 16 output channels and 32-block: 8-bit as [8 groups, 16, 4] bytes; 4-bit as [4, 16, 4] bytes whose
+// low nibbles hold groups 0-3 and high nibbles groups 4-7; 5-bit as the 4-bit layout of the low four bits,
+// then per group g (0-7) a 64-bit mask whose bit t is the fifth bit of byte t of that group's 64 (channel
+// t / 4, input t % 4), so that one mask register adds 16 to the codes it marks; 6-bit as the 4-bit
+// layout (four lines of 64 bytes), then two 64-byte vectors of bit pairs, byte t of vector p holding bits
+// 4-5 of the codes of byte t in lines 2p and 2p + 1 (line 2p's low and high nibble's at bits 0-1 and 2-3,
+// line 2p + 1's at 4-5 and 6-7), then the sub-scales as [16 channels, 2 halves] int8: a shift and a mask
+// move 64 codes' high bits into place on either ISA.
+// The integer sums run on AVX-512 VNNI's vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the
+// portable loop.
 #include <torch/library.h>
 
 #include <cmath>
@@ -23,10 +29,15 @@ namespace ladder {
 namespace {
 
 constexpr int QK = 32;  // input channels per quantization block
+// Offsets in a block's codes: the 5-bit masks or the 6-bit pairs after the nibbles, then the sub-scales.
+constexpr int kHighBits = 256, kSubScales = 384;
+// The bits of 1.5 * 2^23: an integer v with |v| < 2^22 added to them is the float 1.5 * 2^23 + v, exactly.
+constexpr int32_t kMagic = 0x4B400000;
 
-// One row x [KB * 32] -> int8 xq, and per block its scale xs[b], xs[b] * sum(xq of the block) xc[b] and
-// that sum xsum[b].
-void quantize_row_portable(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
+// One row x [KB * 32] -> int8 xq, and per block its scale xs[b], xs[b] * sum(xq of the block) xc[b], that
+// sum xsum[b] and the sum of the block's first 16 codes xlo[b].
+void quantize_row_portable(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum,
+                           int32_t* xlo) {
   for (int64_t b = 0; b < KB; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
@@ -37,6 +48,7 @@ void quantize_row_portable(const float* x, int64_t KB, int8_t* xq, float* xs, fl
       const int32_t q = static_cast<int32_t>(std::nearbyint(xb[k] / s));
       xq[b * QK + k] = static_cast<int8_t>(q);
       sum += q;
+      if (k == QK / 2 - 1) xlo[b] = sum;
     }
     xs[b] = s;
     xc[b] = s * static_cast<float>(sum);
@@ -45,7 +57,7 @@ void quantize_row_portable(const float* x, int64_t KB, int8_t* xq, float* xs, fl
 }
 
 #ifdef LADDER_VNNI
-void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
+void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum, int32_t* xlo) {
   const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t b = 0; b < KB; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
@@ -56,34 +68,40 @@ void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, 
     const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_div_ps(hi, vs), rnd);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK), _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK + 16), _mm512_cvtepi32_epi8(qhi));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    const int32_t first = _mm512_reduce_add_epi32(qlo), sum = first + _mm512_reduce_add_epi32(qhi);
     xs[b] = s;
     xc[b] = s * static_cast<float>(sum);
     xsum[b] = sum;
+    xlo[b] = first;
   }
 }
 #elif defined(LADDER_AVX2_INT8)
 // quantize_row_portable's arithmetic 8 lanes at a time: vcvtps2dq rounds in the current mode as nearbyint
-// does (half to even), the byte stored is the low byte of q as the int8 cast's, and the int32 sum does not
-// depend on its order.
-void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum) {
+// does (half to even), the byte stored is the low byte of q as the int8 cast's, and the int32 sums do not
+// depend on their order.
+inline int32_t sum_lanes(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1)));
+}
+
+void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, int32_t* xsum, int32_t* xlo) {
   const __m256i low = _mm256_set1_epi32(0xFF);
   for (int64_t b = 0; b < KB; ++b) {
     const float* xb = x + b * QK;
     const float s = std::max(max_abs(xb, QK), 1e-12f) / 127.f;
     const __m256 vs = _mm256_set1_ps(s);
-    __m256i total = _mm256_setzero_si256();
+    __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // inputs 0-15, 16-31
     for (int t = 0; t < QK; t += 8) {
       const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xb + t), vs));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(xq + b * QK + t), bytes8(_mm256_and_si256(q, low)));
-      total = _mm256_add_epi32(total, q);
+      half[t / 16] = _mm256_add_epi32(half[t / 16], q);
     }
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-    const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1)));
+    const int32_t lo = sum_lanes(half[0]), sum = lo + sum_lanes(half[1]);
     xs[b] = s;
     xc[b] = s * static_cast<float>(sum);
     xsum[b] = sum;
+    xlo[b] = lo;
   }
 }
 #endif
@@ -91,11 +109,12 @@ void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, 
 #ifdef LADDER_VNNI
 template <int BITS>
 struct W4A8Tiles {
-  using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
-                      const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
+  using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, const int32_t*, int64_t,
+                      const uint8_t*, const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
   static constexpr int kMaxMr = 4;
-  // Two accumulators per output (int32 block sums, float32 totals): 2 * MR * NB of the 32 registers.
-  static constexpr int kMaxNb[kMaxMr + 1] = {0, 6, 4, 3, 3};
+  // Two accumulators per output (int32 block sums, float32 totals): 2 * MR * NB of the 32 registers; 6-bit
+  // codes sum each half of a block apart (its own sub-scale): 3 * MR * NB.
+  static constexpr int kMaxNb[kMaxMr + 1] = {0, 6, BITS == 6 ? 3 : 4, BITS == 6 ? 2 : 3, BITS == 6 ? 2 : 3};
   // 32-blocks prefetched ahead in each block's codes: about 0.25 us ahead of the loads at this host's
   // pace (a tile consumes 6 blocks' 1.5 kB a 32-block step); 8 ahead measured no faster, none 10% slower.
   static constexpr int64_t kAhead = 4;
@@ -104,7 +123,8 @@ struct W4A8Tiles {
   // codes: the first block's codes, each block KB * CB bytes; scales: its float16 d (and m), KB * S * 16 each.
   template <int MR, int NB>
   static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict xs, const float* __restrict xc,
-                   const int32_t* __restrict xsum, int64_t KB, const uint8_t* __restrict codes,
+                   const int32_t* __restrict xsum, const int32_t* __restrict xlo, int64_t KB,
+                   const uint8_t* __restrict codes,
                    const uint16_t* __restrict scales, int S, int32_t zero,
                    const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
     constexpr int64_t CB = w4a8_code_bytes(BITS);
@@ -113,13 +133,13 @@ struct W4A8Tiles {
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) y[i][j] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16), pair = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < KB; ++b) {
-      __m512i acc[MR][NB];
+      __m512i acc[MR][NB], acc_hi[MR][NB];  // acc_hi: 6-bit codes' inputs 16-31 (else all in acc)
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+        for (int j = 0; j < NB; ++j) acc[i][j] = acc_hi[i][j] = _mm512_setzero_si512();
       const int8_t* xb = xq + b * QK;
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j)
@@ -137,10 +157,17 @@ struct W4A8Tiles {
             __m512i whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
             if constexpr (BITS == 5) {  // + 16 where the group's mask marks a fifth bit
               uint64_t flo, fhi;
-              std::memcpy(&flo, block + 256 + l * 8, 8);
-              std::memcpy(&fhi, block + 256 + (4 + l) * 8, 8);
+              std::memcpy(&flo, block + kHighBits + l * 8, 8);
+              std::memcpy(&fhi, block + kHighBits + (4 + l) * 8, 8);
               wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(flo), wlo, sixteen);
               whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(fhi), whi, sixteen);
+            } else if constexpr (BITS == 6) {  // | bits 4-5 from the line pair's vector (0xF8: a | (b & c))
+              const __m512i h = _mm512_loadu_si512(block + kHighBits + (l / 2) * 64);
+              const bool second = l % 2;  // its pairs at bits 4-5 and 6-7, else 0-1 and 2-3
+              const __m512i at_lo = second ? h : _mm512_slli_epi16(h, 4);
+              const __m512i at_hi = second ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+              wlo = _mm512_ternarylogic_epi32(wlo, at_lo, pair, 0xF8);
+              whi = _mm512_ternarylogic_epi32(whi, at_hi, pair, 0xF8);
             }
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
@@ -148,7 +175,8 @@ struct W4A8Tiles {
               std::memcpy(&a0, xb + i * K + 4 * l, 4);
               std::memcpy(&a1, xb + i * K + 16 + 4 * l, 4);
               acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wlo, _mm512_set1_epi32(a0));
-              acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], whi, _mm512_set1_epi32(a1));
+              __m512i& high = BITS == 6 ? acc_hi[i][j] : acc[i][j];
+              high = _mm512_dpbusd_epi32(high, whi, _mm512_set1_epi32(a1));
             }
           }
         }
@@ -171,20 +199,41 @@ struct W4A8Tiles {
       for (int j = 0; j < NB; ++j) {
         const uint16_t* sc = scales + (j * KB + b) * S * BN;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-        if (S == 2) {  // w = d u + m
-          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + BN)));
+        const __m512 m = S == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + BN)))
+                                : _mm512_setzero_ps();
+        // 6-bit: the halves' sub-scales, per channel, as floats.
+        __m512 c_lo = _mm512_setzero_ps(), c_hi = c_lo;
+        if constexpr (BITS == 6) {
+          const __m512i pairs = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * KB * CB + b * CB + kSubScales)));
+          c_lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+          c_hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
+        }
 #pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i) {
-            const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(xs[i * KB + b]));
-            const __m512 t = _mm512_mul_ps(ds, d);
-            const __m512 r = _mm512_mul_ps(m, _mm512_set1_ps(xc[i * KB + b]));
-            y[i][j] = _mm512_add_ps(_mm512_add_ps(y[i][j], t), r);
+        for (int i = 0; i < MR; ++i) {
+          // The exact integer sum the reference scales, as a float: sum (u - zero) a, each 6-bit half times its
+          // c; where the scales hold m, sum u a (zero is 0 there but for 6-bit codes). A 6-bit half's sum is
+          // at most 16 * 32 * 127 = 65024 and |c| <= 128, so each product and their sum are integers below
+          // 2^24, exact in float32. Port 0, where vpdpbusd runs, is what bounds a batch: the halves become
+          // floats by adding them to 1.5 * 2^23's bits and taking 1.5 * 2^23 off as floats (exact below 2^22)
+          // rather than by vcvtdq2ps, and the sub-scales weigh them as floats rather than by vpmulld.
+          // (w4a8_rows hands 6-bit tiles each half's kMagic - zero * sum in xlo and xsum, broadcast from memory.)
+          __m512 q;
+          if constexpr (BITS == 6) {
+            const __m512 magic = _mm512_set1_ps(12582912.f);
+            const __m512 q_lo = _mm512_sub_ps(
+                _mm512_castsi512_ps(_mm512_add_epi32(acc[i][j], _mm512_set1_epi32(xlo[i * KB + b]))), magic);
+            const __m512 q_hi = _mm512_sub_ps(
+                _mm512_castsi512_ps(_mm512_add_epi32(acc_hi[i][j], _mm512_set1_epi32(xsum[i * KB + b]))), magic);
+            q = _mm512_fmadd_ps(q_hi, c_hi, _mm512_mul_ps(q_lo, c_lo));
+          } else {
+            q = _mm512_cvtepi32_ps(S == 2 ? acc[i][j]
+                                          : _mm512_sub_epi32(acc[i][j], _mm512_set1_epi32(zero * xsum[i * KB + b])));
           }
-        } else {  // w = d (u - zero): the offset leaves the integer sum exactly, sum (u - zero) a
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i) {
-            const __m512i q = _mm512_sub_epi32(acc[i][j], _mm512_set1_epi32(zero * xsum[i * KB + b]));
-            const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(xs[i * KB + b])), d);
+          const __m512 t = _mm512_mul_ps(_mm512_mul_ps(q, _mm512_set1_ps(xs[i * KB + b])), d);
+          if (S == 2) {  // w = d u + m: (y + t) + m c
+            y[i][j] = _mm512_add_ps(_mm512_add_ps(y[i][j], t), _mm512_mul_ps(m, _mm512_set1_ps(xc[i * KB + b])));
+          } else {
             y[i][j] = _mm512_add_ps(y[i][j], t);
           }
         }
@@ -205,20 +254,21 @@ struct W4A8Tiles {
   }
 };
 #elif defined(LADDER_AVX2_INT8)
-// 16 where bit t of `mask` is set, in byte t of 32, else 0: a 5-bit weight's fifth bits, as a vector.
-inline __m256i fifth_bits(uint32_t mask) {
+// `value` where bit t of `mask` is set, in byte t of 32, else 0: a 5- or 6-bit weight's fifth bits (16) or
+// sixth bits (32), as a vector.
+inline __m256i bit_plane(uint32_t mask, char value) {
   // Byte t takes byte t / 8 of the mask (vpshufb reads each 128-bit lane's copy), then tests its bit t % 8.
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(value));
 }
 
 template <int BITS>
 struct W4A8Tiles {
-  using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
-                      const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
+  using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, const int32_t*, int64_t,
+                      const uint8_t*, const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
   // A tile walks VW 8-channel vectors side by side (kVectors[MR]): per row and vector one integer block
   // sum and one float32 total, beside a group's codes and the broadcast activations, which the VW vectors
   // share, in the 16 ymm registers. One row walks four vectors (two blocks of 16 channels) at once, so
@@ -236,7 +286,8 @@ struct W4A8Tiles {
   // them.
   template <int MR, int NB>
   static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict xs, const float* __restrict xc,
-                   const int32_t* __restrict xsum, int64_t KB, const uint8_t* __restrict codes,
+                   const int32_t* __restrict xsum, const int32_t* __restrict xlo, int64_t KB,
+                   const uint8_t* __restrict codes,
                    const uint16_t* __restrict scales, int S, int32_t zero,
                    const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
     constexpr int64_t CB = w4a8_code_bytes(BITS);
@@ -245,15 +296,19 @@ struct W4A8Tiles {
     for (int v0 = 0; v0 < 2 * NB; v0 += VW) {
       if (n0 + v0 * 8 >= N) break;
       // Vector v's 32 bytes in each group's 64: channels 8(v % 2) .. + 7 of block v / 2, 4 inputs each.
-      // Its fifth bits (5-bit codes): bits 32(v % 2) .. + 31 of each group's mask.
+      // Its fifth bits (5-bit codes): bits 32(v % 2) .. + 31 of each group's mask; its high pairs (6-bit):
+      // bytes 32(v % 2) .. + 31 of each pair vector, as of the lines; its sub-scales (6-bit): bytes 16(v % 2)
+      // .. + 15 of the block's 32, (c_lo, c_hi) for each channel.
       const uint8_t* cv[VW];
       const uint8_t* fv[VW];
+      const uint8_t* sub[VW];
       const uint16_t* sv[VW];
 #pragma GCC unroll 4
       for (int j = 0; j < VW; ++j) {
         const int v = v0 + j;
         cv[j] = codes + (v / 2) * KB * CB + (v % 2) * 32;
-        fv[j] = codes + (v / 2) * KB * CB + 256 + (v % 2) * 4;
+        fv[j] = codes + (v / 2) * KB * CB + kHighBits + (v % 2) * 4;
+        sub[j] = codes + (v / 2) * KB * CB + kSubScales + (v % 2) * 16;
         sv[j] = scales + (v / 2) * KB * S * BN + (v % 2) * 8;
       }
       __m256 y[MR][VW];
@@ -274,7 +329,66 @@ struct W4A8Tiles {
           for (int64_t line = 0; line < CB; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(cv[j] + (b + kAhead) * CB + line), _MM_HINT_T0);
         __m256i dot[MR][VW];
-        if constexpr (BITS != 8) {
+        if constexpr (BITS == 6) {
+          // vpmaddubsw of codes u <= 63 by an int8 a: a pair is at most 2 * 63 * 127 = 16002 < 32767; then
+          // vpmaddwd by the channel's sub-scale in both int16 halves of its lane adds c (p0 + p1) into
+          // int32, so dot = sum c u a over both halves (|dot| < 2^26), and the zero's share, zero (c_lo
+          // sum_lo + c_hi sum_hi), leaves it after the block.
+          const __m256i nibble = _mm256_set1_epi8(0x0F);
+          __m256i c_lo[VW], c_hi[VW];
+#pragma GCC unroll 4
+          for (int j = 0; j < VW; ++j) {
+            const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub[j] + b * CB)));
+            c_lo[j] = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xA0), 0xA0);  // words 0, 0, 2, 2
+            c_hi[j] = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xF5), 0xF5);  // words 1, 1, 3, 3
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+            for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_setzero_si256();
+          // Two lines at a time, the two whose high pairs share one vector: per half, two groups' pairs add
+          // up in int16 (2 * 16002 < 32767) before the one vpmaddwd by the sub-scale.
+          const __m256i pair = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 1
+          for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+              const __m256i a_lo0 = four(i, 8 * p), a_lo1 = four(i, 8 * p + 4);
+              const __m256i a_hi0 = four(i, 16 + 8 * p), a_hi1 = four(i, 20 + 8 * p);
+#pragma GCC unroll 4
+              for (int j = 0; j < VW; ++j) {
+                const uint8_t* line = cv[j] + b * CB + 2 * p * 64;
+                const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+                const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64));
+                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + kHighBits + p * 64));
+                const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(raw0, nibble),
+                                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), pair));
+                const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), nibble),
+                                                    _mm256_and_si256(_mm256_slli_epi16(h, 2), pair));
+                const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(raw1, nibble), _mm256_and_si256(h, pair));
+                const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), nibble),
+                                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), pair));
+                const __m256i s_lo = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a_lo0), _mm256_maddubs_epi16(lo1, a_lo1));
+                const __m256i s_hi = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, a_hi0), _mm256_maddubs_epi16(hi1, a_hi1));
+                dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_add_epi32(_mm256_madd_epi16(s_lo, c_lo[j]),
+                                                                         _mm256_madd_epi16(s_hi, c_hi[j])));
+              }
+            }
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            // (sum_lo, sum_hi) as int16 (|sum| <= 16 * 127) beside each channel's (c_lo, c_hi).
+            const int32_t lo = xlo[i * KB + b], hi = xsum[i * KB + b] - lo;
+            const __m256i sums = _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
+                                                                        (static_cast<uint32_t>(lo) & 0xFFFFu)));
+#pragma GCC unroll 4
+            for (int j = 0; j < VW; ++j) {
+              const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub[j] + b * CB)));
+              dot[i][j] = _mm256_sub_epi32(dot[i][j], _mm256_mullo_epi32(_mm256_madd_epi16(pairs, sums),
+                                                                          _mm256_set1_epi32(zero)));
+            }
+          }
+        } else if constexpr (BITS != 8) {
           // vpmaddubsw of codes u <= 15 by an int8 a (|a| <= 127 by construction): a pair is at most
           // 2 * 15 * 127 = 3810, and the 8 pairs of a lane over the 32-block (4 groups, low and high
           // nibbles) at most 30480 < 32767, so the block adds up in int16 without overflowing; one vpmaddwd
@@ -297,8 +411,8 @@ struct W4A8Tiles {
                   uint32_t flo, fhi;
                   std::memcpy(&flo, fv[j] + b * CB + l * 8, 4);
                   std::memcpy(&fhi, fv[j] + b * CB + (4 + l) * 8, 4);
-                  lo = _mm256_or_si256(lo, fifth_bits(flo));
-                  hi = _mm256_or_si256(hi, fifth_bits(fhi));
+                  lo = _mm256_or_si256(lo, bit_plane(flo, 16));
+                  hi = _mm256_or_si256(hi, bit_plane(fhi, 16));
                 }
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi));
                 sum16[i][j] = l % kWiden == 0 ? p : _mm256_add_epi16(sum16[i][j], p);
@@ -337,21 +451,18 @@ struct W4A8Tiles {
         for (int j = 0; j < VW; ++j) {
           const uint16_t* sc = sv[j] + b * S * BN;
           const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-          if (S == 2) {  // w = d u + m
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BN)));
+          const __m256 m = S == 2 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BN)))
+                                  : _mm256_setzero_ps();
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) {
-              const __m256 ds = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_set1_ps(xs[i * KB + b]));
-              const __m256 t = _mm256_mul_ps(ds, d);
-              const __m256 r = _mm256_mul_ps(m, _mm256_set1_ps(xc[i * KB + b]));
-              y[i][j] = _mm256_add_ps(_mm256_add_ps(y[i][j], t), r);
-            }
-          } else {  // w = d (u - zero): the offset leaves the integer sum exactly, sum (u - zero) a
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) {
-              const __m256i q = _mm256_sub_epi32(dot[i][j], _mm256_set1_epi32(zero * xsum[i * KB + b]));
-              const __m256 qs = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(xs[i * KB + b]));
-              y[i][j] = _mm256_add_ps(y[i][j], _mm256_mul_ps(qs, d));
+          for (int i = 0; i < MR; ++i) {
+            // The exact integer sum the reference scales (as the VNNI tiles): 6-bit dot is final already.
+            const __m256i q = BITS == 6 || S == 2 ? dot[i][j]
+                                                  : _mm256_sub_epi32(dot[i][j], _mm256_set1_epi32(zero * xsum[i * KB + b]));
+            const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(xs[i * KB + b])), d);
+            if (S == 2) {  // w = d u + m: (y + t) + m c
+              y[i][j] = _mm256_add_ps(_mm256_add_ps(y[i][j], t), _mm256_mul_ps(m, _mm256_set1_ps(xc[i * KB + b])));
+            } else {
+              y[i][j] = _mm256_add_ps(y[i][j], t);
             }
           }
         }
@@ -382,38 +493,48 @@ struct W4A8Tiles {
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // The same sums as the tiles, one output at a time, in the reference's order.
-void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* xc, const int32_t* xsum, int64_t KB,
-                    const uint8_t* codes, const uint16_t* scales, int S, int32_t zero, int bits, const float* bias,
-                    float* out, int64_t ldo, int64_t n0, int64_t N, int64_t M) {
+void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* xc, const int32_t* xsum,
+                    const int32_t* xlo, int64_t KB, const uint8_t* codes, const uint16_t* scales, int S, int32_t zero,
+                    int bits, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t N, int64_t M) {
   const int64_t CB = w4a8_code_bytes(bits);
   for (int c = 0; c < BN && n0 + c < N; ++c) {
     for (int64_t i = 0; i < M; ++i) {
       float y = 0.f;
       for (int64_t b = 0; b < KB; ++b) {
-        int32_t dot = 0;
+        int32_t dot[2] = {0, 0};  // sum u a over inputs 0-15 and 16-31
         for (int k = 0; k < QK; ++k) {
           int32_t u;
           if (bits != 8) {  // input k of the block: group (k % 16) / 4, low nibble below 16, high from 16
             const int t = c * 4 + k % 4;  // its byte in the group's 64
             const uint8_t byte = codes[b * CB + ((k % 16) / 4) * 64 + t];
             u = k < 16 ? (byte & 0x0F) : (byte >> 4);
-            if (bits == 5) {  // mask g = (k % 16) / 4 + 4 (k >= 16), bit t
-              const int g = (k % 16) / 4 + (k < 16 ? 0 : 4);
-              u |= ((codes[b * CB + 256 + g * 8 + t / 8] >> (t % 8)) & 1) << 4;
+            const int g = (k % 16) / 4 + (k < 16 ? 0 : 4);  // its mask in each plane, bit t
+            if (bits == 5) u |= ((codes[b * CB + kHighBits + g * 8 + t / 8] >> (t % 8)) & 1) << 4;
+            if (bits == 6) {  // line l = g % 4's pair vector l / 2, bits 2 (2 (l % 2) + half)
+              const int l = g % 4, at = 2 * (2 * (l % 2) + g / 4);
+              u |= ((codes[b * CB + kHighBits + (l / 2) * 64 + t] >> at) & 3) << 4;
             }
           } else {
             u = codes[b * CB + (k / 4) * 64 + c * 4 + k % 4];
           }
-          dot += u * static_cast<int32_t>(xq[i * K + b * QK + k]);
+          dot[k / 16] += u * static_cast<int32_t>(xq[i * K + b * QK + k]);
+        }
+        // The exact integer sum the reference scales, as the tiles take it.
+        int32_t q;
+        if (bits == 6) {
+          const int8_t* sub = reinterpret_cast<const int8_t*>(codes + b * CB + kSubScales + c * 2);
+          const int32_t lo = xlo[i * KB + b], hi = xsum[i * KB + b] - lo;
+          q = sub[0] * (dot[0] - zero * lo) + sub[1] * (dot[1] - zero * hi);
+        } else {
+          q = S == 2 ? dot[0] + dot[1] : dot[0] + dot[1] - zero * xsum[i * KB + b];
         }
         const float d = half_to_float(scales[b * S * BN + c]);
+        const float t = (static_cast<float>(q) * xs[i * KB + b]) * d;
         if (S == 2) {
           const float m = half_to_float(scales[b * S * BN + BN + c]);
-          const float t = (static_cast<float>(dot) * xs[i * KB + b]) * d;
-          const float r = m * xc[i * KB + b];
-          y = (y + t) + r;
+          y = (y + t) + m * xc[i * KB + b];
         } else {
-          y = y + (static_cast<float>(dot - zero * xsum[i * KB + b]) * xs[i * KB + b]) * d;
+          y = y + t;
         }
       }
       out[i * ldo + n0 + c] = bias ? y + bias[n0 + c] : y;
@@ -433,21 +554,36 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
   scratch.xs.resize(M * KB);
   scratch.xc.resize(M * KB);
   scratch.xsum.resize(M * KB);
+  scratch.xlo.resize(M * KB);
   int8_t* xq = scratch.xq.data();
   float* xs = scratch.xs.data();
   float* xc = scratch.xc.data();
   int32_t* xsum = scratch.xsum.data();
+  int32_t* xlo = scratch.xlo.data();
   auto quantize = quantize_row_portable;
 #if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
   if (!portable) quantize = quantize_row;
 #endif
   if (M == 1) {  // a decode row: no task for so little work
-    quantize(xp, KB, xq, xs, xc, xsum);
+    quantize(xp, KB, xq, xs, xc, xsum, xlo);
   } else {
     parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) quantize(xp + m * K, KB, xq + m * K, xs + m * KB, xc + m * KB, xsum + m * KB);
+      for (int64_t m = m0; m < m1; ++m) {
+        quantize(xp + m * K, KB, xq + m * K, xs + m * KB, xc + m * KB, xsum + m * KB, xlo + m * KB);
+      }
     });
   }
+#ifdef LADDER_VNNI
+  if (!portable && w.bits == 6) {
+    // The 6-bit tiles' offsets, ready to add to each half's integer sum: kMagic - zero * sum (its float
+    // conversion below), in place of the first half's sum (xlo) and the whole block's (xsum).
+    for (int64_t t = 0; t < M * KB; ++t) {
+      const int32_t lo = xlo[t], hi = xsum[t] - lo;
+      xlo[t] = kMagic - w.zero * lo;
+      xsum[t] = kMagic - w.zero * hi;
+    }
+  }
+#endif
   const uint8_t* cp = w.codes;
   const uint16_t* sp = w.scales;
   const int S = w.S;
@@ -458,20 +594,22 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
     const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
     parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        portable_block(xq, K, xs, xc, xsum, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, w.bits, bp, op, N,
-                       b * BN, N, M);
+        portable_block(xq, K, xs, xc, xsum, xlo, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, w.bits, bp, op,
+                       N, b * BN, N, M);
     });
     return;
   }
 #if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
   auto call = [&](auto tile, int64_t m, int64_t b) {
-    tile(xq + m * K, K, xs + m * KB, xc + m * KB, xsum + m * KB, KB, cp + b * KB * CB, sp + b * KB * S * BN, S, z, bp,
-         op + m * N, N, b * BN, N);
+    tile(xq + m * K, K, xs + m * KB, xc + m * KB, xsum + m * KB, xlo + m * KB, KB, cp + b * KB * CB,
+         sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N);
   };
   if (w.bits == 4) {
     for_each_tile<W4A8Tiles<4>>(M, NBLK, work_per_block, min_work, call);
   } else if (w.bits == 5) {
     for_each_tile<W4A8Tiles<5>>(M, NBLK, work_per_block, min_work, call);
+  } else if (w.bits == 6) {
+    for_each_tile<W4A8Tiles<6>>(M, NBLK, work_per_block, min_work, call);
   } else {
     for_each_tile<W4A8Tiles<8>>(M, NBLK, work_per_block, min_work, call);
   }
@@ -480,8 +618,9 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
 
 namespace {
 
-// ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256, 320 or 512 for
-// 4-, 5- or 8-bit codes); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d); bias [N] or none.
+// ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256, 320, 416 or 512
+// for 4-, 5-, 6- or 8-bit codes); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d);
+// bias [N] or none.
 // Returns [..., N] float32. portable: the portable loop even where the VNNI or AVX2 tiles exist (tests).
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias_in, int64_t N, int64_t zero, bool portable) {
@@ -489,7 +628,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
               "w4a8_linear: CPU tensors only");
   const at::Tensor x = float_rows(x_in);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              w4a8_code_bits(codes.size(2)) != 0, "codes: [NBLK, KB, 256, 320 or 512] uint8");
+              w4a8_code_bits(codes.size(2)) != 0, "codes: [NBLK, KB, 256, 320, 416 or 512] uint8");
   TORCH_CHECK(scales.dim() == 4 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(3) == BN &&
               (scales.size(2) == 1 || scales.size(2) == 2), "scales: [NBLK, KB, 1 or 2, 16] float16");

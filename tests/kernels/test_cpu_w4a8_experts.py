@@ -24,13 +24,20 @@ def experts(bits: int, seed: int = 0):
     for n, k in ((2 * INTER, H), (H, INTER)):
         codes = torch.randint(0, top, (E, n, k), generator=g, dtype=torch.uint8)
         d = (torch.rand(E, n, k // 32, generator=g) * 0.3 / top + 1e-3).half()
-        packed = [cpu_w4a8_linear.pack(codes[e], d[e], None, bits) for e in range(E)]
+        # 6-bit codes (Q6_K) weigh each 16 inputs by an int8 sub-scale: here 1 .. 8, d scaled down to match.
+        sub = torch.randint(1, 9, (E, n, k // 16), generator=g, dtype=torch.int8) if bits == 6 else None
+        if sub is not None:
+            d = (d.float() / 4).half()
+        packed = [cpu_w4a8_linear.pack(codes[e], d[e], None, bits, None if sub is None else sub[e]) for e in range(E)]
         stacks.append((torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed])))
-        floats.append((codes.float() - zero) * d.float().repeat_interleave(32, dim=-1))
+        scale = d.float().repeat_interleave(32, dim=-1)
+        if sub is not None:
+            scale = scale * sub.float().repeat_interleave(16, dim=-1)
+        floats.append((codes.float() - zero) * scale)
     return stacks, zero, floats
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (5, 3), (33, 2), (64, 8)])
 def test_one_call_equals_the_loop_over_experts(bits, num_tokens, top_k):
     (w13, w2), zero, (f13, f2) = experts(bits, seed=bits)

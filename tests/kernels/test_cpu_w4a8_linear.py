@@ -1,6 +1,6 @@
 """The C++ CPU W4A8 linear over GGUF blocks: bit for bit its torch reference (activations quantized per
-32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0, Q5_1, Q5_0 and Q8_0
-forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF reader's blocks are exactly
+32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0, Q5_1, Q5_0, Q6_K (6-bit
+codes with int8 sub-scales per 16 inputs, with and without m) and Q8_0 forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF reader's blocks are exactly
 the weights the float model is built from."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W4A8 kern
                                 "(a C++ compiler and ninja are needed); the torch reference is used instead")
 
 FORMATS = {"q4_1": (4, 0, True), "q4_0": (4, 8, False), "q5_1": (5, 0, True), "q5_0": (5, 16, False),
-           "q8_0": (8, 128, False)}  # bits, zero, has m
+           "q6_k": (6, 32, False), "q6_k_m": (6, 32, True), "q8_0": (8, 128, False)}  # bits, zero, has m
+# q6_k_m: a fused layer's 6-bit form beside parts with a min (model/block_quantization.concat).
 
 
 def _case(m, n, k, form, seed=0):
@@ -24,14 +25,18 @@ def _case(m, n, k, form, seed=0):
     codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
     d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
     mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half() if has_m else None
+    sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen) if bits == 6 else None
+    if sub is not None:  # the int8 range's ends, where the integer sums are largest
+        sub[0, ::2], sub[-1, 1::2] = -128, 127
+        d = d / 64
     x = torch.randn(m, k, generator=gen)
     x[:, 3] *= 50  # an outlier channel, as RMSNorm outputs have
     x[:, 32:64] = 0  # an all-zero block
-    return x, BlockWeight(codes, d, mins, bits, zero), torch.randn(n, generator=gen)
+    return x, BlockWeight(codes, d, mins, bits, zero, sub), torch.randn(n, generator=gen)
 
 
 def _reference(x, w: BlockWeight, bias=None):
-    y = kernel.w4a8_matmul_ref(x, w.codes, w.d.float(), None if w.m is None else w.m.float(), w.zero)
+    y = kernel.w4a8_matmul_ref(x, w.codes, w.d.float(), None if w.m is None else w.m.float(), w.zero, w.sub)
     return y if bias is None else y + bias
 
 
@@ -40,8 +45,10 @@ def _reference(x, w: BlockWeight, bias=None):
 @pytest.mark.parametrize("n,k", [(37, 96), (208, 576), (16, 32)])
 def test_equals_the_reference_bit_for_bit(form, m, n, k):
     x, w, bias = _case(m, n, k, form)
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
     assert torch.equal(kernel.unpack(codes, n), w.codes)
+    assert (kernel.sub_scales_of(codes, n) is None) == (w.sub is None)
+    assert w.sub is None or torch.equal(kernel.sub_scales_of(codes, n), w.sub)
     for with_bias in (False, True):
         ref = _reference(x, w, bias if with_bias else None)
         for portable in (False, True):
@@ -67,7 +74,7 @@ def test_vector_tiles_equal_the_portable_loop_at_their_edges(form, m, n):
     w.codes[1] = (1 << w.bits) - 1
     x[0, 64:] = torch.arange(32) % 9 - 3.5  # halves: -3.5 .. 4.5
     x[0, 64] = 127.0  # max |x| of the block 127: its scale is 1
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
     ref = _reference(x, w, bias)
     for portable in (False, True):
         assert torch.equal(kernel.w4a8_linear(x, codes, scales, bias, n, w.zero, portable=portable), ref), portable
@@ -76,7 +83,7 @@ def test_vector_tiles_equal_the_portable_loop_at_their_edges(form, m, n):
 def test_rows_do_not_depend_on_the_batch_or_threads():
     """Batch invariance: a row's output is the same alone, in any batch, on one thread or two."""
     x, w, bias = _case(40, 300, 576, "q4_1")
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
     together = kernel.w4a8_linear(x, codes, scales, bias, 300)
     threads = torch.get_num_threads()
     try:
@@ -89,7 +96,7 @@ def test_rows_do_not_depend_on_the_batch_or_threads():
 
 def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
     x, w, _ = _case(6, 48, 64, "q8_0")
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits)
+    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
     out = kernel.w4a8_linear(x.view(2, 3, 64), codes, scales, None, 48, 128)
     assert out.shape == (2, 3, 48) and torch.equal(out.view(6, 48), _reference(x, w))
     assert kernel.w4a8_linear(x[:0], codes, scales, None, 48, 128).shape == (0, 48)
@@ -101,7 +108,16 @@ def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
         kernel.pack(w.codes, w.d, None, 4)
     with pytest.raises(ValueError, match="0..31"):
         kernel.pack(w.codes, w.d, None, 5)
-    with pytest.raises(ValueError, match="4, 5 or 8"):
-        kernel.pack(w.codes, w.d, None, 6)
+    with pytest.raises(ValueError, match="4, 5, 6 or 8"):
+        kernel.pack(w.codes, w.d, None, 7)
+    with pytest.raises(ValueError, match="0..63"):
+        kernel.pack(w.codes, w.d, None, 6, torch.zeros(48, 4, dtype=torch.int8))
+    six = w.codes % 64
+    with pytest.raises(ValueError, match="sub-scales"):
+        kernel.pack(six, w.d, None, 6)  # 6-bit codes without their sub-scales
+    with pytest.raises(ValueError, match="sub-scales"):
+        kernel.pack(six, w.d, None, 6, torch.zeros(48, 3, dtype=torch.int8))
+    with pytest.raises(ValueError, match="sub-scales"):
+        kernel.pack(w.codes % 16, w.d, None, 4, torch.zeros(48, 4, dtype=torch.int8))
     # The op's torch reference, from the packed form.
     assert torch.equal(kernel.w4a8_linear_ref(x, codes, scales, None, 48, 128, False), out.view(6, 48))

@@ -13,7 +13,7 @@ from kernels import cpu_extension
 from model.cpu_step import step_support
 from model.lora_slots import LoRASlots
 from model.sequences import Sequences
-from tiny_models import make_hf_model, write_gguf
+from tiny_models import k_quant_model, make_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels do not build here")
 
@@ -96,6 +96,17 @@ def test_tiny_w4a8_models_equal_the_eager_layers(tmp_path, family, qtype):
     write_gguf(hf, tmp_path / "m.gguf", qtype, "llama" if family != "qwen2" else family)
     module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
     assert module.layers[0].mlp.down_proj.bits == int(qtype[1])
+    _assert_same(module, TURNS, max_len=64)
+
+
+def test_a_k_quant_mix_equals_the_eager_layers(tmp_path):
+    """6-bit codes with their sub-scales in the step: a Q4_K_M-like file's Q6_K v fused beside Q4_K q and k
+    (6-bit with d and m), its Q6_K down and LM head (6-bit with d alone)."""
+    write_gguf(k_quant_model(), tmp_path / "m.gguf", "Q4_K", "llama",
+               qtypes={"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"})
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    qkv, down = module.layers[0].self_attn.qkv_proj, module.layers[0].mlp.down_proj
+    assert (qkv.bits, qkv.scales.shape[2], down.bits, down.scales.shape[2], module.lm_head.bits) == (6, 2, 6, 1, 6)
     _assert_same(module, TURNS, max_len=64)
 
 

@@ -1,6 +1,6 @@
 """A GGUF linear weight's blocks as W4A8 reads them (model/gguf_blocks.py), against the `gguf` package's own
-dequantization: exact for the legacy types, within float16's rounding of the sub-block scales for Q4_K and
-Q5_K, within half an 8-bit step for the requantized types."""
+dequantization: exact for the legacy types and Q6_K, within float16's rounding of the sub-block scales for
+Q4_K and Q5_K, within half an 8-bit step for the requantized types."""
 
 from __future__ import annotations
 
@@ -59,7 +59,21 @@ def test_sub_block_scales_round_once_to_float16(name):
     assert error.max() > 0  # rounded, not exact: the bound is what is tested
 
 
-@pytest.mark.parametrize("name", ["Q6_K", "Q2_K", "Q3_K"])
+def test_q6_k_blocks_are_the_float_weights():
+    """Q6_K read as 6-bit codes, its int8 sub-scales per 16 inputs and its super-block d per 32-block gives
+    back exactly what the gguf package dequantizes, for every code, scale and sign (random bytes)."""
+    raw = _raw_blocks("Q6_K", np.random.default_rng(7))
+    weight = block_weight(raw, "Q6_K", (N, K))
+    assert (weight.bits, weight.zero, weight.m) == (6, 32, None)
+    assert weight.sub.dtype == torch.int8 and tuple(weight.sub.shape) == (N, K // 16)
+    assert int(weight.codes.max()) == 63 and int(weight.codes.min()) == 0
+    assert int(weight.sub.min()) == -128 and int(weight.sub.max()) == 127
+    assert torch.equal(weight.dequantize(), _reference(raw, "Q6_K"))
+    with pytest.raises(ModelLoadError, match="not a multiple of 256"):
+        block_weight(raw.reshape(-1)[:N * 105].reshape(N, 105), "Q6_K", (N, 128))
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
 def test_other_types_are_requantized_to_8_bits(name):
     raw = _raw_blocks(name, np.random.default_rng(2))
     weight = block_weight(raw, name, (N, K))
@@ -74,10 +88,10 @@ def test_other_types_are_requantized_to_8_bits(name):
 def test_requantizing_in_chunks_of_rows_changes_nothing(monkeypatch):
     from model import gguf_blocks
 
-    raw = _raw_blocks("Q6_K", np.random.default_rng(5))
-    whole = block_weight(raw, "Q6_K", (N, K))
+    raw = _raw_blocks("Q3_K", np.random.default_rng(5))
+    whole = block_weight(raw, "Q3_K", (N, K))
     monkeypatch.setattr(gguf_blocks, "REQUANTIZE_CHUNK", 5 * K)  # rows 0-4, 5-9, ...: the last chunk short
-    chunked = block_weight(raw, "Q6_K", (N, K))
+    chunked = block_weight(raw, "Q3_K", (N, K))
     assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.d, whole.d)
 
 
@@ -90,7 +104,7 @@ def test_requantizing_zeros_and_the_float_types():
     assert all(is_block_type(t) for t in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL"))
     with pytest.raises(ModelLoadError, match="not a GGUF type the w4a8 layers can read"):
         block_weight(np.zeros((2, 64), np.int8), "I8", (2, 64))
-    # A float linear in a quantized file (an output kept in 16 bits) is requantized as Q6_K is.
+    # A float linear in a quantized file (an output kept in 16 bits) is requantized as Q3_K is.
     half = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float16)
     weight = block_weight(half, "F16", (2, 64))
     assert torch.equal(weight.codes, requantize_8bit(torch.from_numpy(half).float()).codes)
@@ -98,29 +112,45 @@ def test_requantizing_zeros_and_the_float_types():
         block_weight(np.zeros((2, 40), np.uint8), "Q8_0", (2, 40))
 
 
-def test_widened_codes_are_the_same_weights():
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_0", "Q5_0"])
+def test_widened_codes_are_the_same_weights(name):
+    """4- and 5-bit codes widen exactly (as 6-bit codes: zero 32, sub-scales of 1, m kept); 6-bit codes
+    widen to 8 bits by requantizing, within half a step of Q8_0's rule."""
     values = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32)
-    four = block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1), "Q4_1", (N, K))
-    for bits in (5, 8):
-        wide = four.widened(bits)
-        assert wide.bits == bits and torch.equal(wide.dequantize(), four.dequantize())
+    narrow = block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType[name]), name, (N, K))
+    for bits in (5, 6, 8):
+        wide = narrow.widened(bits)
+        assert wide.bits == bits and torch.equal(wide.dequantize(), narrow.dequantize())
         assert wide.widened(bits) is wide
+    assert narrow.widened(6).zero == 32 and (narrow.widened(6).sub == 1).all()
     with pytest.raises(ValueError, match="cannot narrow"):
-        four.widened(8).widened(5)
+        narrow.widened(8).widened(5)
+    six = block_weight(_raw_blocks("Q6_K", np.random.default_rng(8)), "Q6_K", (N, K))
+    eight = six.widened(8)
+    assert (eight.bits, eight.zero, eight.sub) == (8, 128, None)
+    step = eight.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
+    assert ((eight.dequantize() - six.dequantize()).abs() <= step * 0.5 * (1 + 2.0**-9) + 1e-7).all()
 
 
 def test_w4a8_bytes_are_the_packed_layers():
     """The auto choice's byte count (`w4a8_bytes`) is what the fused W4A8 layer holds: a Q4_K q and k beside
-    a Q6_K v widen to 8-bit codes with d and m; a Q4_0 layer keeps 4-bit codes and d alone."""
+    a Q6_K v widen to 6-bit codes with d, m and sub-scales, the same weights; a Q4_0 layer keeps 4-bit codes
+    and d alone; a Q6_K layer beside a Q8_0 one widens to 8 bits."""
     from model.block_quantization import concat
     from model.w4a8_linear import W4A8Linear
 
     rng = np.random.default_rng(4)
     parts = [block_weight(_raw_blocks(name, rng), name, (N, K)) for name in ("Q4_K", "Q4_K", "Q6_K")]
     fused = W4A8Linear(concat(parts), None)
-    assert fused.bits == 8 and fused.scales.shape[2] == 2
+    assert fused.bits == 6 and fused.codes.shape[-1] == 416 and fused.scales.shape[2] == 2
     held = fused.codes.numel() + fused.scales.numel() * 2
     assert held == w4a8_bytes(["Q4_K", "Q4_K", "Q6_K"], [N, N, N], K)
+    assert torch.equal(concat(parts).dequantize(), torch.cat([p.dequantize() for p in parts]))
+    six = W4A8Linear(parts[2], None)
+    assert six.codes.numel() + six.scales.numel() * 2 == w4a8_bytes(["Q6_K"], [N], K) == N * K * 7 // 8
+    eight = concat([parts[2], block_weight(gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32),
+                                                                 gguf.GGMLQuantizationType.Q8_0), "Q8_0", (N, K))])
+    assert eight.bits == 8 and eight.sub is None
     values = rng.standard_normal((N, K)).astype(np.float32)
     alone = W4A8Linear(block_weight(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0), "Q4_0", (N, K)),
                        None)

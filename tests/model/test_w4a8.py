@@ -14,25 +14,15 @@ from model.block_quantization import W4A8Linear
 from model.default import packaged_model_path
 from model.errors import ModelLoadError
 from model.sequences import Sequences
-from tiny_models import hf_config, make_hf_model, write_gguf
+from tiny_models import k_quant_model, make_hf_model, write_gguf
 
 
 def _logits(module, prompts):
     return Sequences(module, len(prompts), 32).step(prompts)
 
 
-def _k_quant_model():
-    """A random Llama whose rows are 256 inputs long, as K-quants need."""
-    import transformers
-
-    cfg = hf_config("llama3")
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
-
-
 # A Q4_K_M-like mix, each way of reading blocks in one file: Q4_K q, k, gate and down beside a Q6_K v
-# (requantized to 8 bits, so the fused qkv widens to 8-bit codes), a Q5_K o, a Q5_0 up (gate_up widened,
+# (6-bit codes with sub-scales, so the fused qkv widens to 6 bits), a Q5_K o, a Q5_0 up (gate_up widened,
 # Q4_K's d and m beside Q5_0's zero of 16), a Q6_K LM head.
 K_QUANT_MIX = {"attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_up": "Q5_0", "output": "Q6_K"}
 
@@ -42,7 +32,7 @@ def test_w4a8_tracks_the_float_model_and_is_batch_invariant(tmp_path, family, qt
     """llama3: q/k rows reordered from llama.cpp's layout; qwen2: q/k/v biases and a tied (Q8_0) head;
     k-quants: K_QUANT_MIX."""
     if family == "k-quants":
-        write_gguf(_k_quant_model(), tmp_path / "m.gguf", qtype, "llama", qtypes=K_QUANT_MIX)
+        write_gguf(k_quant_model(), tmp_path / "m.gguf", qtype, "llama", qtypes=K_QUANT_MIX)
     else:
         hf = make_hf_model(family, tmp_path / "hf")
         write_gguf(hf, tmp_path / "m.gguf", qtype, "llama" if family == "llama3" else family)
@@ -51,11 +41,11 @@ def test_w4a8_tracks_the_float_model_and_is_batch_invariant(tmp_path, family, qt
     assert w4a8.quantization == "w4a8"
     linears = [m for m in w4a8.module.modules() if isinstance(m, torch.nn.Linear | W4A8Linear)]
     assert linears and all(isinstance(m, W4A8Linear) for m in linears)
-    assert w4a8.module.lm_head.bits == (8 if qtype in ("Q8_0", "Q4_K") else 4)
+    assert w4a8.module.lm_head.bits == {"Q8_0": 8, "Q4_K": 6}.get(qtype, 4)
     if family == "k-quants":
         layer = w4a8.module.layers[0]
         assert [layer.self_attn.qkv_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.gate_up_proj.bits,
-                layer.mlp.down_proj.bits] == [8, 5, 5, 4]
+                layer.mlp.down_proj.bits] == [6, 5, 5, 4]
     prompts = [[5, 9, 30, 31, 2, 17, 40], [7, 7, 8, 100, 250, 3, 4]]
     reference, logits = _logits(fp32.module, prompts), _logits(w4a8.module, prompts)
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
@@ -97,9 +87,9 @@ def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "q4.gguf") == "w4a8"
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "f32.gguf") == "w8a8"
     # Where W4A8 reads fewer bytes a step than W8A8: mostly 4-bit codes, not 8-bit ones with their scales.
-    k_quants = _k_quant_model()
+    k_quants = k_quant_model()
     write_gguf(k_quants, tmp_path / "q4_k_m.gguf", "Q4_K", qtypes={"attn_v": "Q6_K", "output": "Q6_K"})
-    write_gguf(k_quants, tmp_path / "mix.gguf", "Q4_K", qtypes=K_QUANT_MIX)  # 8-bit q/k/v, 5-bit o, gate/up
+    write_gguf(k_quants, tmp_path / "mix.gguf", "Q4_K", qtypes=K_QUANT_MIX)  # 6-bit q/k/v, 5-bit o, gate/up
     write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
     write_gguf(hf, tmp_path / "q5.gguf", "Q5_0", qtypes={"output": "Q8_0"})  # Gemma 3 270M's kind of file
     for name in ("q4_k_m.gguf", "f32_head.gguf", "mix.gguf", "q5.gguf"):

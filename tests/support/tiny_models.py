@@ -90,6 +90,16 @@ GEMMA_GGUF_LAYER_NAMES = {
 }
 
 
+def k_quant_model():
+    """A random Llama whose rows are 256 inputs long, as K-quants need."""
+    import transformers
+
+    cfg = hf_config("llama3")
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
 def write_gguf_experts(writer, name: str, tensor, qtype):
     """transformers' stacked experts of one layer as llama.cpp's: gate_up_proj [E, 2I, H] -> ffn_gate_exps and
     ffn_up_exps [E, I, H]; down_proj [E, H, I] -> ffn_down_exps (numpy order; GGUF lists dimensions reversed).
