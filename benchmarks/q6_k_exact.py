@@ -96,7 +96,6 @@ def main() -> int:
     for row in rows:
         print(f"{row['what']:<24} {row['exact_ms']:>10.2f} {row['requantized_ms']:>10.2f} {row['ratio']:>13.3f}x")
     write_report(args.out, rows, model=args.model, rounds=args.rounds, loadavg_before=load)
-    print(f"wrote {args.out}")
     return 0
 
 

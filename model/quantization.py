@@ -38,8 +38,9 @@ from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS,
 # `auto` takes W4A8 over W8A8 where it reads at most this fraction of W8A8's weight bytes a step. Both stream
 # their weights at about the copy bandwidth at batch 1, but W4A8's float work per 32-block (its scales and
 # mins) costs more than W8A8's per row: at 0.94x the bytes (Gemma 3 270M's file, its 8-bit LM head most of
-# it) W4A8's step measured 1.07x W8A8's; at 0.74-0.83x (a 1B Q4_K_M or Q5_K_M file) it is the faster.
-W4A8_BYTES_AT_MOST = 0.9
+# it) W4A8's step measured 1.07x W8A8's; at 0.87x (a Q6_K file, 6-bit codes and their sub-scales) 0.98x, and
+# a batch of 32 took 1.75x as long; at 0.69-0.78x (a 1B Q4_K_M or Q5_K_M file) it is the faster.
+W4A8_BYTES_AT_MOST = 0.85
 
 if TYPE_CHECKING:  # the decoder imports its C++ step, which takes this module's W8A8 linears
     from model.llama import LlamaForCausalLM
@@ -50,9 +51,10 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
     """`auto` -> the fastest scheme whose perplexity stays within +1% of float32 (benchmarks/RESULTS.md,
     "Fast by default"), for `model` (None: the embedded default) on `device`:
 
-    - a quantized GGUF file whose W4A8 layers read at most 0.9x W8A8's bytes a step (`W4A8_BYTES_AT_MOST`;
+    - a quantized GGUF file whose W4A8 layers read at most 0.85x W8A8's bytes a step (`W4A8_BYTES_AT_MOST`;
       mostly 4- and 5-bit codes: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K; `gguf_checkpoint.linear_bytes`; Gemma 3
-      270M's file, its Q8_0 LM head most of its bytes, reads 0.94x and decodes 7% slower in W4A8), on a
+      270M's file, its Q8_0 LM head most of its bytes, reads 0.93x and decodes 7% slower in W4A8; a Q6_K
+      file 0.87x), on a
       CPU, in one process: W4A8 over the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight
       bytes, so one stream decodes 1.2-1.8x faster, and it adds no error to the file's weights (perplexity
       +0.38% against W8A8's +0.55%); at batches of 16-32 it runs at 0.8-0.95x of W8A8, still far ahead of

@@ -95,6 +95,9 @@ def test_w4a8_needs_block_weights(tmp_path, monkeypatch):
     for name in ("q4_k_m.gguf", "f32_head.gguf", "mix.gguf", "q5.gguf"):
         assert resolve_quantization("auto", "float32", "cpu", tmp_path / name) == "w4a8", name
     assert resolve_quantization("auto", "float32", "cpu", tmp_path / "q8.gguf") == "w8a8"
+    # A Q6_K file's 6-bit codes and sub-scales read 0.87x W8A8's bytes: not enough for their float work.
+    write_gguf(k_quants, tmp_path / "q6_k.gguf", "Q6_K")
+    assert resolve_quantization("auto", "float32", "cpu", tmp_path / "q6_k.gguf") == "w8a8"
     # Fewer bytes, but not 10% fewer: Gemma 3 270M's file (its Q8_0 LM head most of its bytes) stays W8A8,
     # where it decodes faster.
     from model.gguf_checkpoint import linear_bytes
