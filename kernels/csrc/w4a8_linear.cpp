@@ -214,10 +214,10 @@ struct W4A8Tiles {
           // The exact integer sum the reference scales, as a float: sum (u - zero) a, each 6-bit half times its
           // c; where the scales hold m, sum u a (zero is 0 there but for 6-bit codes). A 6-bit half's sum is
           // at most 16 * 32 * 127 = 65024 and |c| <= 128, so each product and their sum are integers below
-          // 2^24, exact in float32. Port 0, where vpdpbusd runs, is what bounds a batch: the halves become
-          // floats by adding them to 1.5 * 2^23's bits and taking 1.5 * 2^23 off as floats (exact below 2^22)
-          // rather than by vcvtdq2ps, and the sub-scales weigh them as floats rather than by vpmulld.
-          // (w4a8_rows hands 6-bit tiles each half's kMagic - zero * sum in xlo and xsum, broadcast from memory.)
+          // 2^24, exact in float32: the halves become floats by adding them to 1.5 * 2^23's bits and taking
+          // 1.5 * 2^23 off as floats (exact below 2^22), and the sub-scales weigh them as floats, which
+          // measured faster at 32 rows than vcvtdq2ps and vpmulld (w4a8_rows hands 6-bit tiles each half's
+          // kMagic - zero * sum in xlo and xsum, read as memory broadcasts).
           __m512 q;
           if constexpr (BITS == 6) {
             const __m512 magic = _mm512_set1_ps(12582912.f);
@@ -254,15 +254,14 @@ struct W4A8Tiles {
   }
 };
 #elif defined(LADDER_AVX2_INT8)
-// `value` where bit t of `mask` is set, in byte t of 32, else 0: a 5- or 6-bit weight's fifth bits (16) or
-// sixth bits (32), as a vector.
-inline __m256i bit_plane(uint32_t mask, char value) {
+// 16 where bit t of `mask` is set, in byte t of 32, else 0: a 5-bit weight's fifth bits, as a vector.
+inline __m256i fifth_bits(uint32_t mask) {
   // Byte t takes byte t / 8 of the mask (vpshufb reads each 128-bit lane's copy), then tests its bit t % 8.
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(value));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
 template <int BITS>
@@ -411,8 +410,8 @@ struct W4A8Tiles {
                   uint32_t flo, fhi;
                   std::memcpy(&flo, fv[j] + b * CB + l * 8, 4);
                   std::memcpy(&fhi, fv[j] + b * CB + (4 + l) * 8, 4);
-                  lo = _mm256_or_si256(lo, bit_plane(flo, 16));
-                  hi = _mm256_or_si256(hi, bit_plane(fhi, 16));
+                  lo = _mm256_or_si256(lo, fifth_bits(flo));
+                  hi = _mm256_or_si256(hi, fifth_bits(fhi));
                 }
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi));
                 sum16[i][j] = l % kWiden == 0 ? p : _mm256_add_epi16(sum16[i][j], p);
