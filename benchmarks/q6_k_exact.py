@@ -23,12 +23,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from bench_report import write_report  # benchmarks/, this script's directory
+from w4a8_decode import decode_run
 
 import model
-from bench_report import write_report  # benchmarks/, this script's directory
 from model import gguf_blocks, gguf_checkpoint
 from model.sequences import Sequences
-from w4a8_decode import decode_run
 
 
 @contextlib.contextmanager
@@ -77,7 +77,8 @@ def main() -> int:
     layer = exact.layers[0]
     print(f"exact: LM head {exact.lm_head.bits}-bit, layer 0 qkv {layer.self_attn.qkv_proj.bits}-bit, "
           f"down {layer.mlp.down_proj.bits}-bit; requantized: LM head {requantized.lm_head.bits}-bit")
-    cases = {"decode step, batch 1": lambda m: decode_run(m, 1, 32), "decode step, batch 32": lambda m: decode_run(m, 32, 8),
+    cases = {"decode step, batch 1": lambda m: decode_run(m, 1, 32),
+             "decode step, batch 32": lambda m: decode_run(m, 32, 8),
              f"prefill, {args.prefill} tokens": lambda m: prefill_run(m, args.prefill)}
     rows = []
     for what, make in cases.items():

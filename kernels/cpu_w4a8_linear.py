@@ -30,9 +30,9 @@ load and two masks feed two instructions), 5-bit as the 4-bit bytes of the low f
 AVX-512; a shuffle and compare on AVX2), 6-bit as the 4-bit bytes (four lines of 64), then two 64-byte
 vectors of bit pairs, byte t of vector p holding bits 4-5 of the codes of byte t in lines 2p and 2p + 1
 (line 2p's low and high nibble's at bits 0-1 and 2-3, line 2p + 1's at 4-5 and 6-7: a shift and a mask a
-line on either ISA), then the 32 sub-scales, [16 channels, 2 halves] int8. A 4-bit weight moves 5/8 of the bytes of an
-int8 one (Q4_1: 20 bytes per 32 weights), a 5-bit one 3/4 (24), a 6-bit one 7/8 (28), which is what bounds
-a batch-1 decode step. d and m stay float16,
+line on either ISA), then the 32 sub-scales, [16 channels, 2 halves] int8. A 4-bit weight moves 5/8 of the
+bytes of an int8 one (Q4_1: 20 bytes per 32 weights), a 5-bit one 3/4 (24), a 6-bit one 7/8 (28), which is
+what bounds a batch-1 decode step. d and m stay float16,
 [16] each per block, converted in registers. Threads split the blocks of output channels. Where AVX-512
 VNNI is missing, AVX2 tiles over the same layout compute the same exact integer sums (`vpmaddubsw`,
 `vpmaddwd`), and a portable loop is compiled where AVX2 is missing too (and can be asked for, for tests).
