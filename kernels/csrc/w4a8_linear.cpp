@@ -334,12 +334,12 @@ struct W4A8Tiles {
           // int32, so dot = sum c u a over both halves (|dot| < 2^26), and the zero's share, zero (c_lo
           // sum_lo + c_hi sum_hi), leaves it after the block.
           const __m256i nibble = _mm256_set1_epi8(0x0F);
-          __m256i c_lo[VW], c_hi[VW];
+          __m256i pairs[VW], c_lo[VW], c_hi[VW];  // (c_lo, c_hi) of each channel; c_lo twice; c_hi twice
 #pragma GCC unroll 4
           for (int j = 0; j < VW; ++j) {
-            const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub[j] + b * CB)));
-            c_lo[j] = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xA0), 0xA0);  // words 0, 0, 2, 2
-            c_hi[j] = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xF5), 0xF5);  // words 1, 1, 3, 3
+            pairs[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub[j] + b * CB)));
+            c_lo[j] = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs[j], 0xA0), 0xA0);  // words 0, 0, 2, 2
+            c_hi[j] = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs[j], 0xF5), 0xF5);  // words 1, 1, 3, 3
           }
 #pragma GCC unroll 8
           for (int i = 0; i < MR; ++i)
@@ -382,8 +382,7 @@ struct W4A8Tiles {
                                                                         (static_cast<uint32_t>(lo) & 0xFFFFu)));
 #pragma GCC unroll 4
             for (int j = 0; j < VW; ++j) {
-              const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub[j] + b * CB)));
-              dot[i][j] = _mm256_sub_epi32(dot[i][j], _mm256_mullo_epi32(_mm256_madd_epi16(pairs, sums),
+              dot[i][j] = _mm256_sub_epi32(dot[i][j], _mm256_mullo_epi32(_mm256_madd_epi16(pairs[j], sums),
                                                                           _mm256_set1_epi32(zero)));
             }
           }
