@@ -7,6 +7,7 @@ or from `positions` and `inv_freq` directly; Llama 3 frequency scaling is alread
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.runtime import (
@@ -28,9 +29,20 @@ def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
 
 
 def rotary_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> (cos, sin), each [T, head_dim / 2] float32."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    """positions [T] -> (cos, sin), each [T, head_dim / 2] float32: of the float32 angles position * inv_freq,
+    on a CPU outside a compiled graph computed in float64 by numpy and rounded to float32.
+
+    torch's float32 cos and sin on a CPU run on MKL's vector math library, whose threads split a call, and a
+    process's first call was seen to come back with one thread's share at reduced accuracy (errors up to
+    1.5e-4 on 1,024 of a prefill's 2,112 angles; MKL_NUM_THREADS=1 made it go away): the rotary angles, and
+    so a request's greedy text, then depended on the process's history. numpy's float64 cos and sin run
+    on the calling thread alone and within an ulp of float64, so their float32 rounding is the same in
+    every run but where a value lies within an ulp of float64 of a rounding boundary."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2], exact float32 products
+    if angles.device.type != "cpu" or torch.compiler.is_compiling():
+        return angles.cos(), angles.sin()  # Inductor's and CUDA's own code, no MKL threads
+    wide = angles.detach().numpy().astype(np.float64)
+    return torch.from_numpy(np.cos(wide).astype(np.float32)), torch.from_numpy(np.sin(wide).astype(np.float32))
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
