@@ -12,7 +12,8 @@
 // line 2p + 1's at 4-5 and 6-7), then the sub-scales as [16 channels, 2 halves] int8: a shift and a mask
 // move 64 codes' high bits into place on either ISA.
 // The integer sums run on AVX-512 VNNI's vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the
-// portable loop.
+// portable loop. With many rows (a prefill, a large batch) the VNNI path widens 4-, 5- and 6-bit codes to
+// bytes once per thread and block (widen_block) instead of unpacking them again in every row group's tile.
 #include <torch/library.h>
 
 #include <cmath>
@@ -31,6 +32,8 @@ namespace {
 constexpr int QK = 32;  // input channels per quantization block
 // Offsets in a block's codes: the 5-bit masks or the 6-bit pairs after the nibbles, then the sub-scales.
 constexpr int kHighBits = 256, kSubScales = 384;
+// A block's bytes widened for many rows (widen_block): 512 codes, then a 6-bit block's 32 sub-scales.
+constexpr int64_t wide_bytes(int bits) { return bits == 6 ? 544 : 512; }
 // The bits of 1.5 * 2^23: an integer v with |v| < 2^22 added to them is the float 1.5 * 2^23 + v, exactly.
 constexpr int32_t kMagic = 0x4B400000;
 
@@ -107,10 +110,54 @@ void quantize_row(const float* x, int64_t KB, int8_t* xq, float* xs, float* xc, 
 #endif
 
 #ifdef LADDER_VNNI
+// A 32-block's codes of 16 channels, lines l = 0..3 of 64 bytes (4-, 5- or 6-bit layout) -> the bytes of
+// groups l (inputs 4l .. 4l + 3, in lo) and 4 + l (inputs 16 + 4l .., in hi), as the 8-bit layout holds them.
 template <int BITS>
+inline void unpack_line(const uint8_t* block, int l, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i raw = _mm512_loadu_si512(block + l * 64);
+  lo = _mm512_and_si512(raw, nibble);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+  if constexpr (BITS == 5) {  // + 16 where the group's mask marks a fifth bit
+    uint64_t flo, fhi;
+    std::memcpy(&flo, block + kHighBits + l * 8, 8);
+    std::memcpy(&fhi, block + kHighBits + (4 + l) * 8, 8);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(flo), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fhi), hi, sixteen);
+  } else if constexpr (BITS == 6) {  // | bits 4-5 from the line pair's vector (0xF8: a | (b & c))
+    const __m512i pair = _mm512_set1_epi8(0x30);
+    const __m512i h = _mm512_loadu_si512(block + kHighBits + (l / 2) * 64);
+    const bool second = l % 2;  // its pairs at bits 4-5 and 6-7, else 0-1 and 2-3
+    const __m512i at_lo = second ? h : _mm512_slli_epi16(h, 4);
+    const __m512i at_hi = second ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+    lo = _mm512_ternarylogic_epi32(lo, at_lo, pair, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, at_hi, pair, 0xF8);
+  }
+}
+
+// One block's codes widened to the 8-bit layout (wide_bytes: 512 code bytes, then a 6-bit block's 32
+// sub-scale bytes), for the tiles of many rows (w4a8_rows): a row group then reads bytes instead of
+// unpacking every block again.
+template <int BITS>
+inline void widen_block(const uint8_t* block, uint8_t* wide) {
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    __m512i lo, hi;
+    unpack_line<BITS>(block, l, lo, hi);
+    _mm512_storeu_si512(wide + l * 64, lo);
+    _mm512_storeu_si512(wide + (4 + l) * 64, hi);
+  }
+  if constexpr (BITS == 6) std::memcpy(wide + 512, block + kSubScales, 32);
+}
+
+// BITS: the codes' width, and so the block sums' epilogue (6-bit: a sum per half and its sub-scale).
+// WIDE: the codes come widened by widen_block (wide_bytes a block), else packed (w4a8_code_bytes).
+template <int BITS, bool WIDE = false>
 struct W4A8Tiles {
   using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, const int32_t*, int64_t,
-                      const uint8_t*, const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
+                      const uint8_t*, const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t,
+                      int64_t, int64_t, bool);
   static constexpr int kMaxMr = 4;
   // Two accumulators per output (int32 block sums, float32 totals): 2 * MR * NB of the 32 registers; 6-bit
   // codes sum each half of a block apart (its own sub-scale): 3 * MR * NB.
@@ -119,22 +166,28 @@ struct W4A8Tiles {
   // pace (a tile consumes 6 blocks' 1.5 kB a 32-block step); 8 ahead measured no faster, none 10% slower.
   static constexpr int64_t kAhead = 4;
 
-  // MR rows times NB consecutive blocks of 16 output channels, over all KB blocks of 32 input channels.
-  // codes: the first block's codes, each block KB * CB bytes; scales: its float16 d (and m), KB * S * 16 each.
+  // MR rows times NB consecutive blocks of 16 output channels, over `blocks` blocks of 32 input channels (KB:
+  // the rows' blocks, their stride in xs, xc, xsum and xlo; a chunk's pointers start at its first block).
+  // codes: the first block's codes, each block `cstride` bytes on; scales: its float16 d (and m), KB * S * 16
+  // each. resume: the sums continue from out's (a chunk after the first), else from zero.
   template <int MR, int NB>
   static void tile(const int8_t* __restrict xq, int64_t K, const float* __restrict xs, const float* __restrict xc,
                    const int32_t* __restrict xsum, const int32_t* __restrict xlo, int64_t KB,
                    const uint8_t* __restrict codes,
                    const uint16_t* __restrict scales, int S, int32_t zero,
-                   const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
-    constexpr int64_t CB = w4a8_code_bytes(BITS);
+                   const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N,
+                   int64_t blocks, int64_t cstride, bool resume) {
+    constexpr int64_t CB = WIDE ? wide_bytes(BITS) : w4a8_code_bytes(BITS);
+    constexpr int64_t kSub = WIDE ? 512 : kSubScales;
     __m512 y[MR][NB];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = n0 + j * BN;
+      const __mmask16 mask = resume && col < N ? tail_mask(N - col) : 0;
 #pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) y[i][j] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16), pair = _mm512_set1_epi8(0x30);
-    for (int64_t b = 0; b < KB; ++b) {
+      for (int i = 0; i < MR; ++i) y[i][j] = _mm512_maskz_loadu_ps(mask, out + i * ldo + col);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
       __m512i acc[MR][NB], acc_hi[MR][NB];  // acc_hi: 6-bit codes' inputs 16-31 (else all in acc)
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i)
@@ -145,30 +198,14 @@ struct W4A8Tiles {
       for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
         for (int64_t line = 0; line < CB; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + j * KB * CB + (b + kAhead) * CB + line), _MM_HINT_T0);
-      if constexpr (BITS != 8) {
+          _mm_prefetch(reinterpret_cast<const char*>(codes + j * cstride + (b + kAhead) * CB + line), _MM_HINT_T0);
+      if constexpr (BITS != 8 && !WIDE) {
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
 #pragma GCC unroll 8
           for (int j = 0; j < NB; ++j) {
-            const uint8_t* block = codes + j * KB * CB + b * CB;
-            const __m512i raw = _mm512_loadu_si512(block + l * 64);
-            __m512i wlo = _mm512_and_si512(raw, nibble);  // groups 0-3: inputs 4l .. 4l + 3
-            __m512i whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
-            if constexpr (BITS == 5) {  // + 16 where the group's mask marks a fifth bit
-              uint64_t flo, fhi;
-              std::memcpy(&flo, block + kHighBits + l * 8, 8);
-              std::memcpy(&fhi, block + kHighBits + (4 + l) * 8, 8);
-              wlo = _mm512_mask_add_epi8(wlo, _cvtu64_mask64(flo), wlo, sixteen);
-              whi = _mm512_mask_add_epi8(whi, _cvtu64_mask64(fhi), whi, sixteen);
-            } else if constexpr (BITS == 6) {  // | bits 4-5 from the line pair's vector (0xF8: a | (b & c))
-              const __m512i h = _mm512_loadu_si512(block + kHighBits + (l / 2) * 64);
-              const bool second = l % 2;  // its pairs at bits 4-5 and 6-7, else 0-1 and 2-3
-              const __m512i at_lo = second ? h : _mm512_slli_epi16(h, 4);
-              const __m512i at_hi = second ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
-              wlo = _mm512_ternarylogic_epi32(wlo, at_lo, pair, 0xF8);
-              whi = _mm512_ternarylogic_epi32(whi, at_hi, pair, 0xF8);
-            }
+            __m512i wlo, whi;  // groups l and 4 + l: inputs 4l .. 4l + 3 and 16 + 4l ..
+            unpack_line<BITS>(codes + j * cstride + b * CB, l, wlo, whi);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
               int32_t a0, a1;
@@ -185,12 +222,13 @@ struct W4A8Tiles {
         for (int g = 0; g < 8; ++g) {
 #pragma GCC unroll 8
           for (int j = 0; j < NB; ++j) {
-            const __m512i w = _mm512_loadu_si512(codes + j * KB * CB + b * CB + g * 64);
+            const __m512i w = _mm512_loadu_si512(codes + j * cstride + b * CB + g * 64);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
               int32_t a;
               std::memcpy(&a, xb + i * K + 4 * g, 4);
-              acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], w, _mm512_set1_epi32(a));
+              __m512i& sum = BITS == 6 && g >= 4 ? acc_hi[i][j] : acc[i][j];
+              sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(a));
             }
           }
         }
@@ -205,7 +243,7 @@ struct W4A8Tiles {
         __m512 c_lo = _mm512_setzero_ps(), c_hi = c_lo;
         if constexpr (BITS == 6) {
           const __m512i pairs = _mm512_cvtepi8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * KB * CB + b * CB + kSubScales)));
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * cstride + b * CB + kSub)));
           c_lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
           c_hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
         }
@@ -264,10 +302,41 @@ inline __m256i fifth_bits(uint32_t mask) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
+// One block's codes widened to the 8-bit layout, as the VNNI path's widen_block (wide_bytes a block).
 template <int BITS>
+inline void widen_block(const uint8_t* block, uint8_t* wide) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
+  for (int l = 0; l < 4; ++l) {
+    for (int half = 0; half < 2; ++half) {  // the 32 bytes of channels 8 half .. + 7
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l * 64 + half * 32));
+      __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      if constexpr (BITS == 5) {
+        uint32_t flo, fhi;
+        std::memcpy(&flo, block + kHighBits + l * 8 + half * 4, 4);
+        std::memcpy(&fhi, block + kHighBits + (4 + l) * 8 + half * 4, 4);
+        lo = _mm256_or_si256(lo, fifth_bits(flo));
+        hi = _mm256_or_si256(hi, fifth_bits(fhi));
+      } else if constexpr (BITS == 6) {  // line l's pairs in vector l / 2: bits 0-3 (l even) or 4-7 (odd)
+        const __m256i h =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kHighBits + (l / 2) * 64 + half * 32));
+        const __m256i at_lo = l % 2 ? h : _mm256_slli_epi16(h, 4);
+        const __m256i at_hi = l % 2 ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(at_lo, pair));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(at_hi, pair));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + l * 64 + half * 32), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + (4 + l) * 64 + half * 32), hi);
+    }
+  }
+  if constexpr (BITS == 6) std::memcpy(wide + 512, block + kSubScales, 32);
+}
+
+// BITS and WIDE as for the VNNI tiles.
+template <int BITS, bool WIDE = false>
 struct W4A8Tiles {
   using Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, const int32_t*, int64_t,
-                      const uint8_t*, const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t);
+                      const uint8_t*, const uint16_t*, int, int32_t, const float*, float*, int64_t, int64_t, int64_t,
+                      int64_t, int64_t, bool);
   // A tile walks VW 8-channel vectors side by side (kVectors[MR]): per row and vector one integer block
   // sum and one float32 total, beside a group's codes and the broadcast activations, which the VW vectors
   // share, in the 16 ymm registers. One row walks four vectors (two blocks of 16 channels) at once, so
@@ -288,8 +357,10 @@ struct W4A8Tiles {
                    const int32_t* __restrict xsum, const int32_t* __restrict xlo, int64_t KB,
                    const uint8_t* __restrict codes,
                    const uint16_t* __restrict scales, int S, int32_t zero,
-                   const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N) {
-    constexpr int64_t CB = w4a8_code_bytes(BITS);
+                   const float* __restrict bias, float* __restrict out, int64_t ldo, int64_t n0, int64_t N,
+                   int64_t blocks, int64_t cstride, bool resume) {
+    constexpr int64_t CB = WIDE ? wide_bytes(BITS) : w4a8_code_bytes(BITS);
+    constexpr int64_t kSub = WIDE ? 512 : kSubScales;
     constexpr int VW = kVectors[MR] < 2 * NB ? kVectors[MR] : 2 * NB;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int v0 = 0; v0 < 2 * NB; v0 += VW) {
@@ -305,17 +376,20 @@ struct W4A8Tiles {
 #pragma GCC unroll 4
       for (int j = 0; j < VW; ++j) {
         const int v = v0 + j;
-        cv[j] = codes + (v / 2) * KB * CB + (v % 2) * 32;
-        fv[j] = codes + (v / 2) * KB * CB + kHighBits + (v % 2) * 4;
-        sub[j] = codes + (v / 2) * KB * CB + kSubScales + (v % 2) * 16;
+        cv[j] = codes + (v / 2) * cstride + (v % 2) * 32;
+        fv[j] = codes + (v / 2) * cstride + kHighBits + (v % 2) * 4;
+        sub[j] = codes + (v / 2) * cstride + kSub + (v % 2) * 16;
         sv[j] = scales + (v / 2) * KB * S * BN + (v % 2) * 8;
       }
       __m256 y[MR][VW];
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-        for (int j = 0; j < VW; ++j) y[i][j] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < KB; ++b) {
+      for (int j = 0; j < VW; ++j) {
+        const int64_t col = n0 + (v0 + j) * 8;
+        const __m256i mask = resume && col < N ? tail_mask8(N - col) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) y[i][j] = _mm256_maskload_ps(out + i * ldo + col, mask);
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* xb = xq + b * QK;
         auto four = [&](int i, int k) {  // activations k .. k + 3 of row i, in every lane
           int32_t a;
@@ -357,16 +431,24 @@ struct W4A8Tiles {
 #pragma GCC unroll 4
               for (int j = 0; j < VW; ++j) {
                 const uint8_t* line = cv[j] + b * CB + 2 * p * 64;
-                const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-                const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64));
-                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + kHighBits + p * 64));
-                const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(raw0, nibble),
-                                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), pair));
-                const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), nibble),
-                                                    _mm256_and_si256(_mm256_slli_epi16(h, 2), pair));
-                const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(raw1, nibble), _mm256_and_si256(h, pair));
-                const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), nibble),
-                                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), pair));
+                __m256i lo0, hi0, lo1, hi1;  // groups 2p, 4 + 2p, 2p + 1 and 5 + 2p
+                if constexpr (WIDE) {
+                  lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+                  lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64));
+                  hi0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 256));
+                  hi1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 320));
+                } else {
+                  const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+                  const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64));
+                  const __m256i h =
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + kHighBits + p * 64));
+                  lo0 = _mm256_or_si256(_mm256_and_si256(raw0, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), pair));
+                  hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), nibble),
+                                        _mm256_and_si256(_mm256_slli_epi16(h, 2), pair));
+                  lo1 = _mm256_or_si256(_mm256_and_si256(raw1, nibble), _mm256_and_si256(h, pair));
+                  hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), nibble),
+                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), pair));
+                }
                 const __m256i s_lo = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a_lo0), _mm256_maddubs_epi16(lo1, a_lo1));
                 const __m256i s_hi = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, a_hi0), _mm256_maddubs_epi16(hi1, a_hi1));
                 dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_add_epi32(_mm256_madd_epi16(s_lo, c_lo[j]),
@@ -402,10 +484,16 @@ struct W4A8Tiles {
               const __m256i a_lo = four(i, 4 * l), a_hi = four(i, 16 + 4 * l);
 #pragma GCC unroll 4
               for (int j = 0; j < VW; ++j) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + l * 64));
-                __m256i lo = _mm256_and_si256(raw, nibble);  // group l: inputs 4l .. 4l + 3
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);  // inputs 16 + 4l ..
-                if constexpr (BITS == 5) {
+                __m256i lo, hi;  // groups l (inputs 4l .. 4l + 3) and 4 + l (inputs 16 + 4l ..)
+                if constexpr (WIDE) {
+                  lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + l * 64));
+                  hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + (4 + l) * 64));
+                } else {
+                  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + l * 64));
+                  lo = _mm256_and_si256(raw, nibble);
+                  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                }
+                if constexpr (BITS == 5 && !WIDE) {
                   uint32_t flo, fhi;
                   std::memcpy(&flo, fv[j] + b * CB + l * 8, 4);
                   std::memcpy(&fhi, fv[j] + b * CB + (4 + l) * 8, 4);
@@ -540,6 +628,55 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
   }
 }
 
+#if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
+// From how many rows 4-, 5- and 6-bit codes run on widened codes (widen_block: each row group then reads
+// bytes instead of unpacking every block again). Measured on [8192, 2048] weights against the tiles' own
+// unpacking, 2 threads (benchmarks/RESULTS.md, "Stop 44"): with VNNI 5- and 6-bit codes 10-20% faster from 32
+// rows and 4-bit codes (cheaper to unpack) 2-6% from 128, each slower below; on AVX2, where the 5-bit masks
+// and 6-bit pairs cost more beside vpmaddubsw, 5-bit codes 4% faster at 8 rows and 22-30% from 16, 6-bit
+// codes 7-17% from 16, 4-bit codes about 5% from 64.
+#ifdef LADDER_VNNI
+constexpr int64_t kWideFrom[3] = {128, 32, 32};
+#else
+constexpr int64_t kWideFrom[3] = {64, 8, 16};
+#endif
+
+bool widened(int bits, int64_t M) { return bits != 8 && M >= kWideFrom[bits - 4]; }
+
+// The blocks' codes a thread widens at a time below 128 rows, L1-sized so that its row groups read them from
+// L1; from 128 rows a group's whole KB (in L2 with VNNI's groups of 3 blocks) measured 5-10% faster.
+constexpr int64_t kWideChunkBytes = 24576;
+
+template <int BITS, class Call>
+void for_each_wide_tile(int64_t M, int64_t NBLK, int64_t KB, const uint8_t* codes, int64_t work_per_block,
+                        int64_t min_work, const Call& call) {
+  using Tiles = W4A8Tiles<BITS, true>;
+  constexpr int64_t CB = w4a8_code_bytes(BITS), WB = wide_bytes(BITS);
+  const int group = Tiles::kMaxNb[std::min<int64_t>(M, Tiles::kMaxMr)];
+  const int64_t chunk = M >= 128 ? KB : std::max<int64_t>(4, kWideChunkBytes / (group * WB));
+  const int64_t grain = std::max<int64_t>(1, (min_work + work_per_block - 1) / std::max<int64_t>(work_per_block, 1));
+  parallel_for(0, NBLK, grain, [&](int64_t b0, int64_t b1) {
+    // A thread's own buffer, kept between calls (no task here starts another on its thread).
+    thread_local std::vector<uint8_t> buffer;
+    buffer.resize(static_cast<size_t>(group * chunk * WB + 64));
+    uint8_t* wide = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) & 63);  // 64-byte aligned
+    for (int64_t b = b0; b < b1; b += group) {
+      const int nb = static_cast<int>(std::min<int64_t>(group, b1 - b));
+      for (int64_t c0 = 0; c0 < KB; c0 += chunk) {
+        const int64_t kc = std::min<int64_t>(chunk, KB - c0);
+        for (int j = 0; j < nb; ++j)
+          for (int64_t t = 0; t < kc; ++t)
+            widen_block<BITS>(codes + ((b + j) * KB + c0 + t) * CB, wide + (j * kc + t) * WB);
+        for (int64_t m = 0; m < M; m += Tiles::kMaxMr) {
+          const int mr = static_cast<int>(std::min<int64_t>(Tiles::kMaxMr, M - m));
+          call(pick<Tiles>(mr, nb), m, b, c0, kc, wide);
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8Scratch& scratch, bool portable) {
@@ -598,10 +735,26 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
     return;
   }
 #if defined(LADDER_VNNI) || defined(LADDER_AVX2_INT8)
-  auto call = [&](auto tile, int64_t m, int64_t b) {
+  auto call = [&](auto tile, int64_t m, int64_t b) {  // all KB blocks of the packed codes, from zero
     tile(xq + m * K, K, xs + m * KB, xc + m * KB, xsum + m * KB, xlo + m * KB, KB, cp + b * KB * CB,
-         sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N);
+         sp + b * KB * S * BN, S, z, bp, op + m * N, N, b * BN, N, KB, KB * CB, false);
   };
+  if (widened(w.bits, M)) {
+    // Rows m.. of blocks b.. over the chunk of kc 32-blocks from c0, its codes widened at `wide`.
+    auto call_wide = [&](auto tile, int64_t m, int64_t b, int64_t c0, int64_t kc, const uint8_t* wide) {
+      const int64_t r = m * KB + c0;
+      tile(xq + m * K + c0 * QK, K, xs + r, xc + r, xsum + r, xlo + r, KB, wide, sp + (b * KB + c0) * S * BN, S, z,
+           c0 + kc == KB ? bp : nullptr, op + m * N, N, b * BN, N, kc, kc * wide_bytes(w.bits), c0 > 0);
+    };
+    if (w.bits == 4) {
+      for_each_wide_tile<4>(M, NBLK, KB, cp, work_per_block, min_work, call_wide);
+    } else if (w.bits == 5) {
+      for_each_wide_tile<5>(M, NBLK, KB, cp, work_per_block, min_work, call_wide);
+    } else {
+      for_each_wide_tile<6>(M, NBLK, KB, cp, work_per_block, min_work, call_wide);
+    }
+    return;
+  }
   if (w.bits == 4) {
     for_each_tile<W4A8Tiles<4>>(M, NBLK, work_per_block, min_work, call);
   } else if (w.bits == 5) {
