@@ -17,7 +17,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "parallel.h"
@@ -632,13 +634,14 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
 // From how many rows 4-, 5- and 6-bit codes run on widened codes (widen_block: each row group then reads
 // bytes instead of unpacking every block again). Measured on [8192, 2048] weights against the tiles' own
 // unpacking, 2 threads (benchmarks/RESULTS.md, "Stop 44"): with VNNI 5- and 6-bit codes 10-20% faster from 32
-// rows and 4-bit codes (cheaper to unpack) 2-6% from 128, each slower below; on AVX2, where the 5-bit masks
-// and 6-bit pairs cost more beside vpmaddubsw, 5-bit codes 4% faster at 8 rows and 22-30% from 16, 6-bit
-// codes 7-17% from 16, 4-bit codes about 5% from 64.
+// rows and 4-bit codes (cheaper to unpack) 2-10% from 128, each slower below; on AVX2, where the 5-bit masks
+// and 6-bit pairs cost more beside vpmaddubsw, 5-bit codes 4% faster at 8 rows and 22-30% from 16 and 6-bit
+// codes 7-17% from 16, while 4-bit codes gained at most 5% on [8192, 2048] and lost 5% on [16384, 2048] at
+// 512 rows (the loads of twice the bytes cost what the two masks a line saved): never widened there.
 #ifdef LADDER_VNNI
 constexpr int64_t kWideFrom[3] = {128, 32, 32};
 #else
-constexpr int64_t kWideFrom[3] = {64, 8, 16};
+constexpr int64_t kWideFrom[3] = {INT64_MAX, 8, 16};
 #endif
 
 bool widened(int bits, int64_t M) { return bits != 8 && M >= kWideFrom[bits - 4]; }
