@@ -304,28 +304,44 @@ inline __m256i fifth_bits(uint32_t mask) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
+// Where vector `half` (channels 8 half .. + 7) of a 32-block's 4-, 5- or 6-bit codes keeps its high bits: its
+// bits 32 half .. + 31 of each group's 64-bit mask (5-bit), its bytes 32 half .. + 31 of each pair vector
+// (6-bit).
+template <int BITS>
+constexpr int64_t high_bits_at(int half) { return kHighBits + half * (BITS == 5 ? 4 : 32); }
+
+// Line l = 0..3 of a vector's codes (`vec`: the block + 32 half; `high`: the block + high_bits_at(half)) -> the
+// bytes of groups l (inputs 4l .. 4l + 3, in lo) and 4 + l (inputs 16 + 4l .., in hi), as the 8-bit layout
+// holds them.
+template <int BITS>
+inline void unpack_half(const uint8_t* vec, const uint8_t* high, int l, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vec + l * 64));
+  lo = _mm256_and_si256(raw, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  if constexpr (BITS == 5) {
+    uint32_t flo, fhi;
+    std::memcpy(&flo, high + l * 8, 4);
+    std::memcpy(&fhi, high + (4 + l) * 8, 4);
+    lo = _mm256_or_si256(lo, fifth_bits(flo));
+    hi = _mm256_or_si256(hi, fifth_bits(fhi));
+  } else if constexpr (BITS == 6) {  // line l's pairs in vector l / 2: bits 0-3 (l even) or 4-7 (odd)
+    const __m256i pair = _mm256_set1_epi8(0x30);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + (l / 2) * 64));
+    const __m256i at_lo = l % 2 ? h : _mm256_slli_epi16(h, 4);
+    const __m256i at_hi = l % 2 ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(at_lo, pair));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(at_hi, pair));
+  }
+}
+
 // One block's codes widened to the 8-bit layout, as the VNNI path's widen_block (wide_bytes a block).
 template <int BITS>
 inline void widen_block(const uint8_t* block, uint8_t* wide) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
   for (int l = 0; l < 4; ++l) {
-    for (int half = 0; half < 2; ++half) {  // the 32 bytes of channels 8 half .. + 7
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l * 64 + half * 32));
-      __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-      if constexpr (BITS == 5) {
-        uint32_t flo, fhi;
-        std::memcpy(&flo, block + kHighBits + l * 8 + half * 4, 4);
-        std::memcpy(&fhi, block + kHighBits + (4 + l) * 8 + half * 4, 4);
-        lo = _mm256_or_si256(lo, fifth_bits(flo));
-        hi = _mm256_or_si256(hi, fifth_bits(fhi));
-      } else if constexpr (BITS == 6) {  // line l's pairs in vector l / 2: bits 0-3 (l even) or 4-7 (odd)
-        const __m256i h =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kHighBits + (l / 2) * 64 + half * 32));
-        const __m256i at_lo = l % 2 ? h : _mm256_slli_epi16(h, 4);
-        const __m256i at_hi = l % 2 ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
-        lo = _mm256_or_si256(lo, _mm256_and_si256(at_lo, pair));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(at_hi, pair));
-      }
+    for (int half = 0; half < 2; ++half) {
+      __m256i lo, hi;
+      unpack_half<BITS>(block + half * 32, block + high_bits_at<BITS>(half), l, lo, hi);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + l * 64 + half * 32), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + (4 + l) * 64 + half * 32), hi);
     }
@@ -367,19 +383,18 @@ struct W4A8Tiles {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int v0 = 0; v0 < 2 * NB; v0 += VW) {
       if (n0 + v0 * 8 >= N) break;
-      // Vector v's 32 bytes in each group's 64: channels 8(v % 2) .. + 7 of block v / 2, 4 inputs each.
-      // Its fifth bits (5-bit codes): bits 32(v % 2) .. + 31 of each group's mask; its high pairs (6-bit):
-      // bytes 32(v % 2) .. + 31 of each pair vector, as of the lines; its sub-scales (6-bit): bytes 16(v % 2)
-      // .. + 15 of the block's 32, (c_lo, c_hi) for each channel.
+      // Vector v's 32 bytes in each group's 64: channels 8(v % 2) .. + 7 of block v / 2, 4 inputs each (its
+      // high bits: high_bits_at); its sub-scales (6-bit): bytes 16(v % 2) .. + 15 of the block's 32, (c_lo,
+      // c_hi) for each channel.
       const uint8_t* cv[VW];
-      const uint8_t* fv[VW];
+      const uint8_t* hv[VW];
       const uint8_t* sub[VW];
       const uint16_t* sv[VW];
 #pragma GCC unroll 4
       for (int j = 0; j < VW; ++j) {
         const int v = v0 + j;
         cv[j] = codes + (v / 2) * cstride + (v % 2) * 32;
-        fv[j] = codes + (v / 2) * cstride + kHighBits + (v % 2) * 4;
+        hv[j] = codes + (v / 2) * cstride + high_bits_at<BITS>(v % 2);
         sub[j] = codes + (v / 2) * cstride + kSub + (v % 2) * 16;
         sv[j] = scales + (v / 2) * KB * S * BN + (v % 2) * 8;
       }
@@ -409,7 +424,6 @@ struct W4A8Tiles {
           // vpmaddwd by the channel's sub-scale in both int16 halves of its lane adds c (p0 + p1) into
           // int32, so dot = sum c u a over both halves (|dot| < 2^26), and the zero's share, zero (c_lo
           // sum_lo + c_hi sum_hi), leaves it after the block.
-          const __m256i nibble = _mm256_set1_epi8(0x0F);
           __m256i pairs[VW], c_lo[VW], c_hi[VW];  // (c_lo, c_hi) of each channel; c_lo twice; c_hi twice
 #pragma GCC unroll 4
           for (int j = 0; j < VW; ++j) {
@@ -423,7 +437,6 @@ struct W4A8Tiles {
             for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_setzero_si256();
           // Two lines at a time, the two whose high pairs share one vector: per half, two groups' pairs add
           // up in int16 (2 * 16002 < 32767) before the one vpmaddwd by the sub-scale.
-          const __m256i pair = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 1
           for (int p = 0; p < 2; ++p) {
 #pragma GCC unroll 8
@@ -439,17 +452,9 @@ struct W4A8Tiles {
                   lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64));
                   hi0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 256));
                   hi1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 320));
-                } else {
-                  const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-                  const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64));
-                  const __m256i h =
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + kHighBits + p * 64));
-                  lo0 = _mm256_or_si256(_mm256_and_si256(raw0, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), pair));
-                  hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), nibble),
-                                        _mm256_and_si256(_mm256_slli_epi16(h, 2), pair));
-                  lo1 = _mm256_or_si256(_mm256_and_si256(raw1, nibble), _mm256_and_si256(h, pair));
-                  hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), nibble),
-                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), pair));
+                } else {  // the two lines share their pair vector's load
+                  unpack_half<6>(cv[j] + b * CB, hv[j] + b * CB, 2 * p, lo0, hi0);
+                  unpack_half<6>(cv[j] + b * CB, hv[j] + b * CB, 2 * p + 1, lo1, hi1);
                 }
                 const __m256i s_lo = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a_lo0), _mm256_maddubs_epi16(lo1, a_lo1));
                 const __m256i s_hi = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, a_hi0), _mm256_maddubs_epi16(hi1, a_hi1));
@@ -476,7 +481,6 @@ struct W4A8Tiles {
           // nibbles) at most 30480 < 32767, so the block adds up in int16 without overflowing; one vpmaddwd
           // by ones then widens it. 5-bit codes (u <= 31: 7874 a pair) widen every two groups (31496).
           constexpr int kWiden = BITS == 4 ? 4 : 2;
-          const __m256i nibble = _mm256_set1_epi8(0x0F);
           __m256i sum16[MR][VW];
           // Not unrolled: unrolled, GCC reorders the int16 additions and spills the products it gathers.
 #pragma GCC unroll 1
@@ -491,16 +495,7 @@ struct W4A8Tiles {
                   lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + l * 64));
                   hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + (4 + l) * 64));
                 } else {
-                  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + l * 64));
-                  lo = _mm256_and_si256(raw, nibble);
-                  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-                }
-                if constexpr (BITS == 5 && !WIDE) {
-                  uint32_t flo, fhi;
-                  std::memcpy(&flo, fv[j] + b * CB + l * 8, 4);
-                  std::memcpy(&fhi, fv[j] + b * CB + (4 + l) * 8, 4);
-                  lo = _mm256_or_si256(lo, fifth_bits(flo));
-                  hi = _mm256_or_si256(hi, fifth_bits(fhi));
+                  unpack_half<BITS>(cv[j] + b * CB, hv[j] + b * CB, l, lo, hi);
                 }
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi));
                 sum16[i][j] = l % kWiden == 0 ? p : _mm256_add_epi16(sum16[i][j], p);
