@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--cflags", default="", help="LADDER_CPU_CFLAGS for both sides")
     parser.add_argument("--out", default="benchmarks/results/step_ab.json")
     args = parser.parse_args()
+    if args.batch < 1 or args.prompt_len < 1 or args.rounds < 1:
+        parser.error("--batch, --prompt-len and --rounds must be at least 1")
     with tempfile.TemporaryDirectory(prefix="ladder-ab-") as tmp:
         other = Path(tmp) / "checkout"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(other), args.against],
