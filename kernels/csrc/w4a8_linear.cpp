@@ -12,8 +12,8 @@
 // line 2p + 1's at 4-5 and 6-7), then the sub-scales as [16 channels, 2 halves] int8: a shift and a mask
 // move 64 codes' high bits into place on either ISA.
 // The integer sums run on AVX-512 VNNI's vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the
-// portable loop. With many rows (a prefill, a large batch) the VNNI path widens 4-, 5- and 6-bit codes to
-// bytes once per thread and block (widen_block) instead of unpacking them again in every row group's tile.
+// portable loop. With many rows (a prefill, a large batch) the VNNI and AVX2 paths widen narrow codes to bytes
+// once per thread and block (widen_block, `widened`) instead of unpacking them in every row group's tile.
 #include <torch/library.h>
 
 #include <cmath>

@@ -84,9 +84,10 @@ def test_vector_tiles_equal_the_portable_loop_at_their_edges(form, m, n):
 @pytest.mark.parametrize("m", [12, 40, 130])
 def test_many_rows_on_widened_codes_equal_the_reference(form, m):
     """With many rows the tiles read codes widened to bytes (VNNI: 5- and 6-bit codes from 32 rows, 4-bit
-    from 128; AVX2: 5- and 6-bit codes from 8 and 16), below 128 rows a chunk of blocks at a time (35 blocks here: VNNI's
-    chunks of 16 and 22 blocks end inside them): the sums run on across chunks, the bias is added once, a
-    last block of 16 channels is cut, and a row's output is the one it has in a batch of 5."""
+    from 128; AVX2: 5- and 6-bit codes from 8 and 16), below 128 rows a chunk of blocks at a time (35
+    blocks here: VNNI's chunks of 16 and 22 blocks end inside them): the sums run on across chunks, the
+    bias is added once, a last block of 16 channels is cut, and a row's output is the one it has in a
+    batch of 5."""
     n, k = 45, 35 * 32
     x, w, bias = _case(m, n, k, form)
     codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
