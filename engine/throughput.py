@@ -146,13 +146,14 @@ def run_bench(config: BenchConfig) -> dict:
     special = tokenizer.special_ids if tokenizer else frozenset()
     work = make_workload(config, engine.model.config.vocab_size, special)
     # Warm up allocator and kernels on a small batch so neither side pays first-call costs in the figures.
+    warm_up = Workload(work.prompts[:2], [4] * len(work.prompts[:2]))
     try:
-        run_engine(engine, Workload(work.prompts[:2], [4, 4]))
+        run_engine(engine, warm_up)
         warm = engine.stats.snapshot()
         engine_seconds = run_engine(engine, work)
         lora_names = [name for name, _ in config.lora_modules]
         if lora_names:  # warmed too: the first steps with adapters load them into their slots
-            run_engine(engine, Workload(work.prompts[:2], [4, 4]), lora_names, tag="warm-lora")
+            run_engine(engine, warm_up, lora_names, tag="warm-lora")
             # Alternated, so a noisy neighbour costs both sides alike; medians of each side compared.
             base_rounds, lora_rounds = [engine_seconds], []
             for r in range(config.lora_rounds):
