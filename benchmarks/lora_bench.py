@@ -3,7 +3,9 @@ and the quality cost of a quantized base under a float LoRA.
 
 1. Throughput: `ladder bench`'s engine run (engine/throughput.py), the same prompts once with the base
    model and once spread round-robin over N adapters (request i with adapter i mod N), closed loop with
-   every request in at once, greedy, exact output lengths. Reported: output tok/s of each, and their ratio.
+   every request in at once, greedy, exact output lengths. Reported: output tok/s of each, and their ratio;
+   then the same prompts on an engine without adapters (a server started without `--lora-modules`), to
+   which both are compared.
 2. Quality: perplexity of the built-in text (model/perplexity.py) under one adapter, on the float32 base
    and on the quantized base (W4A8 of the GGUF's own blocks, the CPU default), beside the same pair
    without the adapter: the quantized base's cost with and without LoRA.
@@ -18,6 +20,7 @@ throughput depends on their shapes only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import tempfile
@@ -94,6 +97,12 @@ def main() -> None:
                             max_lora_rank=args.rank)
         report = run_bench(bench)
         print(format_table(report))
+        plain = run_bench(dataclasses.replace(bench, lora_modules=()))["results"]["ladder"]["output_tokens_per_s"]
+        with_slots = report["results"]
+        report["without_adapters_tokens_per_s"] = plain
+        print(f"an engine without adapters: {plain:.1f} output tok/s; with {args.adapters} resident, base-model "
+              f"requests {with_slots['ladder']['output_tokens_per_s'] / plain:.2f}x that, requests with adapters "
+              f"{with_slots['ladder+lora']['output_tokens_per_s'] / plain:.2f}x")
         quality_rows = quality(paths[0], args.quality_tokens) if args.quality_tokens else {}
     if quality_rows:
         print(f"\nperplexity of {args.quality_tokens} tokens of the built-in text, adapter lora0 (rank {args.rank})")

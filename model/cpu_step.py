@@ -10,8 +10,10 @@ eager model's bit for bit (tests/model/test_cpu_step.py); the eager module stays
 whenever the step cannot. `step_support(model)` says why a model cannot (None: it can). The step covers
 the decoders `ladder serve` runs on a CPU by default: float32 activations; W4A8 (a GGUF's blocks) or W8A8
 linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and Gemma 3's (q/k norms,
-sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); nothing wrapped or
-hooked (LoRA slots, tensor-parallel all-reduces); mixtures of experts whose experts are W4A8 (the router
+sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); LoRA slots on the
+linears (model/lora_slots.py: each row's adapter added after its linear, as the eager wrapper adds it, from
+the wrapper's own tensors, so an adapter loaded into a slot later is read); nothing else wrapped or hooked
+(tensor-parallel all-reduces); mixtures of experts whose experts are W4A8 (the router
 and routing through ATen's own calls, as the eager block makes them). Not covered: float or weight-only int8
 linears and experts, a rank's part of the experts. Per step it takes a float32, bfloat16 or float16 cache
 (`--kv-cache-dtype`) and plans whose
@@ -33,6 +35,7 @@ from torch.nn.modules import module as nn_module
 
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
+from model.lora_slots import LoRALinear, LoRASlots
 from model.moe import W4A8SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
 from model.quantization import W8A8Linear
@@ -67,6 +70,18 @@ def _norms(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
     return [layer.input_layernorm, layer.post_attention_layernorm, *extra, *qk]
 
 
+def _base(linear: nn.Module) -> nn.Module:
+    """The linear under a LoRA wrapper, or the linear itself."""
+    return linear.base if type(linear) is LoRALinear else linear
+
+
+def _lora_ok(linear: nn.Module) -> bool:
+    """Whether a LoRA wrapper's slots are what the step reads (float32 contiguous CPU tensors); True for none."""
+    if type(linear) is not LoRALinear:
+        return True
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in (linear.a, linear.b))
+
+
 def _linear_kind(linear: nn.Module) -> int | None:
     """0 for a W4A8 linear, 1 for a W8A8 one packed for the CPU kernel, None for any other."""
     if type(linear) is W4A8Linear:
@@ -92,6 +107,7 @@ def step_support(model: nn.Module) -> str | None:
     for backend in (model.attention, model.local_attention):
         if backend is not None and type(backend) is not CpuPagedAttention:
             return f"attention {type(backend).__name__}, not the C++ kernel's backend"
+    owners = set()  # the LoRASlots of the wrapped linears: one, whose rows each step passes
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(mlp, W4A8SparseMoeBlock):
@@ -104,13 +120,19 @@ def step_support(model: nn.Module) -> str | None:
         else:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         for linear in linears:
-            if _linear_kind(linear) is None:
-                return f"layer {i}: a {type(linear).__name__} linear (the step takes W4A8 and W8A8 linears)"
+            if _linear_kind(_base(linear)) is None:
+                return f"layer {i}: a {type(_base(linear)).__name__} linear (the step takes W4A8 and W8A8 linears)"
+            if not _lora_ok(linear):
+                return f"layer {i}: LoRA slots not float32 contiguous CPU tensors"
+            if type(linear) is LoRALinear:
+                owners.add(id(linear.slots[0]))
         norms = _norms(model, layer)
-        if any(_hooked(m) for m in (layer, attn, mlp, *linears, *norms)):
+        if any(_hooked(m) for m in (layer, attn, mlp, *linears, *map(_base, linears), *norms)):
             return f"layer {i} has forward hooks"
         if any(n.weight.dtype != torch.float32 or n.eps != config.rms_norm_eps for n in norms):
             return f"layer {i}: norms not float32"
+    if len(owners) > 1:
+        return "LoRA wrappers of more than one LoRASlots"
     return None
 
 
@@ -126,6 +148,7 @@ class CpuDecoderStep:
         ints = [config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
                 int(config.hidden_act == "gelu_tanh")]
         empty = torch.empty(0)
+        loras: list[tuple[int, int, LoRALinear]] = []  # (layer, linear 0-3, wrapper)
         # Every layer reads the windowed tables in a model whose layers are all windowed (a Mistral with
         # sliding_window: its one backend plans them); in a mixed one, the layers the model marks.
         mixed = model.local_attention is not None
@@ -138,7 +161,10 @@ class CpuDecoderStep:
             ints.append(int(model.windowed[i] if mixed else uniform_window))
             moe = isinstance(mlp, W4A8SparseMoeBlock)
             dense = () if moe else (mlp.gate_up_proj, mlp.down_proj)
-            for linear in (attn.qkv_proj, attn.o_proj, *dense):
+            for which, wrapped in enumerate((attn.qkv_proj, attn.o_proj, *dense)):
+                if type(wrapped) is LoRALinear:
+                    loras.append((i, which, wrapped))
+                linear = _base(wrapped)
                 kind = _linear_kind(linear)
                 bias = empty if linear.bias is None else linear.bias
                 if kind == 0:
@@ -154,6 +180,11 @@ class CpuDecoderStep:
                 ints += [0, 0]
         tensors.append(model.norm.weight.detach())
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)
+        for layer, which, wrapper in loras:
+            self.step.set_lora(layer, which, wrapper.a, wrapper.b, wrapper.splits or [])
+        # Whose rows the step reads (the one LoRASlots its wrappers share), or None: no adapters.
+        self.lora: LoRASlots | None = loras[0][2].slots[0] if loras else None
+        self.no_lora = torch.empty(0, dtype=torch.long)
         self.scale = config.attention_scale
         self.window = (model.local_attention or model.attention).sliding_window or 0
 
@@ -175,9 +206,11 @@ class CpuDecoderStep:
         """x [T, hidden] embeddings, cos/sin [T, head_dim / 2] of the full and of the windowed layers, the
         plan (a pair with windowed layers among full ones) -> the final norm's output [T, hidden]."""
         full, local = plan if isinstance(plan, tuple) else (plan, plan)
+        rows = self.lora.rows_for(x.shape[0]) if self.lora is not None else None  # [T] LoRA slots, or None
         return self.step.forward(x, cos, sin, local_cos, local_sin, kv_caches, full.slot_mapping,
                                  full.row_block_tables, full.row_seq_lens, local.slot_mapping,
-                                 local.row_block_tables, local.row_seq_lens, self.scale, self.window)
+                                 local.row_block_tables, local.row_seq_lens, self.scale, self.window,
+                                 self.no_lora if rows is None else rows.contiguous())
 
     def set_profiling(self, on: bool) -> None:
         """Time each part of the coming steps inside C++ (a clock read between parts), or stop."""

@@ -122,6 +122,19 @@ struct W8A8Scratch {
 // out [M, N] = x [M, K] times the weight, each row quantized with its own max |x|.
 LADDER_SHARED void w8a8_rows(const float* x, int64_t M, const W8A8Weight& w, float* out, W8A8Scratch& scratch);
 
+// lora.cpp -------------------------------------------------------------------------------------------
+
+// The column bounds of a LoRA's P parts, checked: splits empty (one part, 0 .. N) or 0 = c_0 < ... < c_P = N,
+// with the rank R divisible by P.
+std::vector<int64_t> lora_bounds(c10::IntArrayRef splits, int64_t N, int64_t R);
+
+// out [T, N] = y [T, N] plus, for each row t with a slot s = slot[t] >= 0 (-1: none), (x[t] @ a[s].T) @ b[s]
+// by parts (the P + 1 column `bounds`): x [T, K], a [S, R, K], b [S, R, N] (kernels/csrc/lora.cpp). out must
+// not overlap y or x. `portable`: the portable loop even where the AVX2 tiles exist.
+LADDER_SHARED void lora_add_rows(const float* y, const float* x, const float* a, const float* b, const int64_t* slot,
+                                 int64_t T, int64_t K, int64_t N, int64_t S, int64_t R, const int64_t* bounds, int64_t P,
+                                 float* out, bool portable);
+
 // decode_attention.cpp -------------------------------------------------------------------------------
 
 // Paged decode attention of float32 queries over a float32, bfloat16 or float16 cache, one query row per

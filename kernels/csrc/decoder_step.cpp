@@ -9,7 +9,8 @@
 // (tests/model/test_cpu_step.py), and they keep its batch invariance: every row is computed alone. The
 // layouts it covers: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 (q/k norms, sandwich
 // norms, GeGLU, sliding-window layers with their own rotary tables and KV blocks beside full ones), each
-// linear W4A8 (a GGUF's blocks) or W8A8.
+// linear W4A8 (a GGUF's blocks) or W8A8, with or without LoRA slots (set_lora: a row's adapter added to the
+// linear's output by lora_add_rows, as the eager LoRALinear adds it).
 //
 // DecoderStep(tensors, ints, eps), built once per model (model/cpu_step.py):
 //   tensors: per layer kTensorsPerLayer, in order: input_layernorm, post_attention_layernorm,
@@ -25,8 +26,9 @@
 //            (a MoE layer's; 0 else).
 // forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2], kv_caches (one [2, blocks,
 //   block_size, kv_heads, head_dim] per layer, all float32, all bfloat16 or all float16: keys and values
-//   are rounded to the cache's type as they are written, as torch's conversion rounds them), slot_mapping [T], block_tables [T, max_blocks],
-//   seq_lens [T] and the same three for the windowed layers, scale, window) -> final hidden [T, hidden].
+//   are rounded to the cache's type as they are written, as torch's conversion rounds them), slot_mapping [T],
+//   block_tables [T, max_blocks], seq_lens [T] and the same three for the windowed layers, scale, window,
+//   lora_slots ([T] int64, each row's LoRA slot or -1; empty: no adapter this step)) -> final hidden [T, hidden].
 //   Each row is a decode row: token t sees seq_lens[t] keys, its own included; a windowed layer the last
 //   `window` of them.
 #include <ATen/ATen.h>
@@ -50,13 +52,26 @@ constexpr int64_t kIntsPerLayer = 11;
 // The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
 enum Part { kNorms, kQkv, kRotary, kAttention, kO, kGateUp, kAct, kDown, kExperts, kParts };
 
-// One linear of a layer, W4A8 or W8A8.
+// One linear of a layer, W4A8 or W8A8, and the LoRA slots on it (set_lora), if any.
 struct Linear {
   int64_t kind = 0;  // 0 W4A8, 1 W8A8
   at::Tensor a, b, c, bias;
   int64_t n = 0, k = 0, zero = 0;
+  at::Tensor lora_a, lora_b;          // [S, R, k] and [S, R, n] float32, the eager wrapper's own tensors
+  std::vector<int64_t> lora_bounds;  // its parts' column bounds
 
-  void run(const float* x, int64_t M, float* out, W4A8Scratch& s4, W8A8Scratch& s8) const {
+  // out [M, n] = the linear of x [M, k]; with `lora_rows` (a slot or -1 per row) and slots on this linear,
+  // plus each row's adapter, added to the linear's output in `base` as the eager wrapper adds it.
+  void run(const float* x, int64_t M, float* out, W4A8Scratch& s4, W8A8Scratch& s8, const int64_t* lora_rows,
+           std::vector<float>& base) const {
+    if (lora_rows && lora_a.defined()) {
+      base.resize(M * n);
+      run(x, M, base.data(), s4, s8, nullptr, base);
+      lora_add_rows(base.data(), x, lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), lora_rows, M, k, n,
+                    lora_a.size(0), lora_a.size(1), lora_bounds.data(), static_cast<int64_t>(lora_bounds.size()) - 1,
+                    out, false);
+      return;
+    }
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (kind == 0) {
       w4a8_rows(x, M, W4A8Weight{a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), bp,
@@ -210,7 +225,7 @@ class DecoderStep : public torch::CustomClassHolder {
                      const at::Tensor& local_cos_in, const at::Tensor& local_sin_in,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots, const at::Tensor& tables,
                      const at::Tensor& lens, const at::Tensor& local_slots, const at::Tensor& local_tables,
-                     const at::Tensor& local_lens, double scale, int64_t window) {
+                     const at::Tensor& local_lens, double scale, int64_t window, const at::Tensor& lora_slots) {
     const int64_t H = hidden_, D = head_dim_, half = D / 2, QS = heads_ * D, KS = kv_heads_ * D;
     const int64_t QKV = QS + 2 * KS, I = inter_;
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
@@ -228,6 +243,12 @@ class DecoderStep : public torch::CustomClassHolder {
                   "DecoderStep: cos, sin [T, head_dim / 2] float32");
     }
     const Tables full(slots, tables, lens, T), local(local_slots, local_tables, local_lens, T);
+    const int64_t* lora_rows = nullptr;  // each row's LoRA slot (-1: none), or no LoRA this step
+    if (lora_slots.numel()) {
+      TORCH_CHECK(lora_slots.scalar_type() == at::kLong && lora_slots.dim() == 1 && lora_slots.size(0) == T &&
+                  lora_slots.is_contiguous(), "DecoderStep: lora_slots [T] int64 contiguous");
+      lora_rows = lora_slots.data_ptr<int64_t>();
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const auto& c = kv_caches[i];
       TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == kv_heads_ && c.size(4) == D &&
@@ -263,7 +284,7 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       });
       clock.lap(kNorms);
-      layer.qkv.run(h, T, qkv, s4_, s8_);
+      layer.qkv.run(h, T, qkv, s4_, s8_, lora_rows, base_);
       clock.lap(kQkv);
       if (layer.q_norm.defined()) {  // each head normalised before its rotation, in place
         rows(T, QS + KS, [&](int64_t t) {
@@ -292,7 +313,7 @@ class DecoderStep : public torch::CustomClassHolder {
         write_and_attend<c10::Half>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, kv_heads_,
                                     D, sc, w, attn_.data());
       clock.lap(kAttention);
-      layer.o.run(attn_.data(), T, y, s4_, s8_);
+      layer.o.run(attn_.data(), T, y, s4_, s8_, lora_rows, base_);
       clock.lap(kO);
       rows(T, H, [&](int64_t t) {
         if (layer.pre_feedforward_norm.defined()) {  // Gemma: the output normed, then added and normed again
@@ -307,13 +328,13 @@ class DecoderStep : public torch::CustomClassHolder {
         run_experts(layer.experts, h, T, y);
         clock.lap(kExperts);
       } else {
-        layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_);
+        layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_, lora_rows, base_);
         clock.lap(kGateUp);
         rows(T, I, [&](int64_t t) {
           (gelu_ ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up_.data() + t * 2 * I, 1, I, act_.data() + t * I);
         });
         clock.lap(kAct);
-        layer.down.run(act_.data(), T, y, s4_, s8_);
+        layer.down.run(act_.data(), T, y, s4_, s8_, lora_rows, base_);
         clock.lap(kDown);
       }
       if (layer.post_feedforward_norm.defined()) {
@@ -343,6 +364,24 @@ class DecoderStep : public torch::CustomClassHolder {
     weights = weights.contiguous(), chosen = chosen.contiguous();
     w4a8_experts_rows(h, T, hidden_, weights.data_ptr<float>(), chosen.data_ptr<int64_t>(), x.top_k, x.w13, x.w2, 0, y,
                       s4_);
+  }
+
+  // LoRA slots on layer `layer`'s linear `which` (0 qkv, 1 o, 2 gate_up, 3 down), the eager wrapper's tensors
+  // (model/lora_slots.py) held as they are, so an adapter loaded into a slot later is read: a [S, R, K] and b
+  // [S, R, N] float32 contiguous, splits its parts' column bounds (empty: one part).
+  void set_lora(int64_t layer, int64_t which, at::Tensor a, at::Tensor b, std::vector<int64_t> splits) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && which >= 0 && which < 4,
+                "DecoderStep: set_lora of layer ", layer, ", linear ", which);
+    Layer& l = layers_[layer];
+    TORCH_CHECK(!(l.moe && which >= 2), "DecoderStep: a mixture-of-experts layer's MLP takes no LoRA");
+    Linear& linear = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
+    for (const auto* t : {&a, &b})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous() && t->device().is_cpu(),
+                  "DecoderStep: LoRA a [S, R, K] and b [S, R, N] float32 contiguous");
+    TORCH_CHECK(a.size(0) == b.size(0) && a.size(1) == b.size(1) && a.size(2) == linear.k && b.size(2) == linear.n,
+                "DecoderStep: LoRA a [S, R, ", linear.k, "] and b [S, R, ", linear.n, "] expected");
+    linear.lora_bounds = lora_bounds(splits, linear.n, a.size(1));
+    linear.lora_a = a, linear.lora_b = b;
   }
 
   // Time each part of the steps from now on (on: a clock read between parts, about 20 ns each), or stop.
@@ -380,7 +419,7 @@ class DecoderStep : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
   // Kept from step to step (one step at a time per model: the engine's loop).
-  std::vector<float> residual_, h_, y_, qkv_, attn_, gate_up_, act_;
+  std::vector<float> residual_, h_, y_, qkv_, attn_, gate_up_, act_, base_;  // base_: a linear's output before LoRA
   W4A8Scratch s4_;
   W8A8Scratch s8_;
   bool profiling_ = false;
@@ -393,6 +432,7 @@ TORCH_LIBRARY_FRAGMENT(ladder_cpu, m) {
   m.class_<ladder::DecoderStep>("DecoderStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())
       .def("forward", &ladder::DecoderStep::forward)
+      .def("set_lora", &ladder::DecoderStep::set_lora)
       .def("set_profiling", &ladder::DecoderStep::set_profiling)
       .def("take_profile", &ladder::DecoderStep::take_profile);
 }

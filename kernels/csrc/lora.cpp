@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "parallel.h"
 #include "tile.h"
 
@@ -300,21 +301,9 @@ void check_matrix(const at::Tensor& t, int64_t dim, const char* what) {
               " float32 contiguous CPU");
 }
 
-// ladder::lora_add: y [T, N], x [T, K], a [S, R, K], b [S, R, N] float32, rows [T] int64 in -1 .. S - 1,
-// splits empty or the P + 1 column bounds of the parts (top of the file).
-// `portable`: the portable loop even where the AVX2 tiles exist (tests; the results are the same).
-at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& rows, c10::IntArrayRef splits, bool portable) {
-  check_matrix(y, 2, "y: [T, N]");
-  check_matrix(x, 2, "x: [T, K]");
-  check_matrix(a, 3, "a: [S, R, K]");
-  check_matrix(b, 3, "b: [S, R, N]");
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
-              "rows: [T] int64 contiguous CPU");
-  const int64_t T = y.size(0), N = y.size(1), K = x.size(1), S = a.size(0), R = a.size(1);
-  TORCH_CHECK(x.size(0) == T && rows.size(0) == T && a.size(2) == K && b.size(0) == S && b.size(1) == R &&
-              b.size(2) == N, "lora_add: shapes y [T, N], x [T, K], a [S, R, K], b [S, R, N], rows [T] do not agree");
-  // The parts: bounds[p] .. bounds[p + 1], ranks p * part_ranks .. (p + 1) * part_ranks.
+}  // namespace
+
+std::vector<int64_t> lora_bounds(c10::IntArrayRef splits, int64_t N, int64_t R) {
   std::vector<int64_t> bounds(splits.begin(), splits.end());
   if (bounds.empty()) bounds = {0, N};
   const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
@@ -323,12 +312,17 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   for (int64_t p = 0; p < P; ++p)
     TORCH_CHECK_VALUE(bounds[p] < bounds[p + 1], "lora_add: splits must be strictly increasing, got ", splits);
   TORCH_CHECK_VALUE(R % P == 0, "lora_add: the rank R = ", R, " must be divisible by the number of parts P = ", P);
-  const int64_t part_ranks = R / P;
+  return bounds;
+}
+
+void lora_add_rows(const float* y, const float* x, const float* a, const float* b, const int64_t* slot, int64_t T,
+                   int64_t K, int64_t N, int64_t S, int64_t R, const int64_t* bounds, int64_t P, float* out,
+                   bool portable) {
+  const int64_t part_ranks = R / P;  // part p: columns bounds[p] .. bounds[p + 1], ranks p * part_ranks ..
 #ifndef LADDER_LORA_AVX2
   (void)portable;  // the portable loop is all there is
 #endif
   // Group the rows by slot: bucket s for slot s, bucket S for the rows without one; stable.
-  const int64_t* slot = rows.data_ptr<int64_t>();
   std::vector<int64_t> start(S + 2, 0), order(T);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK_VALUE(slot[t] >= -1 && slot[t] < S, "rows[", t, "] = ", slot[t], " is not a slot in -1 .. ", S - 1);
@@ -339,10 +333,8 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
     std::vector<int64_t> next(start.begin(), start.end() - 1);
     for (int64_t t = 0; t < T; ++t) order[next[slot[t] < 0 ? S : slot[t]]++] = t;
   }
-  auto out = at::empty_like(y);
   std::vector<float> h(T * R);
-  const Problem q{x.data_ptr<float>(), y.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
-                  out.data_ptr<float>(), h.data(), order.data(), K, N, R};
+  const Problem q{x, y, a, b, out, h.data(), order.data(), K, N, R};
 
   std::vector<Unit> shrink, expand;
   for (int64_t s = 0; s <= S; ++s)
@@ -375,6 +367,29 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
 #endif
     expand_unit_portable(q, u);
   });
+}
+
+namespace {
+
+// ladder::lora_add: y [T, N], x [T, K], a [S, R, K], b [S, R, N] float32, rows [T] int64 in -1 .. S - 1,
+// splits empty or the P + 1 column bounds of the parts (top of the file).
+// `portable`: the portable loop even where the AVX2 tiles exist (tests; the results are the same).
+at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& rows, c10::IntArrayRef splits, bool portable) {
+  check_matrix(y, 2, "y: [T, N]");
+  check_matrix(x, 2, "x: [T, K]");
+  check_matrix(a, 3, "a: [S, R, K]");
+  check_matrix(b, 3, "b: [S, R, N]");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "rows: [T] int64 contiguous CPU");
+  const int64_t T = y.size(0), N = y.size(1), K = x.size(1), S = a.size(0), R = a.size(1);
+  TORCH_CHECK(x.size(0) == T && rows.size(0) == T && a.size(2) == K && b.size(0) == S && b.size(1) == R &&
+              b.size(2) == N, "lora_add: shapes y [T, N], x [T, K], a [S, R, K], b [S, R, N], rows [T] do not agree");
+  const std::vector<int64_t> bounds = lora_bounds(splits, N, R);
+  auto out = at::empty_like(y);
+  lora_add_rows(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
+                rows.data_ptr<int64_t>(), T, K, N, S, R, bounds.data(), static_cast<int64_t>(bounds.size()) - 1,
+                out.data_ptr<float>(), portable);
   return out;
 }
 

@@ -3,6 +3,8 @@ for bit, on every step shape the engine makes, and the eager layers wherever the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_extension
 from model.cpu_step import step_support
+from model.lora import TARGETS, LoRAAdapter, LoRAWeight, target_shape
 from model.lora_slots import LoRASlots
 from model.sequences import Sequences
 from tiny_models import k_quant_model, make_hf_model, write_gguf
@@ -190,9 +193,9 @@ def test_long_chunks_and_other_models_run_the_eager_layers(tmp_path, default_w4a
     handle = module.layers[1].mlp.down_proj.register_forward_hook(lambda *args: None)
     assert step_support(module) == "layer 1 has forward hooks"
     handle.remove()
-    LoRASlots.attach(module, max_loras=2, max_rank=4)  # registers modules: the next step checks again
+    slots = LoRASlots.attach(module, max_loras=2, max_rank=4)  # registers modules: the next step checks again
     _run(module, True, [[[1, 2, 3]]], 64)
-    assert module.cpu_step is None and "LoRALinear" in module.cpu_step_reason
+    assert module.cpu_step is not None and module.cpu_step.lora is slots  # LoRA slots: still one C++ call
 
 
 def test_served_greedy_text_is_the_same(default_w4a8):
@@ -229,8 +232,10 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
     x = torch.zeros(1, module.config.hidden_size)
     cos = sin = torch.zeros(1, module.config.head_dim // 2)
     slots, tables, lens = torch.tensor([10**9]), torch.zeros(1, 2, dtype=torch.long), torch.tensor([1])
-    def forward(x, caches, slots):
-        return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0)
+    no_lora = torch.empty(0, dtype=torch.long)
+
+    def forward(x, caches, slots, lora=no_lora):
+        return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0, lora)
 
     with pytest.raises(RuntimeError, match="slot 1000000000 outside layer 0's cache"):
         forward(x, seqs.kv_caches, slots)
@@ -243,3 +248,68 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
         forward(x, mixed, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 KV cache"):
         forward(x, [c.double() for c in seqs.kv_caches], torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="lora_slots \\[T\\] int64"):
+        forward(x, seqs.kv_caches, torch.tensor([0]), torch.tensor([0, 1]))
+    a, b = torch.zeros(2, 4, 576), torch.zeros(2, 4, 960)
+    with pytest.raises(RuntimeError, match="LoRA a \\[S, R, 576\\] and b \\[S, R, 576\\] expected"):
+        step.set_lora(0, 1, torch.zeros(2, 4, 576), b, [])  # o_proj's b is [S, R, 576]
+    with pytest.raises(RuntimeError, match="set_lora of layer 99"):
+        step.set_lora(99, 0, a, b, [])
+    with pytest.raises(ValueError, match="splits must run from 0 to N = 960"):
+        step.set_lora(0, 0, a, b, [0, 5])
+
+
+def _random_adapter(config, rank: int, seed: int, targets) -> LoRAAdapter:
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config.num_layers):
+        for target in targets:
+            out_features, in_features = target_shape(config, target)
+            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            weights[(layer, target)] = LoRAWeight(a, torch.randn(out_features, rank, generator=generator) * 0.1)
+    return LoRAAdapter(f"r{seed}", Path(f"r{seed}"), rank, weights)
+
+
+@pytest.mark.parametrize("quantization", ["w4a8", "w8a8"])
+def test_lora_slots_equal_the_eager_layers(tmp_path, quantization):
+    """LoRA slots on the linears: every row's adapter (rows of two adapters and rows of none in one step, a
+    prefill and decode rows) gives the eager wrappers' logits bit for bit, and an adapter loaded into a slot
+    after the step was built is the one the step reads."""
+    hf = make_hf_model("qwen2", tmp_path / "hf")  # q/k/v biases: the adapter adds after the bias
+    write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
+    module = model.load(tmp_path / "m.gguf", quantization=quantization).module
+    config = module.config
+    slots = LoRASlots.attach(module, max_loras=3, max_rank=8)
+    slots.load(0, _random_adapter(config, 8, 1, TARGETS))
+    slots.load(2, _random_adapter(config, 4, 2, ("q_proj", "v_proj", "down_proj")))  # some targets, a lower rank
+    turns = [[[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], [[1], [2], [3]], [[4], [5], [6]]]
+    adapters = [0, -1, 2]  # a slot per sequence
+
+    def run(use_step: bool) -> list[torch.Tensor]:
+        module.use_cpu_step = use_step
+        seqs = Sequences(module, 3, 64)
+        out = []
+        try:
+            for turn in turns:
+                slots.rows = torch.tensor([a for a, tokens in zip(adapters, turn) for _ in tokens])
+                out.append(seqs.step(turn, all_rows=True))
+        finally:
+            slots.rows, module.use_cpu_step = None, True
+        return out
+
+    eager = run(False)
+    step = run(True)
+    assert module.cpu_step is not None and module.cpu_step.lora is slots, module.cpu_step_reason
+    for a, b in zip(eager, step, strict=True):
+        assert torch.equal(a, b)
+    slots.rows = None
+    base = Sequences(module, 1, 64).step([[5, 6, 7, 8, 9]], all_rows=True)
+    assert not torch.equal(step[0][:5], base)  # the adapter moved slot 0's rows
+
+    slots.load(1, _random_adapter(config, 8, 3, TARGETS))  # in place: no rebuild, the step reads it
+    adapters = [1, 1, -1]
+    built = module.cpu_step
+    eager, step = run(False), run(True)
+    assert module.cpu_step is built
+    for a, b in zip(eager, step, strict=True):
+        assert torch.equal(a, b)
