@@ -12,12 +12,12 @@ the decoders `ladder serve` runs on a CPU by default: float32 activations; W4A8 
 linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and Gemma 3's (q/k norms,
 sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); LoRA slots on the
 linears (model/lora_slots.py: each row's adapter added after its linear, as the eager wrapper adds it, from
-the wrapper's own tensors, so an adapter loaded into a slot later is read); nothing else wrapped or hooked
-(tensor-parallel all-reduces); mixtures of experts whose experts are W4A8 (the router
-and routing through ATen's own calls, as the eager block makes them). Not covered: float or weight-only int8
-linears and experts, a rank's part of the experts. Per step it takes a float32, bfloat16 or float16 cache
-(`--kv-cache-dtype`) and plans whose
-every token is a kernel row (`CpuAttentionPlan` without a gathered part: chunks up to 1,024 tokens).
+the wrapper's own tensors, so an adapter loaded into a slot later is read); mixtures of experts whose
+experts are W4A8 (the router and routing through ATen's own calls, as the eager block makes them). Not
+covered: float or weight-only int8 linears and experts, a rank's part of the experts, any other wrapper or
+hook (tensor-parallel all-reduces). Per step it takes a float32, bfloat16 or float16 cache
+(`--kv-cache-dtype`) and plans whose every token is a kernel row (`CpuAttentionPlan` without a gathered
+part: chunks up to 1,024 tokens).
 
 The step holds the modules' tensors as they were when it was built. A module, parameter or buffer
 registered anywhere afterwards (a swapped linear, LoRA slots attached, weights reloaded) bumps
