@@ -76,9 +76,10 @@ class KVBlockManager:
         """The longest run of the request's leading full blocks already in the pool's cache (counted in
         no statistic: a pool chooser may ask every pool; `count_lookup` counts the admission's).
 
-        At least one token is always left to compute, since sampling needs its logits.
+        At least one token is always left to compute, since sampling needs its logits. A request that
+        scores its prompt (prompt_logprobs) needs the logits of every prompt token: none is read.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.scores_prompt:
             return CachedPrefix([], 0)
         self._update_hashes(request)
         cached = self.cached[pool]

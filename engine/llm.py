@@ -59,7 +59,10 @@ class LLM:
             self.engine.add_request(request_id, token_ids, p, lora=adapter)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                results[delta.request_id].outputs[delta.index].add(delta)
+                result = results[delta.request_id]
+                result.outputs[delta.index].add(delta)
+                if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+                    result.prompt_logprobs = delta.prompt_logprobs
         return list(results.values())
 
     def default_sampling_params(self) -> SamplingParams:

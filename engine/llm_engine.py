@@ -7,9 +7,12 @@ both drive this class; nothing in it is thread-safe, so the async engine calls i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+
+import torch
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
@@ -18,10 +21,10 @@ from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
 from engine.lora_manager import LoRAInUseError, LoRAManager
-from engine.model_runner import ModelInputs, ModelRunner
+from engine.model_runner import ModelInputs, ModelRunner, ScoredRows
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
-from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler
+from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_decode
 from engine.speculative import NgramProposer, Proposer
@@ -42,7 +45,18 @@ log = logging.getLogger(__name__)
 # The errors a request ends with when its own part of a step fails; the other requests of the step go on.
 PREPARE_FAILED = "building this request's step inputs failed"
 OUTPUT_FAILED = "turning this request's next token into text failed"
-REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED, GUIDE_FAILED})
+PROMPT_SCORING_FAILED = "computing this request's prompt log-probabilities failed"
+REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED, GUIDE_FAILED,
+                              PROMPT_SCORING_FAILED})
+
+
+SCORED_LOGITS = 1 << 25  # float32 logits of prompt rows a step keeps for one request (128 MiB)
+
+
+def scored_tokens_per_step(vocab_size: int) -> int:
+    """Prompt tokens a request that scores its prompt runs per step: each is a row of logits, so their
+    [rows, vocab] float32 (and its log-softmax) stay within SCORED_LOGITS floats; 16 at least."""
+    return max(16, SCORED_LOGITS // max(vocab_size, 1))
 
 
 def set_kv_cache_dtype(loaded: LoadedModel, name: str) -> None:
@@ -130,7 +144,7 @@ class LLMEngine:
         bound = config.max_prefill_tokens
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                           prefill_bound)
+                                           prefill_bound, scored_tokens_per_step(self.model.config.vocab_size))
         lora_slots = self._set_up_lora(config)
         self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora)
         self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks)
@@ -269,6 +283,9 @@ class LLMEngine:
             # The guided rows' masks are computed while the model runs (engine/guide_masks.py).
             pending_masks = self.masker.start([r.matcher for r in plain])
             logits = self.runner.forward(inputs)
+            if inputs.scored:  # prompt rows first (their logits as the model gave them), then the sampled rows
+                self._score_prompts(logits, inputs.scored)
+                logits = logits[inputs.sample_logit_rows]
             forward_at = time.perf_counter()
             masks = pending_masks.result() if pending_masks is not None else None
             plain_logits = logits if not inputs.speculates else logits[rows.plain_rows]
@@ -282,6 +299,8 @@ class LLMEngine:
             self.stats.record_communication(self.runner.module.communication_seconds())
             self.scheduler.finish_step(batch)
             for i, request in enumerate(plain):
+                if request.is_finished:  # its prompt's scoring failed
+                    continue
                 error = sampled.error(i) or (masks.errors.get(i) if masks is not None else None)
                 if error is None:
                     error = self._append(deltas, request, [sampled.token_ids[i]], [sampled.logprobs[i]])
@@ -303,6 +322,21 @@ class LLMEngine:
         self._release_finished()
         self.stats.observe_queue(self.scheduler, self.blocks)
         return deltas
+
+    def _score_prompts(self, logits: torch.Tensor, scored: tuple[ScoredRows, ...]) -> None:
+        """Each scored prompt's log-probabilities from its rows of the step's logits, as the model gave them
+        (no sampling parameter applies); a request whose scoring fails ends with an error, not the step."""
+        for part in scored:
+            request = part.request
+            try:
+                position = part.first_position
+                targets = request.prompt_token_ids[position:position + part.count]
+                rows = logits[part.first_row:part.first_row + part.count]
+                entries = compute_logprobs(rows, targets, [request.params.prompt_logprobs] * part.count)
+                request.prompt_scores.update(zip(range(position, position + part.count), entries, strict=True))
+            except Exception:
+                log.exception("scoring the prompt of request %s failed", request.request_id)
+                self._finish(request, FinishReason.ERROR, PROMPT_SCORING_FAILED)
 
     def _prepare(self, batch: SchedulerOutput) -> ModelInputs | None:
         """The step's inputs. If building them raises, each scheduled request is tried alone: the ones that
@@ -364,7 +398,8 @@ class LLMEngine:
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list) -> SampleDelta:
         """Append tokens one at a time, checking the stop conditions after each: the ones after a stop are
         dropped. One delta for them all."""
-        if request.first_token_time is None:
+        first = request.first_token_time is None
+        if first:
             request.first_token_time = time.monotonic()
         stream = self.streams[request]
         params = request.params
@@ -393,7 +428,10 @@ class LLMEngine:
                 request.finish(reason)
                 break
         kept_logprobs = [lp for lp in logprobs[:len(appended)] if lp is not None]
-        return self._delta(request, appended, text, kept_logprobs)
+        delta = self._delta(request, appended, text, kept_logprobs)
+        if first and request.params.prompt_logprobs is not None:  # the prompt's, complete before its first token
+            delta = dataclasses.replace(delta, prompt_logprobs=request.prompt_logprobs)
+        return delta
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         request.finish(reason, error)

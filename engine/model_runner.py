@@ -20,9 +20,25 @@ class ModelInputs:
     # the last token's and each draft's, consecutive. All empty in a step without speculation.
     drafts: list[tuple[int, ...]]
 
+    # Prompts scored (SamplingParams.prompt_logprobs): their rows of logits, which come before the sampled
+    # rows; then the rows of the sampled requests, in order (None: every row of the logits, none scored).
+    scored: tuple[ScoredRows, ...] = ()
+    sample_logit_rows: list[int] | None = None
+
     @property
     def speculates(self) -> bool:
         return any(self.drafts)
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """`count` consecutive rows of a step's logits, from `first_row`, that give the log-probabilities of a
+    request's prompt tokens at positions `first_position` .. + count - 1 (each row the token after it)."""
+
+    request: Request
+    first_row: int
+    count: int
+    first_position: int
 
 
 class ModelRunner:
@@ -51,19 +67,34 @@ class ModelRunner:
         scheduled = batch.scheduled
         if self.num_pools > 1:
             scheduled = sorted(scheduled, key=lambda item: item.request.kv_pool)  # stable: order within a pool kept
+        scored: list[ScoredRows] = []
+        sample_logit_rows: list[int] = []
+        row = 0  # the chunk's first row of the step's logits
         for item in scheduled:
             request, start, draft = item.request, item.request.num_computed_tokens, item.draft_token_ids
             end = start + item.num_new_tokens - len(draft)
             # Only a chunk that reaches the request's last known token gives the next token (and its
             # drafts' rows, each of which gives the token after it).
             is_sampled = end == request.num_tokens
+            num_sampled = (1 + len(draft)) * is_sampled
+            # A prompt scored: each row from `start` on gives the log-probability of the prompt token after it,
+            # up to the row before the prompt's last token (the rows of a chunk that ends inside the prompt all
+            # do; a final chunk's last row is the sampled one), so the chunk returns all its rows.
+            last = request.num_prompt_tokens - 1
+            num_scored = max(0, min(end, last) - start) if request.scores_prompt else 0
+            num_rows = len(draft) + end - start if num_scored else num_sampled
             tokens = request.all_token_ids[start:end] + list(draft)
-            chunks.append(SeqChunk(tokens, start, request.block_ids, (1 + len(draft)) * is_sampled, request.lora_slot,
+            chunks.append(SeqChunk(tokens, start, request.block_ids, num_rows, request.lora_slot,
                                    request.window_block_ids if self.windowed else None))
+            if num_scored:
+                scored.append(ScoredRows(request, row, num_scored, start + 1))
             if is_sampled:
                 sample_requests.append(request)
                 drafts.append(draft)
-        return ModelInputs(build_step(chunks, self.module.block_size, self.module.device), sample_requests, drafts)
+                sample_logit_rows.extend(range(row + num_rows - num_sampled, row + num_rows))
+            row += num_rows
+        return ModelInputs(build_step(chunks, self.module.block_size, self.module.device), sample_requests, drafts,
+                           tuple(scored), sample_logit_rows if scored else None)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [B, vocab] float32 for the rows to sample (B may be 0 when only prefill chunks ran)."""

@@ -21,6 +21,9 @@ class SampleDelta:
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs, on a sample's first delta: its prompt tokens' log-probabilities,
+    # positions 1 .. P - 1 (the first token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -56,6 +59,8 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs: prompt positions 1 .. P - 1 (None: not asked for, or not computed).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

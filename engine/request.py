@@ -79,6 +79,9 @@ class Request:
     lora: str | None = None
     lora_slot: int = -1
     cache_salt: bytes = b""
+    # The prompt's log-probabilities (params.prompt_logprobs), by position 1 .. P - 1: each token's after
+    # the tokens before it. Kept through preemption; a recomputed prompt writes the same values again.
+    prompt_scores: dict[int, TokenLogprobs] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +94,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt's log-probabilities are still to compute: asked for and not all computed yet
+        (each of a request's n samples computes its own: none reads the prompt from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_scores) < self.num_prompt_tokens - 1
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The computed prompt log-probabilities, positions 1 .. P - 1 in order."""
+        return [self.prompt_scores[p] for p in sorted(self.prompt_scores)]
 
     @property
     def is_finished(self) -> bool:

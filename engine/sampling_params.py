@@ -42,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k best tokens'
+    # None: none; k: each prompt token's log-probability after the tokens before it, and the k best there
+    # (the prompt is then computed whole, not read from the prefix cache).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; a mapping is accepted
     guide: Guide | None = None
@@ -72,6 +75,8 @@ class SamplingParams:
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
              f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),

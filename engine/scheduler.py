@@ -39,9 +39,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     max_prefill_tokens: int | None = None  # prompt tokens per step while any request decodes (None: no bound)
+    # Prompt tokens per step of a request that scores its prompt (prompt_logprobs): each gives a row of
+    # logits, [rows, vocab] float32, so the engine sizes this to the vocabulary.
+    max_scored_tokens: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_scored_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
@@ -119,7 +122,7 @@ class Scheduler:
                 if prefill_budget <= 0:
                     index += 1  # its next chunk waits; the decodes after it still run
                     continue
-                remaining = min(remaining, prefill_budget)
+                remaining = min(remaining, prefill_budget, self._prompt_chunk_limit(request))
             num_new = min(remaining, budget)
             draft = tuple(drafts.get(request, ()))[:budget - 1] if not is_prompt else ()
             if draft and self.blocks.allocate(request, num_new + len(draft)):
@@ -157,7 +160,7 @@ class Scheduler:
             if not self._take_adapter(request):
                 no_slot.append(self.waiting.popleft())
                 continue
-            admitted = self._allocate_admission(request, min(budget, prefill_budget))
+            admitted = self._allocate_admission(request, min(budget, prefill_budget, self._prompt_chunk_limit(request)))
             if admitted is None:
                 self._give_back_adapter(request)
                 break
@@ -192,6 +195,10 @@ class Scheduler:
                 self.blocks.release(request)
                 self._give_back_adapter(request)
         return finished
+
+    def _prompt_chunk_limit(self, request: Request) -> int:
+        """The most prompt tokens the request may run in one step (its own limit, beside the budgets)."""
+        return self.config.max_scored_tokens if request.scores_prompt else self.config.max_num_batched_tokens
 
     def _allocate_admission(self, request: Request, limit: int) -> tuple[CachedPrefix, int] | None:
         """Blocks for a waiting request's cached prefix and first chunk (up to `limit` tokens), from the

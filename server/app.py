@@ -235,6 +235,8 @@ def create_app(state: ServerState) -> FastAPI:
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
             params = sampling_params(body, max_tokens, body.logprobs, guide, info.sampling_defaults)
+            if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with theirs
+                params = params.replace(prompt_logprobs=body.logprobs)
             job = Job(new_id("cmpl"), prompts, params, lora or state.model_name, body.logprobs, lora)
             echo = body.echo
             return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,

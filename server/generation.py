@@ -101,7 +101,8 @@ def joined(first: SampleDelta | None, then: SampleDelta) -> SampleDelta:
     if first is None:
         return then
     return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
-                               logprobs=first.logprobs + then.logprobs)
+                               logprobs=first.logprobs + then.logprobs,
+                               prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDelta], None] | None = None,
@@ -165,6 +166,20 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs], offs
     return out
 
 
+def echo_logprobs(tokenizer: Tokenizer, prompt: Prompt, entries: list[TokenLogprobs] | None,
+                  completion: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    """An echoed completion's logprobs: the prompt's tokens first, each with its log-probability after the
+    tokens before it (the first token has none), offsets from 0; then the completion's."""
+    if entries is None or not prompt.token_ids:
+        return completion
+    first = token_text(tokenizer, prompt.token_ids[0])
+    rest = completion_logprobs(tokenizer, entries, len(first))
+    return p.CompletionLogprobs(tokens=[first] + rest.tokens + completion.tokens,
+                                token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
+                                top_logprobs=[None] + rest.top_logprobs + completion.top_logprobs,
+                                text_offset=[0] + rest.text_offset + completion.text_offset)
+
+
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatLogprobs:
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(tokenizer, token_id)
@@ -176,11 +191,14 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatL
     ])
 
 
-def logprobs_payload(tokenizer: Tokenizer, entries: list[TokenLogprobs], chat: bool, offset: int) -> dict:
-    """A streamed event's `logprobs` object. CPU-heavy (it detokenizes): run it off the event loop."""
+def logprobs_payload(tokenizer: Tokenizer, entries: list[TokenLogprobs], chat: bool, offset: int,
+                     echoed: tuple[Prompt, list[TokenLogprobs] | None] | None = None) -> dict:
+    """A streamed event's `logprobs` object (`echoed`: the prompt and its log-probabilities, before the
+    entries). CPU-heavy (it detokenizes): run it off the event loop."""
     if chat:
         return chat_logprobs(tokenizer, entries).model_dump()
-    return completion_logprobs(tokenizer, entries, offset).model_dump()
+    out = completion_logprobs(tokenizer, entries, offset)
+    return (echo_logprobs(tokenizer, *echoed, out) if echoed is not None else out).model_dump()
 
 
 def request_error(delta: SampleDelta) -> APIError:
@@ -209,6 +227,7 @@ class Collected:
         count = len(job.prompts) * job.params.n
         self.text = [""] * count
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
+        self.prompt_logprobs: list[list[TokenLogprobs] | None] = [None] * count
         self.finish: list[str | None] = [None] * count
         self.num_output_tokens = 0
 
@@ -217,6 +236,8 @@ class Collected:
             raise request_error(delta)
         self.text[index] += delta.text
         self.logprobs[index].extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = delta.prompt_logprobs
         if delta.finished:
             self.finish[index] = finish_reason(delta)
             self.num_output_tokens += delta.num_output_tokens
@@ -237,10 +258,13 @@ def usage(job: Job, num_output_tokens: int) -> p.Usage:
 def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo: bool) -> p.CompletionResponse:
     choices = []
     for index, text in enumerate(result.text):
-        prefix = job.prompts[index // job.params.n].text if echo else ""
+        prompt = job.prompts[index // job.params.n]
+        prefix = prompt.text if echo else ""
         logprobs = None
         if job.num_top_logprobs is not None:
             logprobs = completion_logprobs(tokenizer, result.logprobs[index], len(prefix))
+            if echo:
+                logprobs = echo_logprobs(tokenizer, prompt, result.prompt_logprobs[index], logprobs)
         choices.append(p.CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
                                           finish_reason=result.finish[index]))
     return p.CompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
@@ -308,19 +332,23 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
             break
         choice: dict = {"index": index}
         text = delta.text
+        echoed = None  # the first event of an echoed choice: its prompt, and with logprobs their values
+        offset = offsets.get(index, 0)  # the text offset of the delta's first token
         if index not in started:
             started.add(index)
             if chat:
                 yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
             elif echo:
-                text = job.prompts[index // job.params.n].text + text
+                prompt = job.prompts[index // job.params.n]
+                text = prompt.text + text
+                offset = len(prompt.text)  # the completion's tokens start after the prompt's text
+                echoed = (prompt, delta.prompt_logprobs)
         logprobs = None
-        if job.num_top_logprobs is not None and delta.logprobs:
+        if job.num_top_logprobs is not None and (delta.logprobs or echoed is not None):
             # Detokenizing each token and its alternatives is CPU work for the event loop's other streams
             # to wait on: a worker thread does it, awaited here, so the events keep their order.
-            logprobs = await asyncio.to_thread(logprobs_payload, tokenizer, delta.logprobs, chat,
-                                               offsets.get(index, 0))
+            logprobs = await asyncio.to_thread(logprobs_payload, tokenizer, delta.logprobs, chat, offset, echoed)
         offsets[index] = offsets.get(index, 0) + len(text)
         if delta.finished:
             num_output_tokens += delta.num_output_tokens

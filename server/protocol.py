@@ -43,7 +43,7 @@ UNSUPPORTED_FIELDS = {
     "early_stopping": "beam search is not implemented",
     "allowed_token_ids": "use logit_bias, or a guided_choice or guided_regex",
     "bad_words": "use logit_bias with -100 for their tokens",
-    "prompt_logprobs": "prompt log-probabilities are not computed",
+    "prompt_logprobs": "use echo with logprobs (/v1/completions)",
     "truncate_prompt_tokens": "prompts are refused when too long, never truncated",
     "include_stop_str_in_output": "stop strings are always left out",
     "spaces_between_special_tokens": "not implemented",
@@ -258,12 +258,6 @@ class CompletionRequest(_Request):
                 if value.get(name) is not None:
                     raise ValueError(f"{name} is not supported on /v1/completions; use /v1/chat/completions")
         return value
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt log-probabilities are not computed)")
-        return self
 
     @property
     def prompt_list(self) -> list[str | list[int]]:

@@ -109,6 +109,31 @@ def test_n_stop_logprobs_and_seed(client):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, one token out, the prompt as ids): the
+    prompt's tokens come back first, the first without a log-probability, each later one with its own and
+    its best alternatives; the same in the stream, and in a request that asks for two prompts."""
+    context, continuation = tokenizer.encode("The capital of France is"), tokenizer.encode(" Paris")
+    ids = context + continuation
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=1, temperature=0, logprobs=2, echo=True)
+    out = client.completions.create(prompt=ids, **kwargs)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and "".join(lp.tokens) == out.choices[0].text
+    assert out.choices[0].text.startswith("The capital of France is Paris")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    paris = lp.token_logprobs[len(context):-1]  # what the harness sums: the continuation's tokens
+    assert len(paris) == len(continuation) and sum(paris) > -3  # " Paris" after this context is likely
+    assert lp.top_logprobs[len(context)][" Paris"] == lp.token_logprobs[len(context)]  # and the greedy choice
+    streamed = list(client.completions.create(prompt=ids, stream=True, **kwargs))
+    merged = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert merged == lp.token_logprobs and "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    both = client.completions.create(prompt=[ids, context], **kwargs)
+    assert both.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert both.choices[1].logprobs.token_logprobs[:len(context)] == lp.token_logprobs[:len(context)]
+
+
 def test_32_concurrent_streams(server):
     async def one(client, i):
         stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Story number {i}:",
