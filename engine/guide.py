@@ -116,11 +116,13 @@ class Guide:
 
 
 class CompiledGuide:
-    """A guide compiled for one vocabulary. `matcher()` gives a fresh matcher for one sample."""
+    """A guide compiled for one vocabulary. `matcher()` gives a fresh matcher for one sample; `unwritable`: the
+    bytes no token of that vocabulary holds (a text that needs one cannot be written)."""
 
-    def __init__(self, guide: Guide, prototype: llguidance.LLMatcher) -> None:
+    def __init__(self, guide: Guide, prototype: llguidance.LLMatcher, unwritable: frozenset[int] = frozenset()) -> None:
         self.guide = guide
         self._prototype = prototype
+        self.unwritable = unwritable
 
     def matcher(self) -> llguidance.LLMatcher:
         return self._prototype.deep_copy()  # microseconds: the grammar and its lexer are shared
@@ -136,6 +138,7 @@ class GuideCompiler:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
+        self._unwritable: frozenset[int] = frozenset()  # with the tokenizer: bytes in no token
         self._limits = llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
         self._cache: OrderedDict[Guide, CompiledGuide] = OrderedDict()
         self._cache_size = cache_size
@@ -146,6 +149,13 @@ class GuideCompiler:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    @property
+    def unwritable(self) -> frozenset[int]:
+        """The bytes no token of the vocabulary holds (found with llguidance's tokenizer, on first use)."""
+        with self._lock:
+            self._llg_tokenizer_locked()
+            return self._unwritable
+
     def compile(self, guide: Guide) -> CompiledGuide:
         with self._lock:
             compiled = self._cache.get(guide)
@@ -153,13 +163,20 @@ class GuideCompiler:
                 self._cache.move_to_end(guide)
                 return compiled
             tokenizer = self._llg_tokenizer_locked()
+            unwritable = self._unwritable
+        if guide.kind == "choice":  # a choice that needs such a byte can never be written: say which
+            for i, choice in enumerate(json.loads(guide.text)):
+                missing = sorted(set(choice.encode("utf-8", "surrogatepass")) & unwritable)
+                if missing:
+                    raise GuideError(f"choice {i} cannot be written with this model's tokens: no token holds its "
+                                     f"byte 0x{missing[0]:02X}")
         grammar = guide.grammar_text()
         # The matcher reports a bad grammar (an unknown schema keyword, a regex that does not parse, a rule
         # never defined, a grammar over the limits) as its error state, not as an exception.
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GuideError(f"the {guide.kind.replace('_', ' ')} cannot be used: {_first_line(matcher.get_error())}")
-        compiled = CompiledGuide(guide, matcher)
+        compiled = CompiledGuide(guide, matcher, unwritable)
         with self._lock:
             self.num_compiled += 1
             self._cache[guide] = compiled
@@ -172,6 +189,13 @@ class GuideCompiler:
             stops = sorted(self._tokenizer.stop_token_ids)
             self._llg_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
                                                          eos_token=stops or None)
+            # A byte-level vocabulary may lack some bytes altogether (SmolLM2's has no 0xF1 or 0xF2, the lead
+            # bytes of most 4-byte characters): llguidance then masks as if such a byte could come, and refuses
+            # the token its own mask allowed. Known here, a guide that needs one is refused instead.
+            held = set()
+            for token in range(self._llg_tokenizer.vocab_size):
+                held.update(self._llg_tokenizer.decode_bytes([token]))
+            self._unwritable = frozenset(range(256)) - held
         return self._llg_tokenizer
 
 

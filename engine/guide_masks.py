@@ -10,6 +10,7 @@ pass produces.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -19,6 +20,9 @@ import torch
 log = logging.getLogger(__name__)
 
 GUIDE_FAILED = "the output constraint of this request failed"
+# A client's error (400): the constraint forces text the model's tokens cannot write.
+GUIDE_UNWRITABLE = ("the output constraint requires byte 0x{:02X} next, which no token of this model's vocabulary "
+                    "holds, so the output cannot continue")
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,9 @@ class StepMasks:
 
 
 class GuideMasker:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, unwritable: Callable[[], frozenset[int]] = frozenset) -> None:
         self.vocab_size = vocab_size
+        self.unwritable = unwritable  # the bytes no token holds (engine/guide.py GuideCompiler.unwritable)
         self.words = (vocab_size + 31) // 32  # llguidance writes 32 tokens per int32 word
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladder-guide")
         # One Rust thread per row is wasted on a small batch; two suit the 2-core hosts this serves on and
@@ -59,11 +64,17 @@ class GuideMasker:
                              {row: GUIDE_FAILED for row in rows})
         allowed = ((bitmask[:, :, None] >> self._bits) & 1).bool().reshape(len(rows), -1)[:, :self.vocab_size]
         errors = {}
+        unwritable = self.unwritable()
         for j, m in enumerate(matchers):
             # A matcher in error (it never should be: tokens come from its own masks) allows nothing.
             if m.is_error() or not allowed[j].any():
                 errors[rows[j]] = GUIDE_FAILED
                 allowed[j] = True  # so the row samples like the others; its request ends with the error
+            elif unwritable and (needed := unwritable.intersection(m.compute_ff_bytes())):
+                # Forced text with a byte no token holds: llguidance's mask then allows a token that its
+                # matcher refuses. The request ends here, with the reason.
+                errors[rows[j]] = GUIDE_UNWRITABLE.format(min(needed))
+                allowed[j] = True
         return StepMasks(rows, allowed, errors)
 
     def close(self) -> None:

@@ -153,3 +153,26 @@ def test_a_failing_mask_ends_the_guided_requests_alone(llm, monkeypatch):
     outs = run(llm, ["Hello", "Hi"], [plain, guided])
     assert outs[0].token_ids == alone
     assert outs[1].finish_reason.value == "error" and outs[1].error == "the output constraint of this request failed"
+
+
+def test_text_the_vocabulary_cannot_write_is_refused_not_a_server_error(llm):
+    """SmolLM2's byte-level vocabulary holds no 0xF2 (the lead byte of U+AA364, say) and no 0x04. A choice
+    that needs such a byte is refused when compiled; a regex that forces one ends its request with that
+    reason as soon as the text is forced (llguidance would otherwise mask as if the byte could come and then
+    refuse the token its own mask allowed), and the requests beside it keep their tokens."""
+    assert {0x04, 0xF2} <= llm.engine.guides.unwritable and 0x41 not in llm.engine.guides.unwritable
+    with pytest.raises(GuideError, match="choice 1 cannot be written with this model's tokens: .* 0x04"):
+        llm.engine.guides.compile(Guide.choice(["fine", "\u0004bad"]))
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    alone = run(llm, ["Hello"], plain)[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=10, guide=Guide.regex("\u00bb\u00ee\U000AA364"))
+    outs = run(llm, ["Hello", "Hi"], [plain, forced])
+    assert outs[0].token_ids == alone
+    assert outs[1].finish_reason.value == "error" and "requires byte 0xF2 next" in outs[1].error
+    either = SamplingParams(temperature=1.0, max_tokens=10, guide=Guide.regex("(\u00bb\u00ee\U000AA364|abc)"))
+    seen = set()
+    for seed in range(8):  # the writable alternative is written; the other ends as above, never a refused token
+        out = run(llm, ["Hello"], either.replace(seed=seed))[0]
+        assert out.text == "abc" if out.error is None else "requires byte 0xF2 next" in out.error
+        seen.add(out.error is None)
+    assert seen == {True, False}

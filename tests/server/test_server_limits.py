@@ -168,6 +168,21 @@ def test_fuzzed_requests_get_no_5xx_and_fit_the_schema(fuzz_app):
         check()
 
 
+def test_text_the_vocabulary_cannot_write_is_a_400(fuzz_app):
+    """A body the fuzzer once found answered with a 500 (the guide refused a token its own mask allowed): a
+    choice with a byte no token holds is a 400 that names it, before anything runs; a regex that forces such
+    text is a 400 with the reason when it is reached."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(fuzz_app)  # no lifespan: the module's engine stays up for the other tests
+    choice = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, "guided_choice": [
+        "\U000d5dba", "\u00bb\u00ee\U000aa364 \u0006"]})
+    assert choice.status_code == 400 and "choice 1 cannot be written" in choice.json()["error"]["message"]
+    forced = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, "temperature": 0,
+                                                  "guided_regex": "\u00bb\u00ee\U000aa364"})
+    assert forced.status_code == 400 and "requires byte 0xF2 next" in forced.json()["error"]["message"]
+
+
 def test_a_stream_interval_below_one_is_refused_in_one_line(capsys):
     from ladder.cli import main
 
