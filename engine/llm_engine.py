@@ -169,6 +169,8 @@ class LLMEngine:
         module = self.model.module
         if not isinstance(module, LlamaForCausalLM):
             raise ValueError(f"LoRA adapters run on the eager model in one process, not on {type(module).__name__}")
+        if any(not hasattr(layer.mlp, "gate_up_proj") for layer in module.layers):
+            raise ValueError("LoRA adapters need dense MLP layers; this model's are mixtures of experts")
         adapters = [load_adapter(path, self.model.config, name) for name, path in config.lora_modules]
         slots = LoRASlots.attach(module, config.max_loras, config.max_lora_rank)
         self.lora = LoRAManager(slots)

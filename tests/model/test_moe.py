@@ -78,6 +78,14 @@ def test_engine_generates_as_the_generator_does(moe_models):
         assert list(out.outputs[0].token_ids) == expected
 
 
+def test_lora_on_experts_is_refused_in_one_line(moe_models):
+    from engine import LLM
+
+    _, _, _, directory = moe_models
+    with pytest.raises(ValueError, match="LoRA adapters need dense MLP layers; this model's are mixtures of experts"):
+        LLM(str(directory), enable_lora=True, kv_cache_memory_gib=0.02, max_model_len=64)
+
+
 def test_transformers5_fused_expert_layout_loads(moe_models, tmp_path):
     """A checkpoint holding the experts stacked (transformers 5's in-memory names) loads the same module."""
     _, hf, ours, directory = moe_models
