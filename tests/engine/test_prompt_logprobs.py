@@ -119,3 +119,38 @@ def test_a_failed_scoring_ends_its_request_alone(hf_and_llm, monkeypatch):
     assert [d.finish_reason for d in bad] == [FinishReason.ERROR]
     assert bad[0].error == engine_module.PROMPT_SCORING_FAILED and not bad[0].token_ids
     assert sum(len(d.token_ids) for d in good) == 4 and good[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_prompt_scored_beside_a_speculating_request(w4a8_llm, monkeypatch):
+    """A prompt scored in a step where another request verifies prompt-lookup drafts: each gets what it gets
+    alone (the scored rows come out before the sampled and draft rows)."""
+    llm = w4a8_llm
+    engine = llm.engine
+    steps = []  # (scores a prompt, verifies drafts) of each step
+    prepare = engine.runner.prepare
+
+    def spying(batch):
+        inputs = prepare(batch)
+        steps.append((bool(inputs.scored), inputs.speculates))
+        return inputs
+
+    monkeypatch.setattr(engine.runner, "prepare", spying)
+    repeating = [5, 6] * 10  # its greedy answer soon loops, so prompt lookup finds drafts
+    speculating = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative_tokens=4)
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    alone_spec = llm.generate([repeating], speculating)[0].outputs[0].token_ids
+    alone_scored = scores(llm.generate([PROMPTS[0]], scored)[0])
+    engine.add_request("spec", repeating, speculating)
+    deltas = []
+    for _ in range(20):  # until a step verifies drafts
+        deltas += engine.step()
+        if steps[-1][1]:
+            break
+    assert steps[-1][1], "no drafts to verify"
+    engine.add_request("scored", PROMPTS[0], scored)
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert (True, True) in steps
+    assert [t for d in deltas if d.request_id == "spec" for t in d.token_ids] == alone_spec
+    first = next(d for d in deltas if d.request_id == "scored" and d.prompt_logprobs is not None)
+    assert [(e.token_id, e.logprob, e.top) for e in first.prompt_logprobs] == alone_scored
