@@ -116,13 +116,11 @@ class Guide:
 
 
 class CompiledGuide:
-    """A guide compiled for one vocabulary. `matcher()` gives a fresh matcher for one sample; `unwritable`: the
-    bytes no token of that vocabulary holds (a text that needs one cannot be written)."""
+    """A guide compiled for one vocabulary. `matcher()` gives a fresh matcher for one sample."""
 
-    def __init__(self, guide: Guide, prototype: llguidance.LLMatcher, unwritable: frozenset[int] = frozenset()) -> None:
+    def __init__(self, guide: Guide, prototype: llguidance.LLMatcher) -> None:
         self.guide = guide
         self._prototype = prototype
-        self.unwritable = unwritable
 
     def matcher(self) -> llguidance.LLMatcher:
         return self._prototype.deep_copy()  # microseconds: the grammar and its lexer are shared
@@ -176,7 +174,7 @@ class GuideCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GuideError(f"the {guide.kind.replace('_', ' ')} cannot be used: {_first_line(matcher.get_error())}")
-        compiled = CompiledGuide(guide, matcher, unwritable)
+        compiled = CompiledGuide(guide, matcher)
         with self._lock:
             self.num_compiled += 1
             self._cache[guide] = compiled
