@@ -230,14 +230,16 @@ def create_app(state: ServerState) -> FastAPI:
         reservation = state.admission.reserve(len(items) * body.n)
         try:
             prompts = await asyncio.to_thread(to_prompts, items, tokenizer, body.echo)
-            for prompt in prompts:
-                check_length(len(prompt.token_ids), max_tokens, info.max_model_len, "prompt")
+            for prompt in prompts:  # max_tokens 0: the engine still makes one token
+                check_length(len(prompt.token_ids), max(max_tokens, 1), info.max_model_len, "prompt")
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
-            params = sampling_params(body, max_tokens, body.logprobs, guide, info.sampling_defaults)
+            # max_tokens 0 (with echo): the engine makes one token, which the response leaves out.
+            params = sampling_params(body, max(max_tokens, 1), body.logprobs, guide, info.sampling_defaults)
             if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with theirs
                 params = params.replace(prompt_logprobs=body.logprobs)
-            job = Job(new_id("cmpl"), prompts, params, lora or state.model_name, body.logprobs, lora)
+            job = Job(new_id("cmpl"), prompts, params, lora or state.model_name, body.logprobs, lora,
+                      prompt_only=max_tokens == 0)
             echo = body.echo
             return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,
                            reservation=reservation,

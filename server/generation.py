@@ -48,6 +48,9 @@ class Job:
     model_name: str
     num_top_logprobs: int | None  # None: no logprobs in the response
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # max_tokens 0 with echo: the engine makes one token (it always samples one), which the response leaves
+    # out: the prompt alone, "length", no completion tokens.
+    prompt_only: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,6 +108,15 @@ def joined(first: SampleDelta | None, then: SampleDelta) -> SampleDelta:
                                prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
+def prompt_alone(delta: SampleDelta) -> SampleDelta:
+    """A delta of a max_tokens 0 job without the token the engine made: the prompt's log-probabilities (on
+    the first delta) and the end, "length" unless it failed."""
+    reason = delta.finish_reason
+    if reason is not None and reason is not FinishReason.ERROR:
+        reason = FinishReason.LENGTH
+    return dataclasses.replace(delta, token_ids=[], text="", logprobs=[], num_output_tokens=0, finish_reason=reason)
+
+
 async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDelta], None] | None = None,
                   interval: int = 1) -> AsyncIterator[tuple[int, SampleDelta]]:
     """Every prompt's deltas, merged, as (choice index, delta). Closing the iterator aborts them all.
@@ -122,6 +134,8 @@ async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDe
                                              job.lora):
                 if on_delta is not None:
                     on_delta(delta)
+                if job.prompt_only:
+                    delta = prompt_alone(delta)
                 delta = joined(held.pop(delta.index, None), delta)
                 if len(delta.token_ids) < interval and delta.index in started and not delta.finished:
                     held[delta.index] = delta

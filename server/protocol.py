@@ -248,6 +248,14 @@ class CompletionRequest(_Request):
     ]
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[bool, Strict()] = False
+    # 0 with echo: the prompt alone comes back (scored, with logprobs), as OpenAI's legacy API answers it.
+    max_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _nothing_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 returns nothing without echo: set echo, or max_tokens of at least 1")
+        return self
 
     @model_validator(mode="before")
     @classmethod

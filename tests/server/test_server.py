@@ -132,6 +132,16 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
     both = client.completions.create(prompt=[ids, context], **kwargs)
     assert both.choices[0].logprobs.token_logprobs == lp.token_logprobs
     assert both.choices[1].logprobs.token_logprobs[:len(context)] == lp.token_logprobs[:len(context)]
+    # max_tokens 0: the prompt alone, scored (OpenAI's legacy form); without echo it is refused.
+    alone = client.completions.create(prompt=ids, **{**kwargs, "max_tokens": 0})
+    assert alone.choices[0].text == "The capital of France is Paris" and alone.choices[0].finish_reason == "length"
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1] and alone.usage.completion_tokens == 0
+    streamed = list(client.completions.create(prompt=ids, stream=True, **{**kwargs, "max_tokens": 0}))
+    assert "".join(c.choices[0].text for c in streamed) == alone.choices[0].text
+    assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        alone.choices[0].logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 returns nothing without echo"):
+        client.completions.create(prompt=ids, **{**kwargs, "max_tokens": 0, "echo": False})
 
 
 def test_32_concurrent_streams(server):
