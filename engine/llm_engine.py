@@ -334,7 +334,7 @@ class LLMEngine:
                 position = part.first_position
                 targets = request.prompt_token_ids[position:position + part.count]
                 rows = logits[part.first_row:part.first_row + part.count]
-                entries = compute_logprobs(rows, targets, [request.params.prompt_logprobs] * part.count)
+                entries = compute_logprobs(rows, targets, [request.params.prompt_logprobs] * part.count, ranks=True)
                 request.prompt_scores.update(zip(range(position, position + part.count), entries, strict=True))
             except Exception:
                 log.exception("scoring the prompt of request %s failed", request.request_id)

@@ -35,11 +35,13 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Log-probability of the chosen token, and the best `k` candidates (token id, logprob)."""
+    """Log-probability of the chosen token, and the best `k` candidates (token id, logprob); `rank`: 1 + how
+    many tokens are more likely than the chosen one (a prompt token's; None where not computed)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
 
 
 @dataclass(eq=False)

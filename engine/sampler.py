@@ -506,11 +506,11 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: list[int], num_top: list[int | None]
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int | None], ranks: bool = False
 ) -> list[TokenLogprobs | None]:
     """Log-probabilities under the model's own distribution (before sampling filters), finite: the logits
     are clamped to float32's range first, and a token far below the rest gets float32's lowest value, not
-    -inf (which JSON cannot carry)."""
+    -inf (which JSON cannot carry). `ranks`: each chosen token's rank too."""
     if all(k is None for k in num_top):
         return [None] * len(token_ids)
     rows = [i for i, k in enumerate(num_top) if k is not None]
@@ -518,11 +518,12 @@ def compute_logprobs(
     widest = max(1, min(max(num_top[i] for i in rows), logits.shape[1]))
     top_values, top_ids = top_by_value_then_id(logprobs, widest)
     chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logits.device))
+    rank = ((logprobs > chosen).sum(dim=1) + 1).tolist() if ranks else [None] * len(rows)
     result: list[TokenLogprobs | None] = [None] * len(token_ids)
     for j, i in enumerate(rows):
         k = num_top[i]
         top = tuple(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
-        result[i] = TokenLogprobs(token_ids[i], float(chosen[j, 0]), top)
+        result[i] = TokenLogprobs(token_ids[i], float(chosen[j, 0]), top, rank[j])
     return result
 
 

@@ -237,9 +237,9 @@ def create_app(state: ServerState) -> FastAPI:
             # max_tokens 0 (with echo): the engine makes one token, which the response leaves out.
             params = sampling_params(body, max(max_tokens, 1), body.logprobs, guide, info.sampling_defaults)
             if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with theirs
-                params = params.replace(prompt_logprobs=body.logprobs)
+                params = params.replace(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
             job = Job(new_id("cmpl"), prompts, params, lora or state.model_name, body.logprobs, lora,
-                      prompt_only=max_tokens == 0)
+                      prompt_only=max_tokens == 0, num_prompt_logprobs=body.prompt_logprobs)
             echo = body.echo
             return respond(engine, job, Reply(body.stream, body.include_usage, echo), request, chat=False,
                            reservation=reservation,
@@ -283,7 +283,8 @@ def create_app(state: ServerState) -> FastAPI:
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
             params = sampling_params(body, max_tokens, num_top, guide, info.sampling_defaults)
-            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], params, lora or state.model_name, num_top, lora)
+            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], params, lora or state.model_name, num_top, lora,
+                      num_prompt_logprobs=body.prompt_logprobs)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
                            chat=True, reservation=reservation,

@@ -51,6 +51,7 @@ class Job:
     # max_tokens 0 with echo: the engine makes one token (it always samples one), which the response leaves
     # out: the prompt alone, "length", no completion tokens.
     prompt_only: bool = False
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: so many alternatives (None: not asked)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,7 +83,7 @@ def sampling_params(body: p._Request, max_tokens: int, logprobs: int | None, gui
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()}, guide=guide,
-            speculative_tokens=body.speculative_tokens,
+            speculative_tokens=body.speculative_tokens, prompt_logprobs=body.prompt_logprobs,
         )
     except ValueError as error:
         raise APIError(400, str(error)) from None
@@ -181,17 +182,34 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs], offs
 
 
 def echo_logprobs(tokenizer: Tokenizer, prompt: Prompt, entries: list[TokenLogprobs] | None,
-                  completion: p.CompletionLogprobs) -> p.CompletionLogprobs:
+                  completion: p.CompletionLogprobs, k: int) -> p.CompletionLogprobs:
     """An echoed completion's logprobs: the prompt's tokens first, each with its log-probability after the
-    tokens before it (the first token has none), offsets from 0; then the completion's."""
+    tokens before it and its `k` best alternatives (the first token has none), offsets from 0; then the
+    completion's."""
     if entries is None or not prompt.token_ids:
         return completion
     first = token_text(tokenizer, prompt.token_ids[0])
-    rest = completion_logprobs(tokenizer, entries, len(first))
+    rest = completion_logprobs(tokenizer, [dataclasses.replace(e, top=e.top[:k]) for e in entries], len(first))
     return p.CompletionLogprobs(tokens=[first] + rest.tokens + completion.tokens,
                                 token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
                                 top_logprobs=[None] + rest.top_logprobs + completion.top_logprobs,
                                 text_offset=[0] + rest.text_offset + completion.text_offset)
+
+
+def prompt_logprobs_payload(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None, k: int) -> list | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for the token and its `k` best alternatives (ranks 1 .. k). CPU-heavy (it detokenizes)."""
+    if entries is None:
+        return None
+    out: list[dict | None] = [None]
+    for entry in entries:
+        item = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                      "decoded_token": token_text(tokenizer, entry.token_id)}}
+        for rank, (token_id, logprob) in enumerate(entry.top[:k], start=1):
+            item.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
+                                            "decoded_token": token_text(tokenizer, token_id)})
+        out.append(item)
+    return out
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatLogprobs:
@@ -206,13 +224,13 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatL
 
 
 def logprobs_payload(tokenizer: Tokenizer, entries: list[TokenLogprobs], chat: bool, offset: int,
-                     echoed: tuple[Prompt, list[TokenLogprobs] | None] | None = None) -> dict:
+                     echoed: tuple[Prompt, list[TokenLogprobs] | None] | None = None, k: int = 0) -> dict:
     """A streamed event's `logprobs` object (`echoed`: the prompt and its log-probabilities, before the
-    entries). CPU-heavy (it detokenizes): run it off the event loop."""
+    entries, with `k` alternatives). CPU-heavy (it detokenizes): run it off the event loop."""
     if chat:
         return chat_logprobs(tokenizer, entries).model_dump()
     out = completion_logprobs(tokenizer, entries, offset)
-    return (echo_logprobs(tokenizer, *echoed, out) if echoed is not None else out).model_dump()
+    return (echo_logprobs(tokenizer, *echoed, out, k) if echoed is not None else out).model_dump()
 
 
 def request_error(delta: SampleDelta) -> APIError:
@@ -278,9 +296,13 @@ def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo:
         if job.num_top_logprobs is not None:
             logprobs = completion_logprobs(tokenizer, result.logprobs[index], len(prefix))
             if echo:
-                logprobs = echo_logprobs(tokenizer, prompt, result.prompt_logprobs[index], logprobs)
+                logprobs = echo_logprobs(tokenizer, prompt, result.prompt_logprobs[index], logprobs,
+                                         job.num_top_logprobs)
+        scored = None
+        if job.num_prompt_logprobs is not None:
+            scored = prompt_logprobs_payload(tokenizer, result.prompt_logprobs[index], job.num_prompt_logprobs)
         choices.append(p.CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
-                                          finish_reason=result.finish[index]))
+                                          finish_reason=result.finish[index], prompt_logprobs=scored))
     return p.CompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
                                 usage=usage(job, result.num_output_tokens))
 
@@ -305,8 +327,11 @@ def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: Tool
         choices.append(p.ChatChoice(index=i, message=message, finish_reason=finish,
                                     logprobs=chat_logprobs(tokenizer, result.logprobs[i])
                                     if job.num_top_logprobs is not None else None))
+    scored = None  # every choice has the same prompt: the first's
+    if job.num_prompt_logprobs is not None:
+        scored = prompt_logprobs_payload(tokenizer, result.prompt_logprobs[0], job.num_prompt_logprobs)
     return p.ChatCompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
-                                    usage=usage(job, result.num_output_tokens))
+                                    usage=usage(job, result.num_output_tokens), prompt_logprobs=scored)
 
 
 def tool_stream_piece(stream: ToolCallStream, text: str, finished: bool, first_index: int) -> tuple[str, list[dict]]:
@@ -348,11 +373,16 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         text = delta.text
         echoed = None  # the first event of an echoed choice: its prompt, and with logprobs their values
         offset = offsets.get(index, 0)  # the text offset of the delta's first token
+        scored = None  # vLLM's prompt_logprobs, on a choice's first event
+        if index not in started and job.num_prompt_logprobs is not None and delta.prompt_logprobs is not None:
+            scored = await asyncio.to_thread(prompt_logprobs_payload, tokenizer, delta.prompt_logprobs,
+                                             job.num_prompt_logprobs)
         if index not in started:
             started.add(index)
             if chat:
+                extra = {"prompt_logprobs": scored} if scored is not None else {}
                 yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                                                "logprobs": None, "finish_reason": None}], **extra})
             elif echo:
                 prompt = job.prompts[index // job.params.n]
                 text = prompt.text + text
@@ -362,7 +392,8 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         if job.num_top_logprobs is not None and (delta.logprobs or echoed is not None):
             # Detokenizing each token and its alternatives is CPU work for the event loop's other streams
             # to wait on: a worker thread does it, awaited here, so the events keep their order.
-            logprobs = await asyncio.to_thread(logprobs_payload, tokenizer, delta.logprobs, chat, offset, echoed)
+            logprobs = await asyncio.to_thread(logprobs_payload, tokenizer, delta.logprobs, chat, offset, echoed,
+                                               job.num_top_logprobs)
         offsets[index] = offsets.get(index, 0) + len(text)
         if delta.finished:
             num_output_tokens += delta.num_output_tokens
@@ -371,8 +402,10 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
             text, calls = tool_stream_piece(tool_streams.setdefault(index, ToolCallStream(tools)), text,
                                             delta.finished, num_calls.get(index, 0))
             num_calls[index] = num_calls.get(index, 0) + len(calls)
-        if not text and not calls and not delta.finished and logprobs is None:
+        if not text and not calls and not delta.finished and logprobs is None and (chat or scored is None):
             continue
+        if scored is not None and not chat:
+            choice["prompt_logprobs"] = scored
         if chat:
             choice["delta"] = {"content": text} if text else {}
             if calls:

@@ -43,7 +43,6 @@ UNSUPPORTED_FIELDS = {
     "early_stopping": "beam search is not implemented",
     "allowed_token_ids": "use logit_bias, or a guided_choice or guided_regex",
     "bad_words": "use logit_bias with -100 for their tokens",
-    "prompt_logprobs": "use echo with logprobs (/v1/completions)",
     "truncate_prompt_tokens": "prompts are refused when too long, never truncated",
     "include_stop_str_in_output": "stop strings are always left out",
     "spaces_between_special_tokens": "not implemented",
@@ -173,6 +172,9 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Annotated[bool, Strict()] = False
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    # vLLM's: each prompt token's log-probability, rank and this many best alternatives (`prompt_logprobs`
+    # beside the choices; the first token has none).
+    prompt_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: Text | None = None
     skip_special_tokens: Annotated[bool, Strict()] = True
     # Draft tokens per step speculative decoding by prompt lookup may propose (0: none; absent: the
@@ -422,11 +424,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: its entry} for the token
+# itself and its best alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -472,6 +486,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # of the templated prompt, as vLLM gives them
 
 
 class ModelCard(BaseModel):

@@ -27,12 +27,15 @@ def hf_and_llm(tiny_hf_dir):
     return hf, llm
 
 
-def reference(hf, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' log-probabilities of ids[1:] [P - 1] and the k best token ids at each position."""
+def reference(hf, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """transformers' log-probabilities of ids[1:] [P - 1], the k best token ids at each position and each
+    token's rank (1 + the tokens more likely than it)."""
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, :-1].float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], logprobs.topk(k, dim=-1).indices
+    chosen = logprobs.gather(1, torch.tensor(ids[1:])[:, None])
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    return chosen[:, 0], logprobs.topk(k, dim=-1).indices, ranks
 
 
 def scores(output) -> list[tuple[int, float, tuple]]:
@@ -43,9 +46,9 @@ def test_prompt_logprobs_equal_transformers(hf_and_llm):
     hf, llm = hf_and_llm
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
     for ids, output in zip(PROMPTS, outputs, strict=True):
-        want, want_top = reference(hf, ids, 3)
+        want, want_top, want_ranks = reference(hf, ids, 3)
         got = output.prompt_logprobs
-        assert [e.token_id for e in got] == ids[1:]
+        assert [e.token_id for e in got] == ids[1:] and [e.rank for e in got] == want_ranks
         assert torch.allclose(torch.tensor([e.logprob for e in got]), want, atol=1e-4)
         assert [[t for t, _ in e.top] for e in got] == want_top.tolist()
         assert all(e.top[0][1] >= e.logprob for e in got)  # the best is at least as likely as the token

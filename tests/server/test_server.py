@@ -144,6 +144,29 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
         client.completions.create(prompt=ids, **{**kwargs, "max_tokens": 0, "echo": False})
 
 
+def test_vllms_prompt_logprobs_on_both_endpoints(client, tokenizer):
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) the token's own log-probability and
+    rank and the k best, the same values echo with logprobs gives; on chat, of the templated prompt."""
+    ids = tokenizer.encode("The capital of France is Paris")
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=1, temperature=0)
+    out = client.completions.create(prompt=ids, logprobs=1, echo=True, extra_body={"prompt_logprobs": 2}, **kwargs)
+    scored = out.choices[0].prompt_logprobs
+    echoed = out.choices[0].logprobs.token_logprobs
+    assert len(scored) == len(ids) and scored[0] is None
+    for position, entry in enumerate(scored[1:], start=1):
+        own = entry[str(ids[position])]
+        assert own["logprob"] == echoed[position] and own["decoded_token"] == tokenizer.decode([ids[position]])
+        best = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in best[:2]] == [1, 2] or own["rank"] > 2
+        assert (own["rank"] == 1) == (own["logprob"] >= max(e["logprob"] for e in entry.values()))
+    assert len(out.choices[0].logprobs.top_logprobs[1]) == 1  # echo keeps its own logprobs=1
+    streamed = list(client.completions.create(prompt=ids, stream=True, extra_body={"prompt_logprobs": 2}, **kwargs))
+    assert streamed[0].choices[0].prompt_logprobs == scored
+    chat = client.chat.completions.create(messages=CHAT, extra_body={"prompt_logprobs": 0}, **kwargs)
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens and chat.prompt_logprobs[0] is None
+    assert all(len(entry) == 1 for entry in chat.prompt_logprobs[1:])  # k 0: each token's own entry alone
+
+
 def test_32_concurrent_streams(server):
     async def one(client, i):
         stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Story number {i}:",
