@@ -374,11 +374,11 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         echoed = None  # the first event of an echoed choice: its prompt, and with logprobs their values
         offset = offsets.get(index, 0)  # the text offset of the delta's first token
         scored = None  # vLLM's prompt_logprobs, on a choice's first event
-        if index not in started and job.num_prompt_logprobs is not None and delta.prompt_logprobs is not None:
-            scored = await asyncio.to_thread(prompt_logprobs_payload, tokenizer, delta.prompt_logprobs,
-                                             job.num_prompt_logprobs)
         if index not in started:
             started.add(index)
+            if job.num_prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                scored = await asyncio.to_thread(prompt_logprobs_payload, tokenizer, delta.prompt_logprobs,
+                                                 job.num_prompt_logprobs)
             if chat:
                 extra = {"prompt_logprobs": scored} if scored is not None else {}
                 yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
