@@ -138,14 +138,14 @@ def test_a_prompt_scored_beside_a_speculating_request(w4a8_llm, monkeypatch):
         return inputs
 
     monkeypatch.setattr(engine.runner, "prepare", spying)
-    repeating = [5, 6] * 10  # its greedy answer soon loops, so prompt lookup finds drafts
-    speculating = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative_tokens=4)
+    repeating = [5, 6] * 10  # a tiny random model's greedy answer falls into a loop, where prompt lookup drafts
+    speculating = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, speculative_tokens=4)
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     alone_spec = llm.generate([repeating], speculating)[0].outputs[0].token_ids
     alone_scored = scores(llm.generate([PROMPTS[0]], scored)[0])
     engine.add_request("spec", repeating, speculating)
     deltas = []
-    for _ in range(20):  # until a step verifies drafts
+    for _ in range(48):  # until a step verifies drafts
         deltas += engine.step()
         if steps[-1][1]:
             break
