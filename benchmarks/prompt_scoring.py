@@ -10,12 +10,12 @@ The prefix cache is off, so both sides compute every prompt token; prompts are r
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
+
+from bench_report import write_report  # benchmarks/, this script's directory
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -51,19 +51,16 @@ def main() -> None:
             if name == "scored" and any(len(o.prompt_logprobs) != args.prompt_len - 1 for o in outputs):
                 raise RuntimeError("a scored prompt came back without all its log-probabilities")
     tokens = args.prompts * args.prompt_len
-    rows = {name: {"median_s": statistics.median(s), "rounds_s": s, "prompt_tokens_per_s": tokens / statistics.median(s)}
-            for name, s in seconds.items()}
-    ratio = rows["scored"]["median_s"] / rows["plain"]["median_s"]
+    rows = [{"side": name, "median_s": statistics.median(s), "rounds_s": s,
+             "prompt_tokens_per_s": tokens / statistics.median(s)} for name, s in seconds.items()]
+    ratio = rows[1]["median_s"] / rows[0]["median_s"]
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, one token out, {args.rounds} rounds alternated")
     print(f"{'side':<8}{'median s':>10}{'prompt tok/s':>14}")
-    for name, row in rows.items():
-        print(f"{name:<8}{row['median_s']:>10.2f}{row['prompt_tokens_per_s']:>14.0f}")
+    for row in rows:
+        print(f"{row['side']:<8}{row['median_s']:>10.2f}{row['prompt_tokens_per_s']:>14.0f}")
     print(f"scored / plain: {ratio:.2f}x the time")
-    result = {"config": vars(args) | {"out": str(args.out)}, "results": rows, "scored_over_plain": ratio,
-              "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_report(str(args.out), rows, config=vars(args) | {"out": str(args.out)}, scored_over_plain=ratio,
+                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
 if __name__ == "__main__":
