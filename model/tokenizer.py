@@ -27,6 +27,18 @@ __all__ = ["Tokenizer"]
 log = logging.getLogger(__name__)
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68
+    (controls, space, DEL, NBSP, soft hyphen) take the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+
 # A conversation every chat template accepts, to check `encode_chat` against `encode` once per tokenizer.
 _PROBE_CHAT = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                {"role": "user", "content": "Why?"})
@@ -250,6 +262,34 @@ class Tokenizer:
                         "special-token text inside chat messages will be read as special tokens")
             return None
         return markup
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to a text, a partial UTF-8 character kept partial (``decode`` would
+        write U+FFFD for it): what OpenAI's logprobs ``bytes`` and llama.cpp's token pieces carry. Byte-level
+        vocabularies spell bytes in GPT-2's byte alphabet; SentencePiece ones spell a space as ▁ and a byte
+        as <0xNN> (a decoder may drop the leading space of a text's first token: these bytes keep it); an
+        added token is its own text. Out of range: b""."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_ids:
+            return token.encode()
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in token)
+            except KeyError:  # not in the byte alphabet: a vocabulary that spells this one as text
+                return token.encode()
+        if _BYTE_TOKEN.fullmatch(token):
+            return bytes([int(token[3:5], 16)])
+        return token.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel)
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

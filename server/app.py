@@ -42,8 +42,9 @@ from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
 from server.guides import compile_guide, request_guide
 from server.lora_routes import install_lora_routes
-from server.prompts import check_chars, check_prompts, check_token_fields, render_chat, to_prompts
-from server.tool_calls import ToolFormat, prepare_chat, tool_format
+from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
+from server.token_routes import install_token_routes
+from server.tool_calls import ToolFormat, tool_format
 from server.tool_use import ToolUse
 
 # Text longer than this many characters per token of context is refused before it is tokenized: real
@@ -153,7 +154,8 @@ def create_app(state: ServerState) -> FastAPI:
     install_dashboard(app, state, authorize_metrics)
     install_lora_routes(app, state, authorize)
 
-    def admit(body: p._Request) -> tuple[AsyncLLMEngine, str | None]:
+    def admit(body: p._Request | p.TokenizeText | p.TokenizeChat | p.DetokenizeRequest
+              ) -> tuple[AsyncLLMEngine, str | None]:
         """The engine, and the LoRA adapter the request's `model` names (None: the base model)."""
         engine = state.ready_engine()
         if body.model is None or body.model == state.model_name:
@@ -163,6 +165,8 @@ def create_app(state: ServerState) -> FastAPI:
         served = ", ".join(repr(name) for name in (state.model_name, *engine.loras))
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
+
+    install_token_routes(app, state, authorize, admit)
 
     def respond(engine: AsyncLLMEngine, job: Job, reply: Reply, request: Request, chat: bool,
                 build: Callable[[Collected], BaseModel], reservation: Reservation) -> Response:
@@ -253,11 +257,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         engine, lora = admit(body)
         info = engine.info
-        tokenizer = info.tokenizer
-        if tokenizer is None or not tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        check_chars(sum(len(m.text) for m in body.messages), state.settings.prompt_char_limit(info.max_model_len),
-                    "messages")
+        tokenizer = chat_tokenizer(info, body, state.settings.prompt_char_limit(info.max_model_len))
         check_token_fields(body, info.vocab_size)
         guide, guide_field = request_guide(body)
         fmt = tool_format(tokenizer.chat_template)
@@ -270,11 +270,7 @@ def create_app(state: ServerState) -> FastAPI:
             guide, guide_field = tools.guide(), "tool_choice"
         reservation = state.admission.reserve(body.n)
         try:
-            messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
-                                                   tools.definitions if tools is not None else None, fmt)
-            template_vars = {**(body.chat_template_kwargs or {}), **template_vars}
-            _, ids = await asyncio.to_thread(render_chat, tokenizer, messages,
-                                             state.settings.allow_special_tokens_in_content, template_vars)
+            ids = await chat_prompt_ids(tokenizer, body, fmt, tools, state.settings.allow_special_tokens_in_content)
             requested = body.max_completion_tokens or body.max_tokens
             max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
             check_length(len(ids), max_tokens, info.max_model_len, "messages")

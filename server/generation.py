@@ -215,7 +215,7 @@ def prompt_logprobs_payload(tokenizer: Tokenizer, entries: list[TokenLogprobs] |
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> p.ChatLogprobs:
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
     return p.ChatLogprobs(content=[
         p.ChatTokenLogprob(**item(e.token_id, e.logprob), top_logprobs=[p.TopLogprob(**item(t, lp)) for t, lp in e.top])

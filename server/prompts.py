@@ -3,11 +3,15 @@ tokenizing itself, which is CPU-heavy and runs on a worker thread (the tokenizer
 
 from __future__ import annotations
 
+import asyncio
+
 from engine.async_engine import EngineInfo
 from model.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import APIError
 from server.generation import Prompt, check_length
+from server.tool_calls import ToolFormat, prepare_chat
+from server.tool_use import ToolUse
 
 
 def check_prompts(items: list[str | list[int]], max_tokens: int, info: EngineInfo, max_prompts: int,
@@ -58,8 +62,30 @@ def to_prompts(items: list[str | list[int]], tokenizer: Tokenizer | None, echo: 
     return prompts
 
 
+def chat_tokenizer(info: EngineInfo, body: p.ChatPrompt, char_limit: int) -> Tokenizer:
+    """The tokenizer that renders the chat, after the checks that come before rendering it."""
+    tokenizer = info.tokenizer
+    if tokenizer is None or not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    check_chars(sum(len(m.text) for m in body.messages), char_limit, "messages")
+    return tokenizer
+
+
+async def chat_prompt_ids(tokenizer: Tokenizer, body: p.ChatPrompt, fmt: ToolFormat, tools: ToolUse | None,
+                          allow_special_tokens: bool, add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of a chat's prompt: its messages, the tools it shows the model (`tools`, None for none)
+    and its template variables, rendered with the chat template on a worker thread. One function for
+    /v1/chat/completions and /tokenize, so that a count is the count the completion sees."""
+    messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
+                                           tools.definitions if tools is not None else None, fmt)
+    template_vars = {**(body.chat_template_kwargs or {}), **template_vars}
+    _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, allow_special_tokens, template_vars,
+                                     add_generation_prompt)
+    return ids
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens: bool = False,
-                template_vars: dict | None = None) -> tuple[str, list[int]]:
+                template_vars: dict | None = None, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """The chat template's text and its token ids. CPU-heavy: run it off the event loop.
 
     Special-token text inside the messages (`<|im_end|>` typed by a user) is tokenized as plain text, so a
@@ -69,8 +95,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens
     template_vars = template_vars or {}
     try:
         if allow_special_tokens:
-            text = tokenizer.apply_chat_template(messages, **template_vars)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt, **template_vars)
             return text, tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode_chat(messages, **template_vars)
+        return tokenizer.encode_chat(messages, add_generation_prompt, **template_vars)
     except ValueError as error:
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None

@@ -351,11 +351,12 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Request):
+class ChatPrompt(BaseModel):
+    """The fields that make a chat's prompt: what /v1/chat/completions renders and /tokenize counts."""
+
+    model_config = ConfigDict(extra="ignore")
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
-    logprobs: Annotated[bool, Strict()] = False
-    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Strict()] = True
@@ -375,12 +376,6 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"{num_parts} content parts in all; this server takes at most "
                                  f"{MAX_TOTAL_CONTENT_PARTS} per request")
         return value
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
 
     @model_validator(mode="after")
     def _chat_template_kwargs_are_free(self):
@@ -406,6 +401,18 @@ class ChatCompletionRequest(_Request):
     def uses_tools(self) -> bool:
         """Whether the reply may hold tool calls (tools sent, and tool_choice not "none")."""
         return bool(self.tools) and self.tool_choice != "none"
+
+
+class ChatCompletionRequest(_Request, ChatPrompt):
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    logprobs: Annotated[bool, Strict()] = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -517,6 +524,92 @@ class UnloadLoRARequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: LoRAName
     lora_int_id: Annotated[int, Strict()] | None = None  # vLLM's; names alone identify adapters here
+
+
+class TokenizeText(BaseModel):
+    """POST /tokenize with a text: vLLM's `prompt` and `add_special_tokens` (default true), or llama.cpp's
+    `content` and `add_special` (default false)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    prompt: Text | None = None
+    content: Text | None = None
+    add_special_tokens: Annotated[bool, Strict()] | None = None
+    add_special: Annotated[bool, Strict()] | None = None
+    return_token_strs: Annotated[bool, Strict()] = False  # vLLM's: each token's vocabulary spelling
+    with_pieces: Annotated[bool, Strict()] = False  # llama.cpp's: tokens as {id, piece}
+
+    @model_validator(mode="after")
+    def _one_text(self):
+        if (self.prompt is None) == (self.content is None):
+            raise ValueError("give the text to tokenize as prompt (or llama.cpp's content), or give messages")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else self.content
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        """BOS (and EOS) where the model asks for them: vLLM's default for `prompt`, not llama.cpp's."""
+        for given in (self.add_special_tokens, self.add_special):
+            if given is not None:
+                return given
+        return self.prompt is not None
+
+
+class TokenizeChat(ChatPrompt):
+    """POST /tokenize with vLLM's chat form: the ids a chat completion with these fields would be given."""
+
+    model: Text | None = None
+    add_generation_prompt: Annotated[bool, Strict()] = True  # end with the assistant's turn opened
+    return_token_strs: Annotated[bool, Strict()] = False
+    with_pieces: Annotated[bool, Strict()] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value):
+        if isinstance(value, dict):
+            if value.get("prompt") is not None or value.get("content") is not None:
+                raise ValueError("give either messages or a text (prompt or content), not both")
+            if value.get("add_special_tokens"):
+                raise ValueError("add_special_tokens: a chat's special tokens are the template's own")
+            for name in ("continue_final_message", "chat_template"):
+                if value.get(name):
+                    raise ValueError(f"{name} is not supported by this server ({UNSUPPORTED_FIELDS[name]})")
+        return value
+
+
+# The form is chosen by the body's keys: messages make it a chat.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChat, Tag("chat")] | Annotated[TokenizeText, Tag("text")],
+    Discriminator(lambda value: "chat" if isinstance(value, dict) and "messages" in value else "text"),
+]
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str | list[int]  # the token's text, or its bytes when they are not whole UTF-8 characters
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int] | list[TokenPiece]  # ids; {id, piece} when with_pieces was asked for
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's and llama.cpp's): token ids back to text, special tokens kept."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str  # vLLM's name
+    content: str  # llama.cpp's name for the same text
 
 
 class ModelList(BaseModel):

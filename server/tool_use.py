@@ -19,7 +19,7 @@ class ToolUse:
     parallel: bool
 
     @classmethod
-    def of(cls, body: p.ChatCompletionRequest, fmt: ToolFormat) -> ToolUse | None:
+    def of(cls, body: p.ChatPrompt, fmt: ToolFormat) -> ToolUse | None:
         """None when the reply cannot hold tool calls (no tools, or tool_choice "none"). `fmt`: the format of
         the model's chat template (`tool_format`)."""
         if not body.uses_tools:

@@ -166,6 +166,32 @@ def test_sentencepiece_vocab(spm: Tokenizer) -> None:
     assert "".join(pieces) == "hi hello a" and " h" in pieces
 
 
+def test_token_bytes_make_the_decoded_text(tok: Tokenizer, spm: Tokenizer) -> None:
+    """Each token's bytes (OpenAI's logprobs `bytes`, llama.cpp's pieces) are what the decoder writes for it,
+    a partial character kept as its bytes; joined, they decode to what the ids decode to."""
+    for tokenizer in (tok, spm):
+        for i in range(tokenizer.vocab_size):
+            if i in tokenizer.byte_fallback_ids:
+                assert len(tokenizer.token_bytes(i)) == 1
+            else:  # a decoder strips the leading space of a text's first token; the bytes keep it
+                text = tokenizer.token_bytes(i).decode("utf-8", errors="replace")
+                assert text in (tokenizer.decode([i], False), " " + tokenizer.decode([i], False)), i
+    assert tok.token_bytes(tok.vocab_size) == b""
+    def whole(data: bytes) -> bool:
+        try:
+            return bool(data.decode())
+        except UnicodeDecodeError:
+            return False
+
+    # Tokens that decode to U+FFFD: nearly all are part of a character, which their bytes keep.
+    partial = [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i], False)]
+    assert len(partial) > 100 and sum(not whole(tok.token_bytes(i)) for i in partial) > 0.9 * len(partial)
+    for ids in _random_streams(tok, 200, 13):
+        assert b"".join(map(tok.token_bytes, ids)).decode("utf-8", errors="replace") == tok.decode(ids, False)
+    spm_ids = spm.encode("z日本 é\n", add_special_tokens=False)
+    assert b"".join(map(spm.token_bytes, spm_ids)) == " z日本 é\n".encode()
+
+
 # -- streaming detokenizer -------------------------------------------------------------------
 
 
