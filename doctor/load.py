@@ -112,7 +112,7 @@ class TimedRunner:
         if device.type == "cuda":  # kernels run asynchronously: time them from an idle device to a finished one
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        logits = self.runner.forward(inputs)
+        outputs = self.runner.forward(inputs)  # (logits, hidden states or None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -120,7 +120,7 @@ class TimedRunner:
         cost = self.cost.step(query_lens, seq_lens, len(inputs.sample_requests))
         phase = "decode" if all(q == 1 for q in query_lens) else "prefill"
         self.points.append(RooflinePoint(f"step {len(self.points)}", phase, sum(query_lens), seconds, cost))
-        return logits
+        return outputs
 
 
 def run_engine_load(engine: LLMEngine, cost: ModelCost, num_requests: int, input_len: int, output_len: int,

@@ -41,6 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from model.config import ModelConfig
 from model.lora import LoRAAdapter
+from model.pooling import Pooling
 from model.precision import precision_of_dtype
 from model.tokenizer import Tokenizer
 
@@ -65,6 +66,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora: str | None = None
+    pooling: str | None = None  # an embedding request (LLMEngine.add_request)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ class EngineInfo:
     kv_cache_dtype: str = "float32"  # the KV cache's element type, torch's name (--kv-cache-dtype resolved)
     # A request's sampling fields default to these when it leaves them out (the model's generation_config.json).
     sampling_defaults: dict = field(default_factory=dict)
+    # How embeddings are pooled and normalized (model/pooling.py), and why this engine cannot make them
+    # (None: it can).
+    pooling: Pooling = field(default_factory=Pooling)
+    embeddings_unavailable: str | None = None
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -126,7 +132,8 @@ class AsyncLLMEngine:
                                model_config=engine.model.config, engine_config=engine.config,
                                precision=weight_precision(engine), guides=engine.guides,
                                lora_enabled=engine.lora is not None, sampling_defaults=engine.sampling_defaults,
-                               kv_cache_dtype=str(engine.runner.kv_caches[0].dtype).removeprefix("torch."))
+                               kv_cache_dtype=str(engine.runner.kv_caches[0].dtype).removeprefix("torch."),
+                               pooling=engine.pooling, embeddings_unavailable=engine.embeddings_unavailable)
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()
@@ -156,12 +163,21 @@ class AsyncLLMEngine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
+    async def embed(self, prompt_token_ids: list[int], request_id: str | None = None,
+                    lora: str | None = None) -> SampleDelta:
+        """The final delta of an embedding request, pooled by the engine's rule (`info.pooling`): its
+        `embedding` [hidden] float32, unnormalized, or its error."""
+        async for delta in self.generate(prompt_token_ids, SamplingParams(max_tokens=1), request_id, lora,
+                                         pooling=self.info.pooling.kind):
+            last = delta
+        return last
+
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        lora: str | None = None,
+        lora: str | None = None, pooling: str | None = None,
     ) -> AsyncIterator[SampleDelta]:
         """Stream the request's deltas until all its samples finish. Leaving early aborts it. `lora`: the
-        adapter to run it with (None: the base model)."""
+        adapter to run it with (None: the base model); `pooling`: an embedding request (`embed`)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
         request_id = request_id or self.new_request_id()
@@ -170,7 +186,7 @@ class AsyncLLMEngine:
         if not self.is_alive:  # died while this request registered: it may have missed the death notice
             self.streams.pop(request_id, None)
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
-        self.commands.put(_Add(request_id, list(prompt_token_ids), params, lora))
+        self.commands.put(_Add(request_id, list(prompt_token_ids), params, lora, pooling))
         finished: set[int] = set()
         try:
             while len(finished) < params.n:
@@ -298,7 +314,7 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.lora)
+                                            command.lora, command.pooling)
                 except ValueError as error:
                     self._fail_request(command.request_id, command.params.n, str(error))
             elif isinstance(command, _ChangeLoRA):

@@ -77,9 +77,10 @@ class KVBlockManager:
         no statistic: a pool chooser may ask every pool; `count_lookup` counts the admission's).
 
         At least one token is always left to compute, since sampling needs its logits. A request that
-        scores its prompt (prompt_logprobs) needs the logits of every prompt token: none is read.
+        scores its prompt (prompt_logprobs) or pools every row (an embedding's mean) needs every prompt row:
+        none is read.
         """
-        if not self.enable_prefix_caching or request.scores_prompt:
+        if not self.enable_prefix_caching or request.needs_every_prompt_row:
             return CachedPrefix([], 0)
         self._update_hashes(request)
         cached = self.cached[pool]

@@ -12,6 +12,7 @@ import torch
 from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
 from model.hub import fetch, is_repo_id
+from model.pooling import POOLING_KINDS
 from model.precision import parse_kv_cache_dtype, resolve_dtype
 from model.quantization import resolve_quantization
 from parallel.layout import ATTENTION_SPLITS
@@ -79,6 +80,11 @@ class EngineConfig:
     # directory (None: huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub). HF_HUB_OFFLINE: the cache only.
     revision: str | None = None
     download_dir: str | None = None
+    # How /v1/embeddings pools a text's final hidden states (model/pooling.py): last, mean or cls; "auto" the
+    # rule the checkpoint declares (sentence-transformers, GGUF pooling_type), else last. With
+    # embedding_normalize None, a declared rule's normalization (else L2-normalized).
+    pooling: str = "auto"
+    embedding_normalize: bool | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -124,6 +130,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.artifact is not None:
             raise ValueError("tensor parallelism applies to a model, not to a compiled artifact")
         self._check_lora()
+        if self.pooling != "auto" and self.pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling is auto, {', '.join(POOLING_KINDS)}, not {self.pooling!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config is auto or none, not {self.generation_config!r}")
         if self.speculative_tokens is None:

@@ -1,9 +1,11 @@
-"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, and `.embed(texts)`."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Sequence
+
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -11,6 +13,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from model.loader import LoadedModel
 from model.lora import adapter_name
+from model.pooling import finish_embedding
 
 
 class LLM:
@@ -64,6 +67,32 @@ class LLM:
                 if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
                     result.prompt_logprobs = delta.prompt_logprobs
         return list(results.values())
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], dimensions: int | None = None,
+              lora: str | None = None) -> torch.Tensor:
+        """One embedding per prompt, [len(prompts), dimensions or hidden] float32, in the prompts' order: the
+        final hidden states pooled by the engine's rule (`engine.pooling`: the checkpoint's, or the last
+        token's), cut to `dimensions`, L2-normalized unless the rule says not to. All run batched together."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        hidden = self.engine.model.config.hidden_size
+        if dimensions is not None and not 1 <= dimensions <= hidden:
+            raise ValueError(f"dimensions must be in [1, {hidden}], the model's hidden size; got {dimensions}")
+        pooled: dict[str, torch.Tensor] = {}
+        order = []
+        for prompt in prompts:
+            request_id = f"embed-{next(self._ids)}"
+            order.append(request_id)
+            self.engine.add_request(request_id, self._encode(prompt), SamplingParams(max_tokens=1),
+                                    lora=self.default_lora if lora is None else lora, pooling=self.engine.pooling.kind)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                if delta.error is not None:
+                    raise RuntimeError(f"embedding request {delta.request_id} failed: {delta.error}")
+                if delta.embedding is not None:
+                    pooled[delta.request_id] = delta.embedding
+        normalize = self.engine.pooling.normalize
+        return torch.stack([finish_embedding(pooled[i], normalize, dimensions) for i in order])
 
     def default_sampling_params(self) -> SamplingParams:
         """The parameters of a call that gives none: the model's generation_config.json sampling fields

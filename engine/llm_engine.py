@@ -21,7 +21,7 @@ from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
 from engine.lora_manager import LoRAInUseError, LoRAManager
-from engine.model_runner import ModelInputs, ModelRunner, ScoredRows
+from engine.model_runner import ModelInputs, ModelRunner, PooledRows, ScoredRows
 from engine.outputs import SampleDelta
 from engine.request import FinishReason, Request
 from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler, compute_logprobs
@@ -36,8 +36,10 @@ from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel, load
 from model.lora import LoRAAdapter, load_adapter
 from model.lora_slots import LoRASlots
+from model.pooling import POOLING_KINDS, Pooling
 from model.precision import parse_kv_cache_dtype
 from model.quantization import resolve_quantization
+from model.step import returns_hidden
 from parallel import tensor_parallel_model
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,9 @@ log = logging.getLogger(__name__)
 PREPARE_FAILED = "building this request's step inputs failed"
 OUTPUT_FAILED = "turning this request's next token into text failed"
 PROMPT_SCORING_FAILED = "computing this request's prompt log-probabilities failed"
+POOLING_FAILED = "pooling this request's hidden states into an embedding failed"
 REQUEST_FAILURES = frozenset({PREPARE_FAILED, OUTPUT_FAILED, NON_FINITE_LOGITS, SAMPLING_FAILED, GUIDE_FAILED,
-                              PROMPT_SCORING_FAILED})
+                              PROMPT_SCORING_FAILED, POOLING_FAILED})
 
 
 SCORED_LOGITS = 1 << 25  # float32 logits of prompt rows a step keeps for one request (128 MiB)
@@ -57,6 +60,14 @@ def scored_tokens_per_step(vocab_size: int) -> int:
     """Prompt tokens a request that scores its prompt runs per step: each is a row of logits, so their
     [rows, vocab] float32 (and its log-softmax) stay within SCORED_LOGITS floats; 16 at least."""
     return max(16, SCORED_LOGITS // max(vocab_size, 1))
+
+
+def resolve_pooling(config: EngineConfig, declared: Pooling | None) -> Pooling:
+    """The embedding rule: the engine's options over what the checkpoint declares, over last + normalize."""
+    declared = declared or Pooling()
+    kind = declared.kind if config.pooling == "auto" else config.pooling
+    normalize = declared.normalize if config.embedding_normalize is None else config.embedding_normalize
+    return Pooling(kind, normalize)
 
 
 def set_kv_cache_dtype(loaded: LoadedModel, name: str) -> None:
@@ -125,6 +136,7 @@ class LLMEngine:
                 log.warning("generation_config.json: %s; ladder's default is used", error)
         if self.sampling_defaults:
             log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
+        self.pooling = resolve_pooling(config, getattr(self.model, "pooling", None))
         module = self.model.module
         num_window_blocks = None
         if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:
@@ -210,11 +222,15 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    lora: str | None = None) -> None:
+                    lora: str | None = None, pooling: str | None = None) -> None:
         """Queue a request; its n samples share the prompt's KV blocks through the prefix cache. `lora`: the
-        name of a loaded adapter to run it with (None: the base model)."""
+        name of a loaded adapter to run it with (None: the base model). `pooling` (model/pooling.py
+        POOLING_KINDS) makes it an embedding request: its prompt runs, nothing is sampled (`params` apply
+        only as far as n, which must be 1), and its last delta carries the pooled hidden state."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if pooling is not None:
+            self._check_embedding(pooling, params)
         if lora is not None and (self.lora is None or lora not in self.lora.adapters):
             raise ValueError(f"unknown LoRA adapter {lora!r}" if self.lora is not None else
                              "this engine serves no LoRA adapters (start it with --enable-lora or --lora-modules)")
@@ -238,7 +254,8 @@ class LLMEngine:
                              self.eos_token_ids, leader=samples[0] if samples else None,
                              parent_id=request_id, index=index,
                              matcher=compiled.matcher() if compiled is not None else None,
-                             lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"")
+                             lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"",
+                             pooling=pooling)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples
@@ -249,6 +266,22 @@ class LLMEngine:
                 self._finish(sample, FinishReason.ERROR, reason)
             else:
                 self.scheduler.add(sample)
+
+    @property
+    def embeddings_unavailable(self) -> str | None:
+        """Why this engine cannot pool hidden states into embeddings, or None."""
+        if returns_hidden(self.runner.module):
+            return None
+        return ("embeddings need the eager model in one process, whose hidden states the engine reads; this "
+                f"engine runs {type(self.runner.module).__name__}")
+
+    def _check_embedding(self, pooling: str, params: SamplingParams) -> None:
+        if pooling not in POOLING_KINDS:
+            raise ValueError(f"unknown pooling {pooling!r} (choose from {', '.join(POOLING_KINDS)})")
+        if params.n != 1 or params.guide is not None or params.prompt_logprobs is not None:
+            raise ValueError("an embedding request samples nothing: n 1, no guide, no prompt_logprobs")
+        if self.embeddings_unavailable is not None:
+            raise ValueError(self.embeddings_unavailable)
 
     def abort(self, request_id: str) -> None:
         """Finish every sample of the request; blocks are released at the start of the next step."""
@@ -284,7 +317,9 @@ class LLMEngine:
             plain = [inputs.sample_requests[i] for i in rows.plain]
             # The guided rows' masks are computed while the model runs (engine/guide_masks.py).
             pending_masks = self.masker.start([r.matcher for r in plain])
-            logits = self.runner.forward(inputs)
+            logits, hidden = self.runner.forward(inputs)
+            if inputs.pooled:
+                self._pool(hidden, inputs.pooled)
             if inputs.scored:  # prompt rows first (their logits as the model gave them), then the sampled rows
                 self._score_prompts(logits, inputs.scored)
                 logits = logits[inputs.sample_logit_rows]
@@ -300,6 +335,9 @@ class LLMEngine:
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
             self.stats.record_communication(self.runner.module.communication_seconds())
             self.scheduler.finish_step(batch)
+            for part in inputs.pooled:
+                if part.completes and not part.request.is_finished:
+                    self._finish_embedding(part.request)
             for i, request in enumerate(plain):
                 if request.is_finished:  # its prompt's scoring failed
                     continue
@@ -339,6 +377,37 @@ class LLMEngine:
             except Exception:
                 log.exception("scoring the prompt of request %s failed", request.request_id)
                 self._finish(request, FinishReason.ERROR, PROMPT_SCORING_FAILED)
+
+    def _pool(self, hidden: torch.Tensor, pooled: tuple[PooledRows, ...]) -> None:
+        """Each embedding request's rows of the step's final hidden states, gathered into `Request.pooled`:
+        a float64 running sum (mean), or the one row (last, cls); a failure ends that request alone."""
+        for part in pooled:
+            request = part.request
+            if not part.count:
+                continue
+            try:
+                rows = hidden[part.first_row:part.first_row + part.count]
+                if request.pooling == "mean":
+                    total = rows.double().sum(0)
+                    request.pooled = total if request.pooled is None else request.pooled + total
+                else:
+                    request.pooled = rows[0].clone()
+            except Exception:
+                log.exception("pooling the hidden states of request %s failed", request.request_id)
+                self._finish(request, FinishReason.ERROR, POOLING_FAILED)
+
+    def _finish_embedding(self, request: Request) -> None:
+        """An embedding request whose prompt has run: its pooled vector [hidden] float32 (mean: the sum over
+        the prompt's tokens / their number), unnormalized, on its last delta."""
+        pooled = request.pooled
+        if pooled is None:  # cannot happen: its prompt's chunks each gave their rows
+            self._finish(request, FinishReason.ERROR, POOLING_FAILED)
+            return
+        if request.pooling == "mean":
+            pooled = pooled / request.num_prompt_tokens
+        request.finish(FinishReason.STOP)
+        delta = self._delta(request, [], "", [])
+        self.pending.append(dataclasses.replace(delta, embedding=pooled.float().cpu()))
 
     def _prepare(self, batch: SchedulerOutput) -> ModelInputs | None:
         """The step's inputs. If building them raises, each scheduled request is tried alone: the ones that

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from model.lora_slots import LoRASlots
-from model.step import SeqChunk, StepInputs, StepModel, build_step, run_step
+from model.step import SeqChunk, StepInputs, StepModel, build_step, run_step, run_step_with_hidden
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class ModelInputs:
     # rows; then the rows of the sampled requests, in order (None: every row of the logits, none scored).
     scored: tuple[ScoredRows, ...] = ()
     sample_logit_rows: list[int] | None = None
+    # Embedding requests' rows of the step's final hidden states (step.hidden_rows), in order.
+    pooled: tuple[PooledRows, ...] = ()
 
     @property
     def speculates(self) -> bool:
@@ -39,6 +42,18 @@ class ScoredRows:
     first_row: int
     count: int
     first_position: int
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """`count` consecutive rows, from `first_row`, of a step's hidden states that an embedding request pools
+    (mean: every row of its chunk; cls: its first chunk's first; last: its last chunk's last); `completes`:
+    the chunk ends its prompt, so its embedding is ready after this step."""
+
+    request: Request
+    first_row: int
+    count: int
+    completes: bool
 
 
 class ModelRunner:
@@ -69,13 +84,20 @@ class ModelRunner:
             scheduled = sorted(scheduled, key=lambda item: item.request.kv_pool)  # stable: order within a pool kept
         scored: list[ScoredRows] = []
         sample_logit_rows: list[int] = []
+        pooled: list[PooledRows] = []
+        hidden_rows: list[int] = []
         row = 0  # the chunk's first row of the step's logits
+        offset = 0  # the chunk's first row of the step's flat batch
         for item in scheduled:
             request, start, draft = item.request, item.request.num_computed_tokens, item.draft_token_ids
             end = start + item.num_new_tokens - len(draft)
+            if request.pooling is not None:  # an embedding: rows of hidden states, never a token
+                rows = pooled_rows(request.pooling, start, end, request.num_prompt_tokens)
+                pooled.append(PooledRows(request, len(hidden_rows), len(rows), end == request.num_prompt_tokens))
+                hidden_rows.extend(offset + r for r in rows)
             # Only a chunk that reaches the request's last known token gives the next token (and its
             # drafts' rows, each of which gives the token after it).
-            is_sampled = end == request.num_tokens
+            is_sampled = end == request.num_tokens and request.pooling is None
             num_sampled = (1 + len(draft)) * is_sampled
             # A prompt scored: each row from `start` on gives the log-probability of the prompt token after it,
             # up to the row before the prompt's last token (the rows of a chunk that ends inside the prompt all
@@ -93,15 +115,33 @@ class ModelRunner:
                 drafts.append(draft)
                 sample_logit_rows.extend(range(row + num_rows - num_sampled, row + num_rows))
             row += num_rows
-        return ModelInputs(build_step(chunks, self.module.block_size, self.module.device), sample_requests, drafts,
-                           tuple(scored), sample_logit_rows if scored else None)
+            offset += len(tokens)
+        step = build_step(chunks, self.module.block_size, self.module.device)
+        if pooled:
+            step = dataclasses.replace(step, hidden_rows=torch.tensor(hidden_rows, dtype=torch.long,
+                                                                      device=self.module.device))
+        return ModelInputs(step, sample_requests, drafts, tuple(scored), sample_logit_rows if scored else None,
+                           tuple(pooled))
 
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits [B, vocab] float32 for the rows to sample (B may be 0 when only prefill chunks ran)."""
-        if self.lora is None:
-            return run_step(self.module, inputs.step, self.kv_caches)
-        self.lora.rows = inputs.step.adapters
+    def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, vocab] float32 for the rows to sample (B may be 0 when only prefill chunks ran), and the
+        final hidden states [H, hidden] float32 of the embedding requests' rows (None without any)."""
+        if self.lora is not None:
+            self.lora.rows = inputs.step.adapters
         try:
-            return run_step(self.module, inputs.step, self.kv_caches)
+            if inputs.step.hidden_rows is not None:
+                return run_step_with_hidden(self.module, inputs.step, self.kv_caches)
+            return run_step(self.module, inputs.step, self.kv_caches), None
         finally:
-            self.lora.rows = None
+            if self.lora is not None:
+                self.lora.rows = None
+
+
+def pooled_rows(kind: str, start: int, end: int, num_prompt_tokens: int) -> range:
+    """The rows of a chunk of prompt positions start .. end - 1 that `kind` pools, counted from the chunk's
+    first: mean every row, cls position 0's, last the prompt's last position's."""
+    if kind == "mean":
+        return range(end - start)
+    if kind == "cls":
+        return range(1) if start == 0 else range(0)
+    return range(end - start - 1, end - start) if end == num_prompt_tokens else range(0)

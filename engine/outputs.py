@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.request import FinishReason, TokenLogprobs
 
 
@@ -24,6 +26,8 @@ class SampleDelta:
     # With SamplingParams.prompt_logprobs, on a sample's first delta: its prompt tokens' log-probabilities,
     # positions 1 .. P - 1 (the first token has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # An embedding request's last delta: its pooled final hidden state [hidden] float32, unnormalized.
+    embedding: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

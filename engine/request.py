@@ -84,6 +84,17 @@ class Request:
     # The prompt's log-probabilities (params.prompt_logprobs), by position 1 .. P - 1: each token's after
     # the tokens before it. Kept through preemption; a recomputed prompt writes the same values again.
     prompt_scores: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # An embedding request: the pooling kind (model/pooling.py POOLING_KINDS); its prompt runs, nothing is
+    # sampled, and `pooled` gathers its final hidden states as its chunks run (mean: their float64 sum; last,
+    # cls: the row). Reset by preemption, which computes the prompt again.
+    pooling: str | None = None
+    pooled: Any = None
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether rows of its prompt from the first on must be computed (none read from the prefix cache):
+        to score them, or to pool them (mean, cls)."""
+        return self.scores_prompt or self.pooling in ("mean", "cls")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -126,5 +137,6 @@ class Request:
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.num_preemptions += 1
+        self.pooled = None
         self.block_ids = []
         self.window_block_ids = []

@@ -93,10 +93,15 @@ class Scheduler:
 
     def why_never_fits(self, request: Request) -> str | None:
         """A reason the request can never be scheduled, or None."""
-        longest = request.num_prompt_tokens + request.params.max_tokens
-        if longest > self.config.max_model_len:
-            return (f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.params.max_tokens}) "
-                    f"exceeds max_model_len ({self.config.max_model_len})")
+        if request.pooling is not None:  # an embedding: its prompt alone
+            longest = request.num_prompt_tokens
+            if longest > self.config.max_model_len:
+                return f"the input ({longest} tokens) exceeds max_model_len ({self.config.max_model_len})"
+        else:
+            longest = request.num_prompt_tokens + request.params.max_tokens
+            if longest > self.config.max_model_len:
+                return (f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.params.max_tokens}) "
+                        f"exceeds max_model_len ({self.config.max_model_len})")
         if self.blocks.blocks_needed(longest) > self.blocks.pool_size:
             capacity = self.blocks.pool_size * self.blocks.block_size
             whole = "the whole cache" if self.blocks.num_pools == 1 else "a pool of the cache (one rank's)"

@@ -90,6 +90,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="auto: a request's temperature, top_p, top_k, min_p and repetition_penalty default to the "
                         "model's generation_config.json when it leaves them out; none: ladder's defaults")
+    p.add_argument("--pooling", default="auto", choices=["auto", "last", "mean", "cls"],
+                   help="how /v1/embeddings pools a text's final hidden states: auto, the rule the checkpoint "
+                        "declares (sentence-transformers files, GGUF pooling_type), else the last token's")
+    p.add_argument("--embedding-normalize", default="auto", choices=["auto", "on", "off"],
+                   help="L2-normalize embeddings: auto, as the checkpoint's rule says (else on)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -133,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
         **lora_config(args), **speculative_config(args), chat_template=args.chat_template,
         generation_config=args.generation_config, revision=args.revision, download_dir=args.download_dir,
+        pooling=args.pooling, embedding_normalize={"auto": None, "on": True, "off": False}[args.embedding_normalize],
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.artifact is None:

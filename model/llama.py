@@ -283,6 +283,18 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         """One step as the engine runs it: write the cache, return the logits of the rows to sample."""
         return self.compute_logits(self.run(input_ids, positions, kv_caches, plan)[sample_rows])
 
+    def sample_logits_and_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        plan: AttentionPlan,
+        sample_rows: torch.Tensor,  # [B]
+        hidden_rows: torch.Tensor,  # [H] rows whose final hidden states an embedding pools
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, vocab], [H, hidden] float32
+        hidden = self.run(input_ids, positions, kv_caches, plan)
+        return self.compute_logits(hidden[sample_rows]), hidden[hidden_rows].float()
+
     def allocate_kv_caches(self, num_blocks: int, num_window_blocks: int | None = None) -> list[torch.Tensor]:
         """`num_window_blocks`: the sliding-window layers' own pool (engine/window_blocks.py); None: every
         layer takes `num_blocks` under the same block ids."""

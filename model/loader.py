@@ -17,6 +17,7 @@ from model.errors import ModelLoadError
 from model.hf_checkpoint import read_config, read_sampling_defaults, read_tensors, safetensors_files
 from model.hub import fetch, is_repo_id
 from model.moe import check_quantization as check_moe_quantization
+from model.pooling import Pooling, gguf_pooling, hf_dir_pooling
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
 from model.step import StepModel
 from model.weights import build_model, shift_norm_weights
@@ -39,6 +40,7 @@ class LoadedModel:
     # A request's sampling fields default to these when it leaves them out (a Hugging Face directory's
     # generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty); {} for none.
     sampling_defaults: dict = field(default_factory=dict)
+    pooling: Pooling | None = None  # the embedding rule the checkpoint declares (model/pooling.py); None: none
 
 
 def check_source(source: str | Path | None) -> None:
@@ -101,6 +103,7 @@ def load(
         module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
+        pooling = hf_dir_pooling(path)
     else:  # a .gguf file (check_source)
         from model.gguf_checkpoint import GGUFCheckpoint
 
@@ -118,6 +121,7 @@ def load(
                              torch_dtype, device, block_size, skip)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         weight_files = [path]
+        pooling = gguf_pooling(checkpoint.metadata)
         if quantization == "w4a8":
             from model.block_quantization import quantize_w4a8
 
@@ -125,7 +129,8 @@ def load(
     if quantization not in ("none", "w4a8"):
         quantize(module, quantization, tokenizer, weight_files)
     defaults = read_sampling_defaults(path) if path.is_dir() else {}
-    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults)
+    return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults,
+                       pooling)
 
 
 def quantize(module, scheme: str, tokenizer, weight_files: list[Path]) -> None:

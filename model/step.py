@@ -57,6 +57,20 @@ class StepModel(Protocol):
         """Release what outlives the model's steps (worker processes); no step runs after."""
 
 
+class HiddenStepModel(StepModel, Protocol):
+    """A step model that can also return final hidden states (embeddings pool them): the eager model in one
+    process. Compiled artifacts return logits only, and tensor-parallel ranks keep their hidden states."""
+
+    def sample_logits_and_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                                 kv_caches: list[torch.Tensor], plan: Any, sample_rows: torch.Tensor,
+                                 hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_logits`, and the final (normed) hidden states [H, hidden] float32 of `hidden_rows` [H]."""
+
+
+def returns_hidden(model: StepModel) -> bool:
+    return callable(getattr(model, "sample_logits_and_hidden", None))
+
+
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a step."""
@@ -78,6 +92,7 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [B] int64 rows of the flat batch whose logits are returned
     adapters: torch.Tensor | None = None  # [T] int64 LoRA slot of each row (-1: none); None when no row has one
+    hidden_rows: torch.Tensor | None = None  # [H] int64 rows whose final hidden states are returned too
 
 
 @torch.inference_mode()
@@ -123,6 +138,15 @@ def run_step(model: StepModel, inputs: StepInputs, kv_caches: list[torch.Tensor]
     """Logits [B, vocab] float32 of the step's sample rows (B may be 0: prefill chunks only)."""
     plan = model.plan(inputs.attn_metadata)
     return model.sample_logits(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows)
+
+
+@torch.inference_mode()
+def run_step_with_hidden(model: HiddenStepModel, inputs: StepInputs,
+                         kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_step`'s logits, and the final hidden states [H, hidden] float32 of the step's `hidden_rows`."""
+    plan = model.plan(inputs.attn_metadata)
+    return model.sample_logits_and_hidden(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows,
+                                          inputs.hidden_rows)
 
 
 class BaseStepModel:

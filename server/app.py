@@ -25,6 +25,7 @@ from server import protocol as p
 from server.access import INVALID_KEY, KeyGate, bearer_matches, check_key
 from server.admission import Admission, Reservation
 from server.dashboard import install_dashboard
+from server.embeddings import install_embedding_routes
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import (
     Collected,
@@ -154,7 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_dashboard(app, state, authorize_metrics)
     install_lora_routes(app, state, authorize)
 
-    def admit(body: p._Request | p.TokenizeText | p.TokenizeChat | p.DetokenizeRequest
+    def admit(body: p._Request | p.EmbeddingRequest | p.TokenizeText | p.TokenizeChat | p.DetokenizeRequest
               ) -> tuple[AsyncLLMEngine, str | None]:
         """The engine, and the LoRA adapter the request's `model` names (None: the base model)."""
         engine = state.ready_engine()
@@ -167,6 +168,7 @@ def create_app(state: ServerState) -> FastAPI:
                        param="model", code="model_not_found")
 
     install_token_routes(app, state, authorize, admit)
+    install_embedding_routes(app, state, authorize, admit, until_disconnected)
 
     def respond(engine: AsyncLLMEngine, job: Job, reply: Reply, request: Request, chat: bool,
                 build: Callable[[Collected], BaseModel], reservation: Reservation) -> Response:

@@ -32,6 +32,7 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOOLS = 128
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one embeddings request
 
 # Fields of OpenAI's, vLLM's or llama.cpp's APIs that would change the output and that this server does not
 # implement: a request naming one is refused (400, naming it) rather than answered as if it were absent.
@@ -524,6 +525,60 @@ class UnloadLoRARequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: LoRAName
     lora_int_id: Annotated[int, Strict()] | None = None  # vLLM's; names alone identify adapters here
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's `add_special_tokens`."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    # A text, texts, token ids or lists of token ids, as a completion's prompt (read off the value's shape).
+    input: Annotated[
+        Annotated[NonEmptyText, Tag("text")]
+        | Annotated[Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
+                    Tag("texts")]
+        | Annotated[TokenIds, Tag("ids")]
+        | Annotated[Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
+                    Tag("id_lists")],
+        Discriminator(_prompt_shape),
+    ]
+    # base64: each vector's float32 values, little-endian, base64-encoded (the openai client's default).
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Strict(), Field(ge=1)] | None = None  # the first N values, then normalized
+    add_special_tokens: Annotated[bool, Strict()] = True  # BOS/EOS where the model's tokenizer adds them
+    user: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value):
+        if isinstance(value, dict) and value.get("truncate_prompt_tokens") is not None:
+            raise ValueError("truncate_prompt_tokens is not supported by this server (inputs are refused when "
+                             "too long, never truncated)")
+        return value
+
+    @property
+    def input_list(self) -> list[str | list[int]]:
+        if isinstance(self.input, str) or isinstance(self.input[0], int):
+            return [self.input]
+        return list(self.input)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64 text for encoding_format base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TokenizeText(BaseModel):
