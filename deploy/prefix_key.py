@@ -28,8 +28,9 @@ MAX_PARSE_BYTES = 256 << 10
 
 def routing_text(path: str, body: bytes) -> str | None:
     """The text whose prefix decides the replica: the prompt of /v1/completions, the messages of
-    /v1/chat/completions. None for other routes and for bodies the replica will refuse anyway."""
-    if not path.endswith(("/completions", "/chat/completions")) or len(body) > MAX_PARSE_BYTES:
+    /v1/chat/completions, the input of /v1/embeddings (a repeated input's last-token embedding is read from
+    the prefix cache). None for other routes and for bodies the replica will refuse anyway."""
+    if not path.endswith(("/completions", "/embeddings")) or len(body) > MAX_PARSE_BYTES:
         return None
     try:
         payload = json.loads(body)
@@ -39,7 +40,7 @@ def routing_text(path: str, body: bytes) -> str | None:
         return None
     if path.endswith("/chat/completions"):
         return messages_text(payload.get("messages"))
-    return prompt_text(payload.get("prompt"))
+    return prompt_text(payload.get("input" if path.endswith("/embeddings") else "prompt"))
 
 
 def prompt_text(prompt: object) -> str | None:

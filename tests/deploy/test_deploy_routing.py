@@ -38,6 +38,7 @@ def test_routing_text_reads_the_prompt_of_each_openai_route():
     # Bodies the replica will refuse route anywhere, without an error here.
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe", json.dumps({"prompt": 5}).encode()):
         assert routing_text("/v1/completions", body) is None
+    assert routing_text("/v1/embeddings", json.dumps({"input": ["first", "second"]}).encode()) == "first"
     assert routing_text("/v1/models", completion) is None
     assert request_prefix("/v1/completions", json.dumps({"prompt": SHARED}).encode()) == block_hashes(SHARED)
 
