@@ -15,8 +15,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from engine.async_engine import AsyncLLMEngine
@@ -39,11 +40,12 @@ from server.generation import (
     sampling_params,
     stream_events,
 )
-from server.metrics import ServerMetrics
-from server.middleware import BodyLimit, InFlight
 from server.guides import compile_guide, request_guide
 from server.lora_routes import install_lora_routes
+from server.metrics import ServerMetrics
+from server.middleware import BodyLimit, InFlight
 from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
+from server.responses import ResponseEvents, chat_body, from_chat_response, new_item_id
 from server.token_routes import install_token_routes
 from server.tool_calls import ToolFormat, tool_format
 from server.tool_use import ToolUse
@@ -178,9 +180,10 @@ def create_app(state: ServerState) -> FastAPI:
         forget_body(request)
         on_delta = itl_observer(state)
         if reply.stream:
-            events = held(stream_events(engine, job, engine.info.tokenizer, chat=chat, echo=reply.echo,
-                                        include_usage=reply.include_usage, on_delta=on_delta,
-                                        interval=state.settings.stream_interval, tools=reply.tools), reservation)
+            chunks = stream_events(engine, job, engine.info.tokenizer, chat=chat, echo=reply.echo,
+                                   include_usage=reply.include_usage, on_delta=on_delta,
+                                   interval=state.settings.stream_interval, tools=reply.tools)
+            events = held(reply.translate(chunks) if reply.translate is not None else chunks, reservation)
             reservation.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream")
 
@@ -257,6 +260,30 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        engine, job, parsed, reservation = await prepare_chat(body)
+        tokenizer = engine.info.tokenizer
+        return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
+                       chat=True, reservation=reservation,
+                       build=lambda result: chat_response(job, result, tokenizer, parsed))
+
+    @app.post("/v1/responses", responses=STREAMING, dependencies=[Depends(authorize)])
+    async def responses(body: p.ResponsesRequest, request: Request):
+        """OpenAI's Responses API, run as the chat completion it translates to (server/responses.py)."""
+        try:
+            chat = p.ChatCompletionRequest.model_validate(chat_body(body))
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from None
+        engine, job, parsed, reservation = await prepare_chat(chat)
+        tokenizer = engine.info.tokenizer
+        events = ResponseEvents(body, new_item_id("resp"), job.model_name)
+        return respond(engine, job, Reply(body.stream, True, echo=False, tools=parsed, translate=events.translate),
+                       request, chat=True, reservation=reservation,
+                       build=lambda result: ResponseBody(from_chat_response(
+                           chat_response(job, result, tokenizer, parsed), body, events.response_id, events.created)))
+
+    async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolFormat | None,
+                                                                   Reservation]:
+        """A chat request's job, ready to run, and the admission it holds (the caller releases it)."""
         engine, lora = admit(body)
         info = engine.info
         tokenizer = chat_tokenizer(info, body, state.settings.prompt_char_limit(info.max_model_len))
@@ -284,9 +311,7 @@ def create_app(state: ServerState) -> FastAPI:
             job = Job(new_id("chatcmpl"), [Prompt(ids, "")], params, lora or state.model_name, num_top, lora,
                       num_prompt_logprobs=body.prompt_logprobs)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
-            return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
-                           chat=True, reservation=reservation,
-                           build=lambda result: chat_response(job, result, tokenizer, parsed))
+            return engine, job, parsed, reservation
         except BaseException:
             reservation.release()
             raise
@@ -302,6 +327,17 @@ class Reply:
     include_usage: bool
     echo: bool
     tools: ToolFormat | None = None  # the reply's text is parsed for tool calls in this format
+    # Turns the chat or completion stream's events into another API's (the Responses API's); None: as they are.
+    translate: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None
+
+
+class ResponseBody(BaseModel):
+    """A body built as a plain dict (the Responses API's object), sent through JSONWhenSent as it is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def __init__(self, data: dict) -> None:
+        super().__init__(**data)
 
 
 class JSONWhenSent(Response):

@@ -527,6 +527,58 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: Annotated[int, Strict()] | None = None  # vLLM's; names alone identify adapters here
 
 
+class ResponsesTool(BaseModel):
+    """A Responses API function tool: the chat tool's function fields, flat."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Annotated[bool, Strict()] | None = None
+
+
+class ResponsesNamedTool(BaseModel):
+    type: Literal["function"]
+    name: NonEmptyText
+
+
+class ResponsesTextFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64), CHECK_UNICODE] = "response"
+    description: Text | None = None
+    schema_: Annotated[dict[str, Any] | bool, Field(alias="schema")] = True
+    strict: Annotated[bool, Strict()] | None = None
+
+
+class ResponsesText(BaseModel):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (server/responses.py turns it into a chat completion request). Other fields are
+    kept for the translation: ladder's sampling fields pass through, the unsupported ones are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Text | None = None
+    input: NonEmptyText | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Text | None = None
+    max_output_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: Annotated[bool, Strict()] = True
+    text: ResponsesText | None = None
+    stream: Annotated[bool, Strict()] = False
+    metadata: dict[str, Text] | None = None
+    background: Annotated[bool, Strict()] = False
+    truncation: Literal["auto", "disabled"] | None = None
+    store: Annotated[bool, Strict()] | None = None  # nothing is stored, whatever it says
+
+
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings: OpenAI's fields, and vLLM's `add_special_tokens`."""
 
