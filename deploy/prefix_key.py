@@ -28,9 +28,10 @@ MAX_PARSE_BYTES = 256 << 10
 
 def routing_text(path: str, body: bytes) -> str | None:
     """The text whose prefix decides the replica: the prompt of /v1/completions, the messages of
-    /v1/chat/completions, the input of /v1/embeddings (a repeated input's last-token embedding is read from
-    the prefix cache). None for other routes and for bodies the replica will refuse anyway."""
-    if not path.endswith(("/completions", "/embeddings")) or len(body) > MAX_PARSE_BYTES:
+    /v1/chat/completions, the instructions and input of /v1/responses, the input of /v1/embeddings (a
+    repeated input's last-token embedding is read from the prefix cache). None for other routes and for
+    bodies the replica will refuse anyway."""
+    if not path.endswith(("/completions", "/embeddings", "/responses")) or len(body) > MAX_PARSE_BYTES:
         return None
     try:
         payload = json.loads(body)
@@ -40,6 +41,14 @@ def routing_text(path: str, body: bytes) -> str | None:
         return None
     if path.endswith("/chat/completions"):
         return messages_text(payload.get("messages"))
+    if path.endswith("/responses"):  # the chat it becomes: the instructions' system turn, then the input
+        instructions, given = payload.get("instructions"), payload.get("input")
+        turns = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+        if isinstance(given, str):
+            turns.append({"role": "user", "content": given})
+        elif isinstance(given, list):  # its messages; function calls and outputs route with them
+            turns += [item for item in given if isinstance(item, dict) and "role" in item]
+        return messages_text(turns)
     return prompt_text(payload.get("input" if path.endswith("/embeddings") else "prompt"))
 
 

@@ -39,6 +39,11 @@ def test_routing_text_reads_the_prompt_of_each_openai_route():
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe", json.dumps({"prompt": 5}).encode()):
         assert routing_text("/v1/completions", body) is None
     assert routing_text("/v1/embeddings", json.dumps({"input": ["first", "second"]}).encode()) == "first"
+    # A Responses request routes as the chat it becomes.
+    responses = {"instructions": "Be brief.", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                       "text": "Hi"}]}]}
+    assert routing_text("/v1/responses", json.dumps(responses).encode()) == routing_text(
+        "/v1/chat/completions", json.dumps(chat).encode())
     assert routing_text("/v1/models", completion) is None
     assert request_prefix("/v1/completions", json.dumps({"prompt": SHARED}).encode()) == block_hashes(SHARED)
 
