@@ -29,6 +29,26 @@ log = logging.getLogger(__name__)
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) by their spelling in the families that have them:
+# Qwen2.5/Qwen3-Coder, StarCoder (and SantaCoder, StarCoder2), DeepSeek-Coder, CodeLlama.
+FIM_SPELLINGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+                 ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                 ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+                 ("▁<PRE>", "▁<SUF>", "▁<MID>"))
+
+
+FIM_STOP_SPELLINGS = ("▁<EOT>", "<EOT>", "<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<file_sep>",
+                      "<｜end▁of▁sentence｜>")
+
+
+def _fim_by_spelling(backend: tokenizers.Tokenizer) -> tuple[int, int, int] | None:
+    for spelling in FIM_SPELLINGS:
+        ids = [backend.token_to_id(token) for token in spelling]
+        if None not in ids:
+            return tuple(ids)
+    return None
+
+
 def _gpt2_byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68
     (controls, space, DEL, NBSP, soft hyphen) take the characters from U+0100 on, in byte order."""
@@ -59,8 +79,10 @@ class Tokenizer:
         extra_stop_ids: Iterable[int] = (),
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        fim_token_ids: Sequence[int] | None = None,
     ) -> None:
-        """Ids default to the vocabulary ids of ``bos_token``/``eos_token``; pass them when known."""
+        """Ids default to the vocabulary ids of ``bos_token``/``eos_token``; pass them when known.
+        ``fim_token_ids``: (prefix, suffix, middle) as a GGUF file names them; default: found by spelling."""
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -74,6 +96,8 @@ class Tokenizer:
             stops.add(self.eos_token_id)
         self.stop_token_ids: frozenset[int] = frozenset(stops)
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.fim_token_ids: tuple[int, int, int] | None = (
+            tuple(int(i) for i in fim_token_ids) if fim_token_ids is not None else _fim_by_spelling(backend))
 
     # -- construction ------------------------------------------------------------------------
 
@@ -133,6 +157,7 @@ class Tokenizer:
             return int(index) if index is not None and 0 <= int(index) < len(tokens) else None
 
         bos_id, eos_id = id_at("bos_token_id"), id_at("eos_token_id")
+        fim = [id_at(f"fim_{part}_token_id") for part in ("pre", "suf", "mid")]
         stops = [i for i in (id_at("eot_token_id"), id_at("eom_token_id")) if i is not None]
         stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN]
         template = metadata.get("tokenizer.chat_template") or BUILTIN_TEMPLATES.get(
@@ -147,6 +172,7 @@ class Tokenizer:
             add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=str(template) if template else None,
             extra_stop_ids=stops,
+            fim_token_ids=fim if None not in fim else None,
         )
 
     # Files `save` writes: the tokenizers model, and the facts kept beside it.
@@ -162,6 +188,7 @@ class Tokenizer:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token,
             "chat_template": self.chat_template, "stop_token_ids": sorted(self.stop_token_ids),
+            "fim_token_ids": self.fim_token_ids,
         }
         (directory / self.SAVED_FACTS).write_text(json.dumps(facts, indent=1), encoding="utf-8")
         return [self.SAVED_BACKEND, self.SAVED_FACTS]
@@ -262,6 +289,23 @@ class Tokenizer:
                         "special-token text inside chat messages will be read as special tokens")
             return None
         return markup
+
+    def encode_fim(self, prefix_ids: Sequence[int], suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt, prefix-suffix-middle order: [BOS] PRE prefix SUF suffix MID, where
+        ``prefix_ids`` is the encoded prefix (with the BOS ``encode`` adds, kept first). The model writes the
+        middle. ValueError for a vocabulary without FIM tokens."""
+        if self.fim_token_ids is None:
+            raise ValueError("this model's vocabulary has no fill-in-the-middle tokens")
+        pre, suf, mid = self.fim_token_ids
+        bos = 1 if self.bos_token_id is not None and list(prefix_ids[:1]) == [self.bos_token_id] else 0
+        return [*prefix_ids[:bos], pre, *prefix_ids[bos:], suf, *self.encode(suffix, add_special_tokens=False), mid]
+
+    @functools.cached_property
+    def fim_stop_ids(self) -> frozenset[int]:
+        """Tokens that end a fill-in-the-middle answer beside the stop tokens (CodeLlama's <EOT>, the file
+        separators and FIM padding of the coder vocabularies), where the vocabulary has them."""
+        ids = (self.backend.token_to_id(token) for token in FIM_STOP_SPELLINGS)
+        return frozenset(i for i in ids if i is not None)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes ``token_id`` adds to a text, a partial UTF-8 character kept partial (``decode`` would

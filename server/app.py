@@ -237,8 +237,11 @@ def create_app(state: ServerState) -> FastAPI:
         check_token_fields(body, info.vocab_size)
         guide, guide_field = request_guide(body)
         reservation = state.admission.reserve(len(items) * body.n)
+        if body.suffix is not None and (tokenizer is None or tokenizer.fim_token_ids is None):
+            raise APIError(400, "suffix (fill in the middle) needs a model whose vocabulary has FIM tokens; this "
+                                "one has none", param="suffix")
         try:
-            prompts = await asyncio.to_thread(to_prompts, items, tokenizer, body.echo)
+            prompts = await asyncio.to_thread(to_prompts, items, tokenizer, body.echo, body.suffix)
             for prompt in prompts:  # max_tokens 0: the engine still makes one token
                 check_length(len(prompt.token_ids), max(max_tokens, 1), info.max_model_len, "prompt")
             if guide is not None:
@@ -247,6 +250,8 @@ def create_app(state: ServerState) -> FastAPI:
             params = sampling_params(body, max(max_tokens, 1), body.logprobs, guide, info.sampling_defaults)
             if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with theirs
                 params = params.replace(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
+            if body.suffix is not None:  # the middle ends at the end of text or the model's FIM end token
+                params = params.replace(stop_token_ids=(*params.stop_token_ids, *sorted(tokenizer.fim_stop_ids)))
             job = Job(new_id("cmpl"), prompts, params, lora or state.model_name, body.logprobs, lora,
                       prompt_only=max_tokens == 0, num_prompt_logprobs=body.prompt_logprobs)
             echo = body.echo

@@ -49,16 +49,21 @@ def check_chars(num_chars: int, limit: int, what: str) -> None:
                             "characters per prompt", param=what, code="prompt_too_long")
 
 
-def to_prompts(items: list[str | list[int]], tokenizer: Tokenizer | None, echo: bool) -> list[Prompt]:
+def to_prompts(items: list[str | list[int]], tokenizer: Tokenizer | None, echo: bool,
+               suffix: str | None = None) -> list[Prompt]:
     """Tokenize the texts (and, for echo, detokenize the id lists). CPU-heavy: run it off the event loop.
-    A prompt keeps its text only for echo: a request holds what it keeps until it ends."""
+    A prompt keeps its text only for echo: a request holds what it keeps until it ends. With `suffix`, each
+    prompt is the text before an insertion point and becomes a fill-in-the-middle prompt."""
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(Prompt(tokenizer.encode(item), item if echo else ""))
+            prompt = Prompt(tokenizer.encode(item), item if echo else "")
         else:
             text = tokenizer.decode(item, skip_special_tokens=False) if echo and tokenizer else ""
-            prompts.append(Prompt(list(item), text))
+            prompt = Prompt(list(item), text)
+        if suffix is not None:
+            prompt = Prompt(tokenizer.encode_fim(prompt.token_ids, suffix), prompt.text)
+        prompts.append(prompt)
     return prompts
 
 

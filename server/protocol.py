@@ -61,7 +61,6 @@ UNSUPPORTED_FIELDS = {
     "n_predict": "this server calls it max_tokens",
     "n_probs": "use logprobs",
     "samplers": "the sampler order is fixed",
-    "suffix": "insertion (fill-in-the-middle) is not implemented",
     "functions": "use tools",
     "function_call": "use tool_choice",
     "audio": "audio output is not implemented",
@@ -253,11 +252,16 @@ class CompletionRequest(_Request):
     echo: Annotated[bool, Strict()] = False
     # 0 with echo: the prompt alone comes back (scored, with logprobs), as OpenAI's legacy API answers it.
     max_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+    # Fill in the middle: the text after the insertion point; the prompt is the text before it. For models
+    # whose vocabulary has FIM tokens (Qwen2.5-Coder, StarCoder, DeepSeek-Coder, CodeLlama).
+    suffix: Text | None = None
 
     @model_validator(mode="after")
     def _nothing_only_with_echo(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 returns nothing without echo: set echo, or max_tokens of at least 1")
+        if self.suffix is not None and self.echo:
+            raise ValueError("echo with a suffix is not supported: the prompt is given back without the insertion")
         return self
 
     @model_validator(mode="before")

@@ -192,6 +192,26 @@ def test_token_bytes_make_the_decoded_text(tok: Tokenizer, spm: Tokenizer) -> No
     assert b"".join(map(spm.token_bytes, spm_ids)) == " z日本 é\n".encode()
 
 
+def test_gguf_fim_token_ids_are_read_and_saved(spm: Tokenizer, tmp_path: Path) -> None:
+    """A GGUF file names its fill-in-the-middle tokens (CodeLlama's, say); without them a vocabulary's are
+    found by spelling, and this one has none. Saved with an artifact, the ids come back."""
+    assert spm.fim_token_ids is None
+    with pytest.raises(ValueError, match="no fill-in-the-middle tokens"):
+        spm.encode_fim([1], "x")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SPM_PIECES + ["<think>"]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES) + [4],
+            "tokenizer.ggml.scores": [0.0] * len(tokens), "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.fim_pre_token_id": 275,
+            "tokenizer.ggml.fim_suf_token_id": 276, "tokenizer.ggml.fim_mid_token_id": 277}
+    fim = Tokenizer.from_gguf_metadata(meta, "fim.gguf")
+    assert fim.fim_token_ids == (275, 276, 277)
+    ids = fim.encode("hi")
+    assert ids[0] == 1 and fim.encode_fim(ids, "a") == [1, 275, *ids[1:], 276, *fim.encode("a", False), 277]
+    fim.save(tmp_path)
+    assert Tokenizer.from_saved(tmp_path).fim_token_ids == (275, 276, 277)
+
+
 # -- streaming detokenizer -------------------------------------------------------------------
 
 
