@@ -244,13 +244,15 @@ class Tokenizer:
         self.__dict__.pop("_chat_markup", None)  # built from the template: build it again when next asked
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_vars: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **template_vars: Any
     ) -> str:
         """Render ``messages`` into a prompt string with the model's chat template; ``template_vars``
-        (``tools=...``, ``enable_thinking=...``) become template variables."""
+        (``tools=...``, ``enable_thinking=...``) become template variables. ``continue_final_message``: the
+        text ends with the last message's content, its turn left open (`open_final_message`)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        return render_chat_template(
+        text = render_chat_template(
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -258,9 +260,11 @@ class Tokenizer:
             eos_token=self.eos_token,
             **template_vars,
         )
+        return open_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_vars: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **template_vars: Any
     ) -> tuple[str, list[int]]:
         """The chat template's text for ``messages`` and its token ids, with the special tokens that the
         template writes as their ids and special-token text inside the messages as plain text: a message
@@ -271,9 +275,10 @@ class Tokenizer:
         whose special tokens this cannot follow (see `_ChatMarkup`) is encoded that way, with a warning."""
         markup = self._chat_markup
         if markup is None:
-            text = self.apply_chat_template(messages, add_generation_prompt, **template_vars)
+            text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **template_vars)
             return text, self.encode(text, add_special_tokens=False)
-        return markup.encode(messages, add_generation_prompt, self.bos_token, self.eos_token, **template_vars)
+        return markup.encode(messages, add_generation_prompt, self.bos_token, self.eos_token, continue_final_message,
+                             **template_vars)
 
     @functools.cached_property
     def _chat_markup(self) -> _ChatMarkup | None:
@@ -393,14 +398,31 @@ class _ChatMarkup:
         return self.alias_of.get(token, token) if token is not None else None
 
     def encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool, bos_token: str | None,
-               eos_token: str | None, **template_vars: Any) -> tuple[str, list[int]]:
+               eos_token: str | None, continue_final_message: bool = False, **template_vars: Any
+               ) -> tuple[str, list[int]]:
         aliased = render_chat_template(
             self.template, messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._alias(bos_token), eos_token=self._alias(eos_token), **template_vars,
         )
+        if continue_final_message:  # a message cannot spell an alias, so the cut never splits one
+            aliased = open_final_message(aliased, messages)
         # The batch form releases the GIL (see Tokenizer.encode).
         ids = self.backend.encode_batch([aliased], add_special_tokens=False)[0].ids
         return self.pattern.sub(lambda m: self.text_of[m.group()], aliased), [self.id_of.get(i, i) for i in ids]
+
+
+def open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered chat cut right after the last message's content, so that the model continues that
+    message (a reply's prefilled start) instead of closing its turn. The content is found as the template
+    wrote it, surrounding whitespace stripped (templates often strip it), at its last place in the text."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text content")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's text as "
+                         "it is, so it cannot be left open")
+    return text[:at + len(content.strip())]
 
 
 # -- Hugging Face directory ------------------------------------------------------------------

@@ -77,20 +77,22 @@ def chat_tokenizer(info: EngineInfo, body: p.ChatPrompt, char_limit: int) -> Tok
 
 
 async def chat_prompt_ids(tokenizer: Tokenizer, body: p.ChatPrompt, fmt: ToolFormat, tools: ToolUse | None,
-                          allow_special_tokens: bool, add_generation_prompt: bool = True) -> list[int]:
+                          allow_special_tokens: bool) -> list[int]:
     """The token ids of a chat's prompt: its messages, the tools it shows the model (`tools`, None for none)
-    and its template variables, rendered with the chat template on a worker thread. One function for
-    /v1/chat/completions and /tokenize, so that a count is the count the completion sees."""
+    and its template variables, rendered with the chat template on a worker thread; the assistant's turn
+    opened, or the last message left open (`body.opens_turn`, `body.continue_final_message`). One function
+    for /v1/chat/completions and /tokenize, so that a count is the count the completion sees."""
     messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
                                            tools.definitions if tools is not None else None, fmt)
     template_vars = {**(body.chat_template_kwargs or {}), **template_vars}
     _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, allow_special_tokens, template_vars,
-                                     add_generation_prompt)
+                                     body.opens_turn, body.continue_final_message)
     return ids
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens: bool = False,
-                template_vars: dict | None = None, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+                template_vars: dict | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> tuple[str, list[int]]:
     """The chat template's text and its token ids. CPU-heavy: run it off the event loop.
 
     Special-token text inside the messages (`<|im_end|>` typed by a user) is tokenized as plain text, so a
@@ -100,8 +102,9 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens
     template_vars = template_vars or {}
     try:
         if allow_special_tokens:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt, **template_vars)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                 **template_vars)
             return text, tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode_chat(messages, add_generation_prompt, **template_vars)
+        return tokenizer.encode_chat(messages, add_generation_prompt, continue_final_message, **template_vars)
     except ValueError as error:
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None

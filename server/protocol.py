@@ -69,8 +69,6 @@ UNSUPPORTED_FIELDS = {
     "reasoning_effort": "this model has no reasoning setting",
     "web_search_options": "web search is not implemented",
     "chat_template": "a request cannot bring its own template; the server's is used (ladder serve --chat-template)",
-    "add_generation_prompt": "the assistant's turn is always opened",
-    "continue_final_message": "not implemented",
     "documents": "not implemented",
     "logits_processors": "not implemented",
 }
@@ -362,6 +360,10 @@ class ChatPrompt(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    # vLLM's: open the assistant's turn at the end (default: yes, unless the last message continues), or
+    # leave the last message (an assistant's) open for the model to continue: a prefilled reply's start.
+    add_generation_prompt: Annotated[bool, Strict()] | None = None
+    continue_final_message: Annotated[bool, Strict()] = False
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Strict()] = True
@@ -406,6 +408,21 @@ class ChatPrompt(BaseModel):
     def uses_tools(self) -> bool:
         """Whether the reply may hold tool calls (tools sent, and tool_choice not "none")."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def opens_turn(self) -> bool:
+        """Whether the prompt ends with the assistant's turn opened (add_generation_prompt)."""
+        return not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
+
+    @model_validator(mode="after")
+    def _continue_an_assistant_message(self):
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message leaves the last message open: it cannot be combined with "
+                                 "add_generation_prompt true")
+            if self.messages[-1].role != "assistant" or not self.messages[-1].text.strip():
+                raise ValueError("continue_final_message needs a last message from the assistant, with text")
+        return self
 
 
 class ChatCompletionRequest(_Request, ChatPrompt):
@@ -673,7 +690,6 @@ class TokenizeChat(ChatPrompt):
     """POST /tokenize with vLLM's chat form: the ids a chat completion with these fields would be given."""
 
     model: Text | None = None
-    add_generation_prompt: Annotated[bool, Strict()] = True  # end with the assistant's turn opened
     return_token_strs: Annotated[bool, Strict()] = False
     with_pieces: Annotated[bool, Strict()] = False
 
@@ -685,9 +701,9 @@ class TokenizeChat(ChatPrompt):
                 raise ValueError("give either messages or a text (prompt or content), not both")
             if value.get("add_special_tokens"):
                 raise ValueError("add_special_tokens: a chat's special tokens are the template's own")
-            for name in ("continue_final_message", "chat_template"):
-                if value.get(name):
-                    raise ValueError(f"{name} is not supported by this server ({UNSUPPORTED_FIELDS[name]})")
+            if value.get("chat_template"):
+                why = UNSUPPORTED_FIELDS["chat_template"]
+                raise ValueError(f"chat_template is not supported by this server ({why})")
         return value
 
 

@@ -43,7 +43,7 @@ def install_token_routes(app: FastAPI, state: ServerState, authorize,
             tokenizer = chat_tokenizer(info, body, char_limit)
             fmt = tool_format(tokenizer.chat_template)
             ids = await chat_prompt_ids(tokenizer, body, fmt, ToolUse.of(body, fmt),
-                                        state.settings.allow_special_tokens_in_content, body.add_generation_prompt)
+                                        state.settings.allow_special_tokens_in_content)
         else:
             tokenizer = needs_tokenizer(info.tokenizer)
             check_chars(len(body.text), char_limit, "prompt")

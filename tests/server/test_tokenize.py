@@ -87,6 +87,27 @@ def test_chat_logprobs_bytes_join_into_the_reply(server, tokenizer):
     assert data.decode("utf-8", errors="replace") == out["choices"][0]["message"]["content"]
 
 
+def test_a_prefilled_reply_is_continued(server, tokenizer):
+    """continue_final_message (vLLM's): the prompt ends inside the assistant's message, which the model then
+    continues; the same ids as the closed chat up to its end-of-turn, and the same reply as those ids sent
+    to /v1/completions."""
+    prefilled = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    opened = post(server, "/tokenize", {"messages": prefilled, "continue_final_message": True}).json()["tokens"]
+    closed = post(server, "/tokenize", {"messages": prefilled, "add_generation_prompt": False}).json()["tokens"]
+    assert closed[:len(opened)] == opened and closed[len(opened)] == tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.decode(opened, skip_special_tokens=False).endswith("<|im_start|>assistant\nThe answer is")
+    common = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chat = post(server, "/v1/chat/completions", {"messages": prefilled, "continue_final_message": True,
+                                                 "add_generation_prompt": False, **common}).json()
+    plain = post(server, "/v1/completions", {"prompt": opened, **common}).json()
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == len(opened)
+    for bad, fragment in (({"add_generation_prompt": True}, "add_generation_prompt"), ({}, "assistant")):
+        messages = prefilled if bad else CHAT
+        refused = post(server, "/v1/chat/completions", {"messages": messages, "continue_final_message": True, **bad})
+        assert refused.status_code == 400 and fragment in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path,body,status,fragment", [
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "content": "b"}, 400, "prompt"),
