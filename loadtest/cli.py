@@ -32,8 +32,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     server.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="bearer token (default: $OPENAI_API_KEY)")
-    server.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                        help="/v1/completions or /v1/chat/completions (default completions)")
+    server.add_argument("--endpoint", choices=("completions", "chat", "responses"), default="completions",
+                        help="/v1/completions, /v1/chat/completions or /v1/responses (OpenAI's Responses API, "
+                             "the chat's messages as input) (default completions)")
     server.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos (for servers that reject unknown fields)")
     server.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")

@@ -24,7 +24,9 @@ CONNECTION_ERROR = "connection_error"  # no response at all: refused, reset, clo
 ERROR_EVENT = "error_event"  # the server streamed an error object instead of tokens
 BAD_RESPONSE = "bad_response"  # an event that is not the JSON of a completion chunk
 
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+# How a Responses stream's last event ends it, as a chat choice's finish_reason would.
+RESPONSE_ENDS = {"response.completed": "stop", "response.incomplete": "length"}
 
 
 @dataclass
@@ -153,6 +155,9 @@ class OpenAIClient:
                       "stream": True, "stream_options": {"include_usage": True}}
         if self.endpoint == "chat":
             body["messages"] = list(spec.messages)
+        elif self.endpoint == "responses":  # the conversation as input items; usage comes with the last event
+            body = {"model": self.model, "max_output_tokens": spec.max_tokens, "temperature": self.temperature,
+                    "stream": True, "input": list(spec.messages)}
         else:
             body["prompt"] = spec.prompt
         if self.ignore_eos:
@@ -255,6 +260,10 @@ class _StreamState:
         if not isinstance(event, dict):
             self._fail(BAD_RESPONSE, f"event is not a JSON object: {data[:100]!r}")
             return
+        kind = event.get("type")
+        if isinstance(kind, str) and (kind.startswith("response.") or kind == "error"):
+            self._response_event(event, kind, now)
+            return
         if event.get("error") is not None:
             error = event["error"]
             self._fail(ERROR_EVENT, str(error.get("message", error) if isinstance(error, dict) else error))
@@ -273,6 +282,9 @@ class _StreamState:
                 text += choice["text"]
             if choice.get("finish_reason"):
                 self.record.finish_reason = choice["finish_reason"]
+        self._text(text, now)
+
+    def _text(self, text: str, now: float) -> None:
         if text:
             elapsed = now - self.sent_at
             if self.record.ttft is None:
@@ -280,6 +292,23 @@ class _StreamState:
             self.record.chunk_times.append(elapsed)
             if self.keep_text:
                 self.text.append(text)
+
+    def _response_event(self, event: dict, kind: str, now: float) -> None:
+        """One of the Responses API's typed events: text deltas; the last event (completed, incomplete)
+        with the usage; an error event or a failed response."""
+        if kind == "error" or kind == "response.failed":
+            error = event.get("message") or (event.get("response") or {}).get("error") or kind
+            self._fail(ERROR_EVENT, str(error.get("message", error) if isinstance(error, dict) else error))
+        elif kind == "response.output_text.delta" and isinstance(event.get("delta"), str):
+            self._text(event["delta"], now)
+        elif kind in RESPONSE_ENDS:
+            usage = (event.get("response") or {}).get("usage")
+            if isinstance(usage, dict):  # in the chat shape, for _count_tokens
+                self.usage = {"prompt_tokens": usage.get("input_tokens"),
+                              "completion_tokens": usage.get("output_tokens")}
+            self.record.finish_reason = RESPONSE_ENDS[kind]
+            self.done = True
+            self.record.e2e = now - self.sent_at
 
     def end(self, now: float) -> None:
         """The body ended cleanly: a success if the stream said it was complete."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-ENDPOINTS = ("completions", "chat")
+ENDPOINTS = ("completions", "chat", "responses")
 DATASETS = ("random", "file")
 SWEEP_KINDS = ("rate", "concurrency")
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
