@@ -10,6 +10,12 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "cpu_kernels.h"
 #include "parallel.h"
 #include "tile.h"
@@ -245,6 +251,125 @@ struct W8A8Tiles {
 #endif
 };
 
+#if defined(LADDER_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define LADDER_AMX 1
+// --- AMX: many rows at once (a prefill's, a batch of embeddings') on Intel's tile units.
+//
+// tdpbusd multiplies a tile of 16 rows by 64 bytes of the rows' q + 128 with a tile of 16 groups of 4
+// inputs by 16 output channels, which is one packed block's layout for 64 inputs: 16 x 16 exact int32
+// sums, the sums vpdpbusd makes. The VNNI tiles' epilogue then runs on them unchanged, so every output has
+// the VNNI tiles' bits (and so a row's output is the same alone, on VNNI tiles, or in a prefill, on AMX).
+// Used for M >= kAmxMinRows when K (rounded up to 4) is a multiple of 64, after the process was granted
+// the tile state (Linux's arch_prctl), on CPUs that report AMX-INT8.
+
+constexpr int64_t kAmxMinRows = 32;
+constexpr int64_t kAmxK = 64;  // bytes of a row per tile: 64 inputs, 16 groups of 4
+
+struct TileConfig {  // ldtilecfg's 64-byte layout, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+}
+
+// Tiles: C 0..3 (rows 0-15 and 16-31 by blocks b and b + 1), A 4, 5 (the two row groups), B 6, 7 (the blocks).
+void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Rows m0 .. m0 + 31 (xq has rows up to there, padded) by blocks b, b + 1 (nb of them): the int32 sums into
+// sums [32][32] (row, then the two blocks' 16 channels).
+template <int NB>
+void amx_unit(const uint8_t* xq, int64_t KP, const int8_t* wp, int64_t b, int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int8_t* w0 = wp + b * KP * BN;
+  const int8_t* w1 = w0 + KP * BN;
+  for (int64_t k = 0; k < KP; k += kAmxK) {
+    _tile_loadd(4, xq + k, KP);
+    _tile_loadd(5, xq + 16 * KP + k, KP);
+    _tile_loadd(6, w0 + k * BN, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 5, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, w1 + k * BN, 64);
+      _tile_dpbusd(2, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 32 * 4);
+  _tile_stored(1, sums + 16 * 32, 32 * 4);
+  if constexpr (NB == 2) {
+    _tile_stored(2, sums + 16, 32 * 4);
+    _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+  }
+}
+
+// The VNNI tiles' epilogue (W8A8Tiles<RAW>::tile) on rows m0 .. m0 + mr of the sums of blocks b .. b + nb.
+template <bool RAW>
+void amx_epilogue(const int32_t* sums, int64_t mr, int nb, const int32_t* wsum, const float* xs, const float* scale,
+                  const float* bias, void* out_, int64_t ldo, int64_t b, int64_t N) {
+  for (int j = 0; j < nb; ++j) {
+    const int64_t col = (b + j) * BN;
+    if (col >= N) break;
+    const __mmask16 mask = tail_mask(N - col);
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + col), 7);  // 128 * sum_k w
+    const __m512 s = RAW ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, scale + col);
+    const __m512 bv = bias && !RAW ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < mr; ++i) {
+      const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(sums + i * 32 + j * 16), offset);
+      if constexpr (RAW) {
+        _mm512_mask_storeu_epi32(static_cast<int32_t*>(out_) + i * ldo + col, mask, sum);
+      } else {
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[i])), s);
+        if (bias) y = _mm512_add_ps(y, bv);
+        _mm512_mask_storeu_ps(static_cast<float*>(out_) + i * ldo + col, mask, y);
+      }
+    }
+  }
+}
+
+// Every row of xq [Mpad, KP] (Mpad: M rounded up to 32, the padding rows zeros) by every block, threads
+// sharing units of 32 rows by 2 blocks, the blocks outer so that a pair's weights stay in L1 over the rows.
+template <bool RAW>
+void amx_rows(const uint8_t* xq, int64_t M, int64_t KP, const int8_t* wp, const int32_t* wsum, int64_t NBLK,
+              const float* xs, const float* scale, const float* bias, void* out, int64_t N) {
+  const int64_t row_groups = (M + 31) / 32, pairs = (NBLK + 1) / 2;
+  parallel_for(0, pairs * row_groups, 1, [&](int64_t u0, int64_t u1) {
+    load_tile_config();  // per thread and call: another library may have configured the tiles its own way
+    alignas(64) int32_t sums[32 * 32];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = (u / row_groups) * 2, m0 = (u % row_groups) * 32;
+      const int nb = static_cast<int>(std::min<int64_t>(2, NBLK - b));
+      if (nb == 2) {
+        amx_unit<2>(xq + m0 * KP, KP, wp, b, sums);
+      } else {
+        amx_unit<1>(xq + m0 * KP, KP, wp, b, sums);
+      }
+      amx_epilogue<RAW>(sums, std::min<int64_t>(32, M - m0), nb, wsum, xs + m0, scale, bias,
+                        static_cast<uint8_t*>(out) + 4 * m0 * N, N, b, N);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // The product of rows xp [M, K] (K <= KG * GK) with a packed weight into out (4-byte elements, float32, or
 // with `raw` the int32 sums), the rows quantized with their own max |x| or `given` maxima [M].
 void rows(const float* xp, int64_t M, int64_t K, const int8_t* wp, const int32_t* sump, int64_t NBLK, int64_t KG,
@@ -253,7 +378,14 @@ void rows(const float* xp, int64_t M, int64_t K, const int8_t* wp, const int32_t
   const int64_t KP = KG * GK;
   std::vector<uint8_t>& xq = scratch.xq;
   std::vector<float>& xs = scratch.xs;
+#ifdef LADDER_AMX
+  const bool amx = M >= kAmxMinRows && KP % kAmxK == 0 && amx_ready();
+  const int64_t rows_held = amx ? (M + 31) / 32 * 32 : M;
+  xq.resize(rows_held * KP);
+  if (amx) std::fill(xq.begin() + M * KP, xq.end(), uint8_t{0});  // the last row group's padding: zero sums
+#else
   xq.resize(M * KP);
+#endif
   xs.resize(M);
   if (M == 1) {  // a decode row: no task for so little work
     quantize_row(xp, K, KP, xq.data(), xs.data(), given);
@@ -263,6 +395,16 @@ void rows(const float* xp, int64_t M, int64_t K, const int8_t* wp, const int32_t
         quantize_row(xp + m * K, K, KP, xq.data() + m * KP, xs.data() + m, given ? given + m : nullptr);
     });
   }
+#ifdef LADDER_AMX
+  if (amx) {
+    if (raw) {
+      amx_rows<true>(xq.data(), M, KP, wp, sump, NBLK, xs.data(), sp, bp, out, N);
+    } else {
+      amx_rows<false>(xq.data(), M, KP, wp, sump, NBLK, xs.data(), sp, bp, out, N);
+    }
+    return;
+  }
+#endif
   uint8_t* op = static_cast<uint8_t*>(out);
   auto call = [&](auto tile, int64_t m, int64_t b) {
     tile(xq.data() + m * KP, KP, wp + b * KP * BN, KG, sump, xs.data() + m, sp, bp, op + 4 * m * N, N, b * BN, N);

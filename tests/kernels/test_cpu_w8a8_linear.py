@@ -107,6 +107,29 @@ def test_rows_do_not_depend_on_the_batch_or_threads():
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("m", [32, 47, 100])
+@pytest.mark.parametrize("n,k", [(40, 64), (576, 576), (1536, 1536)])
+def test_many_rows_on_the_tile_units_equal_each_row_alone(m, n, k):
+    """From 32 rows with K a multiple of 64 an AMX CPU runs the tile units (tdpbusd, 32 rows by 2 blocks
+    of 16 channels a unit, the last row group padded, an odd last block alone): the same integer sums as
+    vpdpbusd, the same epilogue, so every row equals itself computed alone, the raw sums too. The weights
+    span all of int8 and a row rounds halves. Elsewhere it is the vector tiles, and the same holds."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    q[0] = -128
+    x = torch.randn(m, k, generator=gen)
+    x[0] = torch.arange(k) % 9 - 3.5
+    x[0, 0] = -127.0
+    scale, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
+    packed, wsum = kernel.pack(q)
+    together = kernel.w8a8_linear(x, packed, wsum, scale, bias, n)
+    alone = torch.cat([kernel.w8a8_linear(x[i:i + 1], packed, wsum, scale, bias, n) for i in range(m)])
+    assert torch.equal(together, alone) and torch.equal(together, kernel.w8a8_matmul_ref(x, q, scale) + bias)
+    sums = kernel.w8a8_int32(x, packed, wsum, n)
+    assert torch.equal(sums, kernel.w8a8_int32_ref(x, q))
+    assert torch.equal(sums, torch.cat([kernel.w8a8_int32(x[i:i + 1], packed, wsum, n) for i in range(m)]))
+
+
 def test_leading_dimensions_zero_rows_and_bad_shapes():
     x, q, scale, _ = _case(6, 48, 64)
     packed, wsum = kernel.pack(q)
