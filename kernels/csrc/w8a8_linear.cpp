@@ -262,7 +262,9 @@ struct W8A8Tiles {
 // Used for M >= kAmxMinRows when K (rounded up to 4) is a multiple of 64, after the process was granted
 // the tile state (Linux's arch_prctl), on CPUs that report AMX-INT8.
 
-constexpr int64_t kAmxMinRows = 32;
+// From 8 rows the tiles beat the VNNI tiles (K 576-2048, N 640-2048: 0.9-0.6x the time at 8-16 rows, about
+// 0.5x from 32); below, a decode's few rows stream the weights on the VNNI tiles faster (1.2-1.5x at 1 row).
+constexpr int64_t kAmxMinRows = 8;
 constexpr int64_t kAmxK = 64;  // bytes of a row per tile: 64 inputs, 16 groups of 4
 
 struct TileConfig {  // ldtilecfg's 64-byte layout, palette 1
@@ -291,33 +293,37 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// Rows m0 .. m0 + 31 (xq has rows up to there, padded) by blocks b, b + 1 (nb of them): the int32 sums into
+// RG groups of 16 rows from m0 (xq has rows up to there, padded) by NB blocks from b: the int32 sums into
 // sums [32][32] (row, then the two blocks' 16 channels).
-template <int NB>
+template <int RG, int NB>
 void amx_unit(const uint8_t* xq, int64_t KP, const int8_t* wp, int64_t b, int32_t* sums) {
   _tile_zero(0);
-  _tile_zero(1);
   _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (RG == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
   const int8_t* w0 = wp + b * KP * BN;
   const int8_t* w1 = w0 + KP * BN;
   for (int64_t k = 0; k < KP; k += kAmxK) {
     _tile_loadd(4, xq + k, KP);
-    _tile_loadd(5, xq + 16 * KP + k, KP);
     _tile_loadd(6, w0 + k * BN, 64);
     _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 5, 6);
     if constexpr (NB == 2) {
       _tile_loadd(7, w1 + k * BN, 64);
       _tile_dpbusd(2, 4, 7);
-      _tile_dpbusd(3, 5, 7);
+    }
+    if constexpr (RG == 2) {
+      _tile_loadd(5, xq + 16 * KP + k, KP);
+      _tile_dpbusd(1, 5, 6);
+      if constexpr (NB == 2) _tile_dpbusd(3, 5, 7);
     }
   }
   _tile_stored(0, sums, 32 * 4);
-  _tile_stored(1, sums + 16 * 32, 32 * 4);
-  if constexpr (NB == 2) {
-    _tile_stored(2, sums + 16, 32 * 4);
-    _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+  if constexpr (NB == 2) _tile_stored(2, sums + 16, 32 * 4);
+  if constexpr (RG == 2) {
+    _tile_stored(1, sums + 16 * 32, 32 * 4);
+    if constexpr (NB == 2) _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
   }
 }
 
@@ -345,8 +351,9 @@ void amx_epilogue(const int32_t* sums, int64_t mr, int nb, const int32_t* wsum, 
   }
 }
 
-// Every row of xq [Mpad, KP] (Mpad: M rounded up to 32, the padding rows zeros) by every block, threads
-// sharing units of 32 rows by 2 blocks, the blocks outer so that a pair's weights stay in L1 over the rows.
+// Every row of xq [Mpad, KP] (Mpad: M rounded up to 16, the padding rows zeros) by every block, threads
+// sharing units of 32 rows (16 for a last group of at most 16) by 2 blocks, the blocks outer so that a
+// pair's weights stay in L1 over the rows.
 template <bool RAW>
 void amx_rows(const uint8_t* xq, int64_t M, int64_t KP, const int8_t* wp, const int32_t* wsum, int64_t NBLK,
               const float* xs, const float* scale, const float* bias, void* out, int64_t N) {
@@ -357,10 +364,11 @@ void amx_rows(const uint8_t* xq, int64_t M, int64_t KP, const int8_t* wp, const 
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = (u / row_groups) * 2, m0 = (u % row_groups) * 32;
       const int nb = static_cast<int>(std::min<int64_t>(2, NBLK - b));
-      if (nb == 2) {
-        amx_unit<2>(xq + m0 * KP, KP, wp, b, sums);
-      } else {
-        amx_unit<1>(xq + m0 * KP, KP, wp, b, sums);
+      const uint8_t* xr = xq + m0 * KP;
+      if (M - m0 > 16) {
+        nb == 2 ? amx_unit<2, 2>(xr, KP, wp, b, sums) : amx_unit<2, 1>(xr, KP, wp, b, sums);
+      } else {  // a last group of at most 16 rows
+        nb == 2 ? amx_unit<1, 2>(xr, KP, wp, b, sums) : amx_unit<1, 1>(xr, KP, wp, b, sums);
       }
       amx_epilogue<RAW>(sums, std::min<int64_t>(32, M - m0), nb, wsum, xs + m0, scale, bias,
                         static_cast<uint8_t*>(out) + 4 * m0 * N, N, b, N);
@@ -380,7 +388,7 @@ void rows(const float* xp, int64_t M, int64_t K, const int8_t* wp, const int32_t
   std::vector<float>& xs = scratch.xs;
 #ifdef LADDER_AMX
   const bool amx = M >= kAmxMinRows && KP % kAmxK == 0 && amx_ready();
-  const int64_t rows_held = amx ? (M + 31) / 32 * 32 : M;
+  const int64_t rows_held = amx ? (M + 15) / 16 * 16 : M;
   xq.resize(rows_held * KP);
   if (amx) std::fill(xq.begin() + M * KP, xq.end(), uint8_t{0});  // the last row group's padding: zero sums
 #else

@@ -107,11 +107,11 @@ def test_rows_do_not_depend_on_the_batch_or_threads():
     assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("m", [32, 47, 100])
+@pytest.mark.parametrize("m", [8, 15, 32, 47, 100])
 @pytest.mark.parametrize("n,k", [(40, 64), (576, 576), (1536, 1536)])
 def test_many_rows_on_the_tile_units_equal_each_row_alone(m, n, k):
-    """From 32 rows with K a multiple of 64 an AMX CPU runs the tile units (tdpbusd, 32 rows by 2 blocks
-    of 16 channels a unit, the last row group padded, an odd last block alone): the same integer sums as
+    """From 8 rows with K a multiple of 64 an AMX CPU runs the tile units (tdpbusd, 32 or 16 rows by 2
+    blocks of 16 channels a unit, the last row group padded, an odd last block alone): the same integer sums as
     vpdpbusd, the same epilogue, so every row equals itself computed alone, the raw sums too. The weights
     span all of int8 and a row rounds halves. Elsewhere it is the vector tiles, and the same holds."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
