@@ -236,16 +236,26 @@ def _prompt_shape(value) -> str:
     return "ids" if isinstance(value, list) else "text"  # [] or a non-list: that form's own error says why
 
 
-class CompletionRequest(_Request):
-    # The shape is read off the value, so only one form is validated: trying each form in turn would collect
-    # an error per element of every form that fails, a long stall of the event loop for a large id list.
-    prompt: Annotated[
+def prompts_field(max_items: int | None = None) -> Any:
+    """A text, texts, token ids or lists of token ids (at most `max_items` texts or lists). The shape is read
+    off the value, so only one form is validated: trying each form in turn would collect an error per
+    element of every form that fails, a long stall of the event loop for a large id list."""
+    return Annotated[
         Annotated[NonEmptyText, Tag("text")]
-        | Annotated[Annotated[list[NonEmptyText], Field(min_length=1)], Tag("texts")]
+        | Annotated[Annotated[list[NonEmptyText], Field(min_length=1, max_length=max_items)], Tag("texts")]
         | Annotated[TokenIds, Tag("ids")]
-        | Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag("id_lists")],
+        | Annotated[Annotated[list[TokenIds], Field(min_length=1, max_length=max_items)], Tag("id_lists")],
         Discriminator(_prompt_shape),
     ]
+
+
+def one_per_item(value: str | list) -> list[str | list[int]]:
+    """A `prompts_field` value as a list, one text or list of token ids per item."""
+    return [value] if isinstance(value, str) or isinstance(value[0], int) else list(value)
+
+
+class CompletionRequest(_Request):
+    prompt: prompts_field()
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[bool, Strict()] = False
     # 0 with echo: the prompt alone comes back (scored, with logprobs), as OpenAI's legacy API answers it.
@@ -275,9 +285,7 @@ class CompletionRequest(_Request):
     @property
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts, one per item: a text or a list of token ids."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
+        return one_per_item(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -605,16 +613,7 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
-    # A text, texts, token ids or lists of token ids, as a completion's prompt (read off the value's shape).
-    input: Annotated[
-        Annotated[NonEmptyText, Tag("text")]
-        | Annotated[Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
-                    Tag("texts")]
-        | Annotated[TokenIds, Tag("ids")]
-        | Annotated[Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
-                    Tag("id_lists")],
-        Discriminator(_prompt_shape),
-    ]
+    input: prompts_field(MAX_EMBEDDING_INPUTS)  # as a completion's prompt
     # base64: each vector's float32 values, little-endian, base64-encoded (the openai client's default).
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Strict(), Field(ge=1)] | None = None  # the first N values, then normalized
@@ -631,9 +630,7 @@ class EmbeddingRequest(BaseModel):
 
     @property
     def input_list(self) -> list[str | list[int]]:
-        if isinstance(self.input, str) or isinstance(self.input[0], int):
-            return [self.input]
-        return list(self.input)
+        return one_per_item(self.input)
 
 
 class Embedding(BaseModel):
