@@ -45,7 +45,8 @@ from server.lora_routes import install_lora_routes
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
 from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
-from server.responses import ResponseEvents, chat_body, from_chat_response, new_item_id
+from server.response_store import ResponseStore, output_messages
+from server.responses import ResponseEvents, chat_body, new_item_id
 from server.token_routes import install_token_routes
 from server.tool_calls import ToolFormat, tool_format
 from server.tool_use import ToolUse
@@ -105,6 +106,7 @@ class ServerState:
         self.draining = False
         self.num_requests = 0  # HTTP requests in flight (server/middleware.py InFlight), for the drain
         self.admission = Admission(settings.max_queue)
+        self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
 
     def _stats(self):
@@ -274,17 +276,42 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/responses", responses=STREAMING, dependencies=[Depends(authorize)])
     async def responses(body: p.ResponsesRequest, request: Request):
         """OpenAI's Responses API, run as the chat completion it translates to (server/responses.py)."""
+        history = stored_response(body.previous_response_id, "previous_response_id").messages \
+            if body.previous_response_id is not None else []
+        chat_json, conversation = chat_body(body, history)
         try:
-            chat = p.ChatCompletionRequest.model_validate(chat_body(body))
+            chat = p.ChatCompletionRequest.model_validate(chat_json)
         except ValidationError as error:
             raise RequestValidationError(error.errors()) from None
         engine, job, parsed, reservation = await prepare_chat(chat)
         tokenizer = engine.info.tokenizer
-        events = ResponseEvents(body, new_item_id("resp"), job.model_name)
+
+        def keep(response: dict) -> None:  # the conversation, its answer last, for a later previous_response_id
+            state.responses.put(response, [*conversation, *output_messages(response["output"])])
+
+        events = ResponseEvents(body, new_item_id("resp"), job.model_name, keep if body.store is not False else None)
         return respond(engine, job, Reply(body.stream, True, echo=False, tools=parsed, translate=events.translate),
                        request, chat=True, reservation=reservation,
-                       build=lambda result: ResponseBody(from_chat_response(
-                           chat_response(job, result, tokenizer, parsed), body, events.response_id, events.created)))
+                       build=lambda result: ResponseBody(events.from_chat(chat_response(job, result, tokenizer,
+                                                                                        parsed))))
+
+    @app.get("/v1/responses/{response_id}", responses=ERRORS, dependencies=[Depends(authorize)])
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(stored_response(response_id, "response_id").response)
+
+    @app.delete("/v1/responses/{response_id}", responses=ERRORS, dependencies=[Depends(authorize)])
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not state.responses.delete(response_id):
+            stored_response(response_id, "response_id")  # its 404
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def stored_response(response_id: str, param: str):
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r}: responses are kept in the memory of the "
+                                "process that answered them, the most recent ones, unless stored with store: false",
+                           param=param, code="response_not_found")
+        return stored
 
     async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolFormat | None,
                                                                    Reservation]:

@@ -605,7 +605,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Text] | None = None
     background: Annotated[bool, Strict()] = False
     truncation: Literal["auto", "disabled"] | None = None
-    store: Annotated[bool, Strict()] | None = None  # nothing is stored, whatever it says
+    store: Annotated[bool, Strict()] | None = None  # false: not kept for previous_response_id (default: kept)
+    previous_response_id: Text | None = None
 
 
 class EmbeddingRequest(BaseModel):

@@ -7,8 +7,9 @@ completion request the server already validates, renders, guides and runs; `resp
 items (a message with `output_text`, `function_call`s), `usage` with input and output tokens, and the typed
 stream events (`response.created` ... `response.output_text.delta` ... `response.completed`).
 
-Nothing is stored: `previous_response_id` and `conversation` are refused, and a client sends the whole
-conversation in `input`, as it does with `store: false`.
+A response is kept in this process's memory (server/response_store.py) unless the request says `store:
+false`: `previous_response_id` continues its conversation, `GET /v1/responses/{id}` returns it.
+`conversation` objects are refused.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from server import protocol as p
@@ -28,8 +29,8 @@ PASSED_THROUGH = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penal
                   "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "speculative_tokens",
                   "chat_template_kwargs", "skip_special_tokens", "user")
 UNSUPPORTED = {
-    "previous_response_id": "responses are not stored: send the whole conversation in input",
-    "conversation": "responses are not stored: send the whole conversation in input",
+    "conversation": "conversation objects are not implemented: use previous_response_id, or send the whole "
+                    "conversation in input",
     "prompt": "stored prompt templates are not implemented",
     "reasoning": "this model has no reasoning setting",
     "top_logprobs": "log-probabilities are given by /v1/chat/completions",
@@ -40,8 +41,10 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def chat_body(body: p.ResponsesRequest) -> dict[str, Any]:
-    """The chat completion request (as JSON) that asks what the Responses request asks."""
+def chat_body(body: p.ResponsesRequest, history: list[dict[str, Any]] = ()) -> tuple[dict[str, Any], list[dict]]:
+    """The chat completion request (as JSON) that asks what the Responses request asks, after `history` (the
+    stored conversation of its previous_response_id); and the conversation it continues, without its
+    instructions (a later response's are its own), for the store."""
     for name, why in UNSUPPORTED.items():
         if body.model_extra and body.model_extra.get(name) is not None:
             raise APIError(400, f"{name} is not supported by this server ({why})", param=name)
@@ -51,8 +54,9 @@ def chat_body(body: p.ResponsesRequest) -> dict[str, Any]:
     if body.truncation not in (None, "disabled"):
         raise APIError(400, "truncation 'auto' is not supported: an input longer than the context is refused",
                        param="truncation")
+    conversation = [*history, *input_messages(body.input)]
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += input_messages(body.input)
+    messages += conversation
     chat: dict[str, Any] = {"messages": messages, "stream": body.stream,
                             "parallel_tool_calls": body.parallel_tool_calls}
     if body.stream:
@@ -79,7 +83,7 @@ def chat_body(body: p.ResponsesRequest) -> dict[str, Any]:
     for name in PASSED_THROUGH:
         if body.model_extra and body.model_extra.get(name) is not None:
             chat[name] = body.model_extra[name]
-    return chat
+    return chat, conversation
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -129,7 +133,7 @@ def item_text(content: Any, index: int) -> Any:
 
 def response_object(response_id: str, created: int, body: p.ResponsesRequest, model: str,
                     output: list[dict[str, Any]], status: str, usage: dict[str, int] | None,
-                    incomplete: str | None = None) -> dict[str, Any]:
+                    incomplete: str | None = None, stored: bool = False) -> dict[str, Any]:
     """The Responses API's response object."""
     tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, p.ResponsesNamedTool) else \
         (body.tool_choice or "auto")
@@ -137,12 +141,12 @@ def response_object(response_id: str, created: int, body: p.ResponsesRequest, mo
         "id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None, "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens, "model": model, "output": output,
-        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "temperature": body.temperature, "top_p": body.top_p, "tool_choice": tool_choice,
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
         "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                  if body.text is not None and body.text.format is not None else {"type": "text"}},
-        "truncation": "disabled", "store": False, "metadata": body.metadata or {},
+        "truncation": "disabled", "store": stored, "metadata": body.metadata or {},
         "usage": None if usage is None else {
             "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
@@ -168,24 +172,14 @@ def output_status(finish_reason: str | None) -> tuple[str, str | None]:
     return "completed", None
 
 
-def from_chat_response(chat: p.ChatCompletionResponse, body: p.ResponsesRequest, response_id: str,
-                       created: int) -> dict[str, Any]:
-    choice = chat.choices[0]
-    output = []
-    if choice.message.content:
-        output.append(message_item(choice.message.content))
-    output += [call_item(call.model_dump()) for call in choice.message.tool_calls or ()]
-    status, incomplete = output_status(choice.finish_reason)
-    return response_object(response_id, created, body, chat.model, output, status, chat.usage.model_dump(),
-                           incomplete)
-
-
 class ResponseEvents:
-    """The Responses stream of a streamed chat completion: reads its chunks (server-sent `data:` lines, the
-    chat path's own) and writes typed events (`event: <type>` and `data: {..., "sequence_number"}`)."""
+    """One response: its object from a whole chat completion (`from_chat`), or its stream from a streamed
+    one (`translate`: reads the chat path's server-sent `data:` lines, writes typed events, `event: <type>`
+    and `data: {..., "sequence_number"}`). A finished response goes to `keep` (the store), if given."""
 
-    def __init__(self, body: p.ResponsesRequest, response_id: str, model: str) -> None:
-        self.body, self.response_id, self.model = body, response_id, model
+    def __init__(self, body: p.ResponsesRequest, response_id: str, model: str,
+                 keep: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.body, self.response_id, self.model, self.keep = body, response_id, model, keep
         self.created = int(time.time())
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
@@ -199,7 +193,19 @@ class ResponseEvents:
 
     def snapshot(self, status: str, usage: dict[str, int] | None = None, incomplete: str | None = None) -> dict:
         return response_object(self.response_id, self.created, self.body, self.model, list(self.output), status,
-                               usage, incomplete)
+                               usage, incomplete, stored=self.keep is not None)
+
+    def finished(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self.keep is not None:
+            self.keep(response)
+        return response
+
+    def from_chat(self, chat: p.ChatCompletionResponse) -> dict[str, Any]:
+        choice = chat.choices[0]
+        self.output = [message_item(choice.message.content)] if choice.message.content else []
+        self.output += [call_item(call.model_dump()) for call in choice.message.tool_calls or ()]
+        status, incomplete = output_status(choice.finish_reason)
+        return self.finished(self.snapshot(status, chat.usage.model_dump(), incomplete))
 
     async def translate(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield self.event("response.created", response=self.snapshot("in_progress"))
@@ -233,7 +239,8 @@ class ResponseEvents:
                 for event in self.close_message():
                     yield event
                 status, incomplete = output_status(finish)
-                yield self.event(f"response.{status}", response=self.snapshot(status, data["usage"], incomplete))
+                response = self.finished(self.snapshot(status, data["usage"], incomplete))
+                yield self.event(f"response.{status}", response=response)
 
     def text_delta(self, text: str) -> list[str]:
         events = []

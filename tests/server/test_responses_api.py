@@ -109,8 +109,54 @@ def test_structured_text_follows_its_schema(client):
     assert out.text.format.type == "json_schema"
 
 
+def test_previous_response_id_continues_a_stored_conversation(server, client):
+    """A response is kept unless store is false: the next request naming it continues its conversation (its
+    instructions not carried over, as OpenAI's API does), streamed responses too; GET returns it, DELETE
+    forgets it."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    first = client.responses.create(model="tiny-chat", instructions="Be brief.", input="Hi", max_output_tokens=6,
+                                    temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(model="tiny-chat", input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And then?"}]
+    counted = httpx.post(server.url + "/tokenize", headers=headers, json={"messages": messages}, timeout=60).json()
+    assert second.usage.input_tokens == counted["count"]
+    # The same tokens as the whole conversation sent at once.
+    whole = client.responses.create(model="tiny-chat", input=messages, max_output_tokens=6, temperature=0,
+                                    store=False)
+    assert whole.output_text == second.output_text and whole.store is False
+    with client.responses.stream(model="tiny-chat", input="More", previous_response_id=second.id,
+                                 max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True}) as stream:
+        events = list(stream)  # to the end: a stream left early is aborted, and nothing is stored
+    streamed_id = next(e for e in events if e.type == "response.created").response.id
+    assert client.responses.retrieve(streamed_id).previous_response_id == second.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    for missing in (whole.id, "resp_unknown"):
+        response = httpx.get(server.url + f"/v1/responses/{missing}", headers=headers, timeout=60)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "response_not_found"
+    deleted = httpx.delete(server.url + f"/v1/responses/{first.id}", headers=headers, timeout=60).json()
+    assert deleted == {"id": first.id, "object": "response", "deleted": True}
+    assert httpx.get(server.url + f"/v1/responses/{first.id}", headers=headers, timeout=60).status_code == 404
+
+
+def test_the_store_keeps_its_bound():
+    from server.response_store import ResponseStore
+
+    store = ResponseStore(max_chars=1000)
+    for i in range(20):
+        store.put({"id": f"resp_{i}", "output": []}, [{"role": "user", "content": "x" * 100}])
+    assert store.num_chars <= 1000 and len(store) < 20 and store.get("resp_19") is not None
+    assert store.get("resp_0") is None
+    store.put({"id": "big", "output": []}, [{"role": "user", "content": "x" * 2000}])
+    assert store.get("big") is None  # larger than the whole bound: not kept
+
+
 @pytest.mark.parametrize("body,status,fragment", [
-    ({"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "resp_1"}, 404, "previous_response_id"),
+    ({"input": "x", "conversation": "conv_1"}, 400, "conversation"),
     ({"input": "x", "background": True}, 400, "background"),
     ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": []}, 400, "input"),
