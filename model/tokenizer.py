@@ -213,15 +213,20 @@ class Tokenizer:
         With ``add_special_tokens`` BOS (and EOS) are added when the model asks for them; BOS is not
         added a second time when ``text`` already starts with it (e.g. a chat template wrote it).
         """
+        return self.encode_all([text], add_special_tokens)[0]
+
+    def encode_all(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in one call: the tokenizer splits the texts over its own threads."""
         # The batch form releases the GIL while it works (the single form holds it), so a long text
         # encoded on a worker thread does not stall the server's event loop.
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        encoded = [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
         if add_special_tokens:
-            if self.add_bos_token and ids[:1] != [self.bos_token_id]:
-                ids.insert(0, self.bos_token_id)
-            if self.add_eos_token:
-                ids.append(self.eos_token_id)
-        return ids
+            for ids in encoded:
+                if self.add_bos_token and ids[:1] != [self.bos_token_id]:
+                    ids.insert(0, self.bos_token_id)
+                if self.add_eos_token:
+                    ids.append(self.eos_token_id)
+        return encoded
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; invalid UTF-8 byte sequences come out as U+FFFD."""
