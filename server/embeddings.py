@@ -21,7 +21,7 @@ from model.pooling import finish_embedding
 from server import protocol as p
 from server.errors import APIError
 from server.generation import request_error
-from server.prompts import check_chars
+from server.prompts import check_chars, check_token_ids
 
 if TYPE_CHECKING:
     from server.app import ServerState
@@ -84,8 +84,7 @@ def check_inputs(items: list[str | list[int]], has_tokenizer: bool, vocab_size: 
             if len(item) > max_model_len:
                 raise APIError(400, f"input {i} has {len(item)} tokens; this model takes at most {max_model_len}",
                                param="input", code="context_length_exceeded")
-            if min(item) < 0 or max(item) >= vocab_size:
-                raise APIError(400, f"input token ids must be in [0, {vocab_size}), the vocabulary", param="input")
+            check_token_ids(item, vocab_size, "input token ids", "input")
 
 
 def tokenize(items: list[str | list[int]], tokenizer, add_special_tokens: bool) -> list[list[int]]:

@@ -28,9 +28,13 @@ def check_prompts(items: list[str | list[int]], max_tokens: int, info: EngineInf
             check_chars(len(item), char_limit, "prompt")
         else:
             check_length(len(item), max_tokens, info.max_model_len, "prompt")
-            if min(item) < 0 or max(item) >= info.vocab_size:
-                raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size}), the vocabulary",
-                               param="prompt")
+            check_token_ids(item, info.vocab_size, "prompt token ids", "prompt")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, what: str, param: str) -> None:
+    """Token ids a request sends are ids of the vocabulary."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise APIError(400, f"{what} must be in [0, {vocab_size}), the vocabulary", param=param)
 
 
 def check_token_fields(body: p._Request, vocab_size: int) -> None:

@@ -18,7 +18,7 @@ from engine.async_engine import AsyncLLMEngine
 from model.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import APIError
-from server.prompts import chat_prompt_ids, chat_tokenizer, check_chars
+from server.prompts import chat_prompt_ids, chat_tokenizer, check_chars, check_token_ids
 from server.tool_calls import tool_format
 from server.tool_use import ToolUse
 
@@ -56,9 +56,7 @@ def install_token_routes(app: FastAPI, state: ServerState, authorize,
     async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
         engine, _ = admit(body)
         tokenizer = needs_tokenizer(engine.info.tokenizer)
-        vocab_size = engine.info.vocab_size
-        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab_size):
-            raise APIError(400, f"token ids must be in [0, {vocab_size}), the vocabulary", param="tokens")
+        check_token_ids(body.tokens, engine.info.vocab_size, "token ids", "tokens")
         text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
         return p.DetokenizeResponse(prompt=text, content=text)
 
