@@ -1,7 +1,7 @@
 """Embeddings (model/pooling.py, the engine's embedding requests): a tiny Qwen3 saved as sentence-transformers
 saves Qwen3-Embedding (a bare `Qwen3Model`, last-token pooling, normalized) gives transformers' pooled hidden
 states; mean and cls pooling too; chunked prompts, the prefix cache and generating requests in the same
-steps change nothing; bad requests are refused."""
+steps change nothing; a LoRA adapter's embeddings are peft's; bad requests are refused."""
 
 from __future__ import annotations
 
@@ -120,6 +120,23 @@ def test_chunks_the_prefix_cache_and_generation_beside_change_nothing(embedder, 
     # The repeated 40-token prompt found its first 32 tokens cached when only the last token is pooled.
     assert cached[f"e{len(PROMPTS)}"] == (32 if kind == "last" else 0)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_an_adapters_embeddings_equal_peft(embedder, tmp_path):
+    """A LoRA adapter's embeddings (a request naming it) equal peft's model's pooled hidden states; requests
+    without it keep the base model's."""
+    from lora_adapters import make_peft_adapter
+
+    directory, model = embedder
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": targets}
+    peft_model = make_peft_adapter(directory, tmp_path / "adapter", settings, seed=3)
+    with torch.no_grad():
+        want = torch.stack([torch.nn.functional.normalize(
+            peft_model.base_model.model.model(torch.tensor([ids])).last_hidden_state[0, -1], dim=0) for ids in PROMPTS])
+    llm = make_llm(directory, lora_modules={"adapter": str(tmp_path / "adapter")}, max_lora_rank=4)
+    torch.testing.assert_close(llm.embed(PROMPTS, lora="adapter"), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(llm.embed(PROMPTS), reference(model, PROMPTS, "last"), atol=2e-5, rtol=1e-4)
 
 
 def test_bad_embedding_requests_are_refused(embedder):
