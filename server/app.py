@@ -302,15 +302,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", responses=ERRORS, dependencies=[Depends(authorize)])
     async def delete_response(response_id: str) -> JSONResponse:
         if not state.responses.delete(response_id):
-            stored_response(response_id, "response_id")  # its 404
+            raise not_stored(response_id, "response_id")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     def stored_response(response_id: str, param: str):
         stored = state.responses.get(response_id)
         if stored is None:
-            raise APIError(404, f"no stored response {response_id!r}: responses are kept in the memory of the "
-                                "process that answered them, the most recent ones, unless stored with store: false",
-                           param=param, code="response_not_found")
+            raise not_stored(response_id, param)
         return stored
 
     async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolFormat | None,
@@ -361,6 +359,12 @@ class Reply:
     tools: ToolFormat | None = None  # the reply's text is parsed for tool calls in this format
     # Turns the chat or completion stream's events into another API's (the Responses API's); None: as they are.
     translate: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None
+
+
+def not_stored(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response {response_id!r}: responses are kept in the memory of the process "
+                         "that answered them, the most recent ones, unless stored with store: false",
+                    param=param, code="response_not_found")
 
 
 class ResponseBody(BaseModel):
