@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+import tokenizers
+import torch
 
 from model.tokenizer import Tokenizer
 
@@ -137,6 +139,7 @@ class GuideCompiler:
         self._vocab_size = vocab_size
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._unwritable: frozenset[int] = frozenset()  # with the tokenizer: bytes in no token
+        self._marked = torch.zeros(0, dtype=torch.long)  # with the tokenizer: see `marked_tokens`
         self._limits = llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
         self._cache: OrderedDict[Guide, CompiledGuide] = OrderedDict()
         self._cache_size = cache_size
@@ -153,6 +156,15 @@ class GuideCompiler:
         with self._lock:
             self._llg_tokenizer_locked()
             return self._unwritable
+
+    @property
+    def marked_tokens(self) -> torch.Tensor:
+        """Ids [M] of the tokens llguidance takes for special ones (besides the stop tokens). Its masks may
+        allow one where a grammar's text could begin with its spelling while its matcher refuses the token
+        (see `_llguidance_json`, which avoids most), so the masker checks these before they are sampled."""
+        with self._lock:
+            self._llg_tokenizer_locked()
+            return self._marked
 
     def compile(self, guide: Guide) -> CompiledGuide:
         with self._lock:
@@ -185,16 +197,44 @@ class GuideCompiler:
     def _llg_tokenizer_locked(self) -> llguidance.LLTokenizer:
         if self._llg_tokenizer is None:
             stops = sorted(self._tokenizer.stop_token_ids)
-            self._llg_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
-                                                         eos_token=stops or None)
+            self._llg_tokenizer = llguidance.LLTokenizer(_llguidance_json(self._tokenizer.backend),
+                                                         n_vocab=self._vocab_size, eos_token=stops or None)
             # A byte-level vocabulary may lack some bytes altogether (SmolLM2's has no 0xF1 or 0xF2, the lead
             # bytes of most 4-byte characters): llguidance then masks as if such a byte could come, and refuses
             # the token its own mask allowed. Known here, a guide that needs one is refused instead.
-            held = set()
+            held, marked = set(), []
             for token in range(self._llg_tokenizer.vocab_size):
-                held.update(self._llg_tokenizer.decode_bytes([token]))
-            self._unwritable = frozenset(range(256)) - held
+                if self._llg_tokenizer.is_special_token(token):
+                    marked.append(token)
+                else:
+                    held.update(self._llg_tokenizer.decode_bytes([token]))
+            # 0xFF is in no UTF-8 text: llguidance's forced bytes start with it where a grammar names a token.
+            self._unwritable = frozenset(range(255)) - held
+            self._marked = torch.tensor(sorted(set(marked) - set(stops)), dtype=torch.long)
         return self._llg_tokenizer
+
+
+def _llguidance_json(backend: tokenizers.Tokenizer) -> str:
+    """The tokenizer as llguidance is given it. llguidance takes every added token spelled <...> for a special
+    token, even one the tokenizer treats as text (Qwen's <think> and <tool_call>), and then disagrees with
+    itself: where a grammar's text starts with that spelling its mask allows the token, or its forced
+    tokens are that token, and its matcher refuses it (a failed request). Such a token, when its spelling is
+    printable ASCII (the same text in a byte-level and in a SentencePiece alphabet), moves into the model's
+    vocabulary here, where llguidance reads it as the text it is; a grammar can still name it, `<[id]>`."""
+    data = json.loads(backend.to_str())
+    vocab = data.get("model", {}).get("vocab")
+    if not isinstance(vocab, dict):  # a Unigram vocabulary is a list: left as it is (the masker still checks)
+        return backend.to_str()
+    kept = []
+    for token in data.get("added_tokens") or ():
+        text = token["content"]
+        plain = text.isascii() and text.isprintable() and " " not in text
+        if not token.get("special") and plain and vocab.get(text, token["id"]) == token["id"]:
+            vocab[text] = token["id"]
+        else:
+            kept.append(token)
+    data["added_tokens"] = kept
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _depth(value: object, level: int = 0) -> int:

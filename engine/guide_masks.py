@@ -10,12 +10,15 @@ pass produces.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
+
+if TYPE_CHECKING:
+    from engine.guide import GuideCompiler
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,9 @@ class StepMasks:
 
 
 class GuideMasker:
-    def __init__(self, vocab_size: int, unwritable: Callable[[], frozenset[int]] = frozenset) -> None:
+    def __init__(self, vocab_size: int, compiler: GuideCompiler | None = None) -> None:
         self.vocab_size = vocab_size
-        self.unwritable = unwritable  # the bytes no token holds (engine/guide.py GuideCompiler.unwritable)
+        self.compiler = compiler  # the vocabulary's facts: bytes no token holds, tokens llguidance marks
         self.words = (vocab_size + 31) // 32  # llguidance writes 32 tokens per int32 word
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladder-guide")
         # One Rust thread per row is wasted on a small batch; two suit the 2-core hosts this serves on and
@@ -64,7 +67,15 @@ class GuideMasker:
                              {row: GUIDE_FAILED for row in rows})
         allowed = ((bitmask[:, :, None] >> self._bits) & 1).bool().reshape(len(rows), -1)[:, :self.vocab_size]
         errors = {}
-        unwritable = self.unwritable()
+        unwritable = self.compiler.unwritable if self.compiler is not None else frozenset()
+        marked = self.compiler.marked_tokens if self.compiler is not None else None
+        if marked is not None and marked.numel():
+            # A marked token the mask allows is kept only if the matcher takes it (a grammar that names it,
+            # `<think>` in Lark); where the grammar only has its text, the text is written in other tokens.
+            for j, k in (allowed[:, marked]).nonzero().tolist():
+                token = int(marked[k])
+                if not matchers[j].validate_tokens([token]):
+                    allowed[j, token] = False
         for j, m in enumerate(matchers):
             # A matcher in error (it never should be: tokens come from its own masks) allows nothing.
             if m.is_error() or not allowed[j].any():

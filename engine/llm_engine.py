@@ -165,7 +165,7 @@ class LLMEngine:
         self.speculator = self._set_up_speculation(config)
         vocab = self.model.config.vocab_size
         self.guides = GuideCompiler(self.tokenizer, vocab) if self.tokenizer is not None else None
-        self.masker = GuideMasker(vocab, (lambda: self.guides.unwritable) if self.guides is not None else frozenset)
+        self.masker = GuideMasker(vocab, self.guides)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids if self.tokenizer else self.model.config.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # request id -> its samples
         self.streams: dict[Request, TextStream] = {}

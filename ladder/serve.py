@@ -47,6 +47,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token text in chat messages (e.g. <|im_end|>) as control tokens, as the "
                         "template's own markup is; by default it is plain text, so a message cannot forge a turn")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think", "qwen3", "deepseek_r1"],
+                   help="a reasoning model's <think> block goes to reasoning_content, apart from the content of "
+                        "chat replies: auto (when the vocabulary has <think> and </think> tokens), none (left in "
+                        "content), think (required; qwen3 and deepseek_r1, vLLM's names, mean the same)")
     add_auto_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -149,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
                               max_prompts_per_request=args.max_prompts_per_request,
                               max_prompt_chars=args.max_prompt_chars, stream_interval=args.stream_interval,
                               protect_metrics=args.protect_metrics,
-                              allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+                              allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                              reasoning_parser=args.reasoning_parser)
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
         # The dtype as asked too: each replica resolves auto for its own device.

@@ -45,6 +45,7 @@ from server.lora_routes import install_lora_routes
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
 from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
+from server.reasoning import Reasoning, ReasoningFormat
 from server.response_store import ResponseStore, output_messages
 from server.responses import ResponseEvents, chat_body, new_item_id
 from server.token_routes import install_token_routes
@@ -76,6 +77,9 @@ class ServerSettings:
     protect_metrics: bool | None = None
     # Special-token text in chat messages becomes control tokens (the template's markup) instead of text.
     allow_special_tokens_in_content: bool = False
+    # A reasoning model's <think> block goes to `reasoning_content` (server/reasoning.py): auto (when the
+    # vocabulary has the markers), none, or think (required).
+    reasoning_parser: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -108,11 +112,16 @@ class ServerState:
         self.admission = Admission(settings.max_queue)
         self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
+        self.reasoning: ReasoningFormat | None = None  # the served model's, found when it is attached
 
     def _stats(self):
         return self.engine.stats if self.engine else None
 
     def attach(self, engine: AsyncLLMEngine) -> None:
+        """Serve `engine`. Raises ValueError for a --reasoning-parser its model cannot use."""
+        tokenizer = engine.info.tokenizer
+        self.reasoning = ReasoningFormat.for_server(self.settings.reasoning_parser, tokenizer) \
+            if tokenizer is not None else None
         engine.stats.observers.append(self.metrics.observe_finished)
         self.engine = engine
 
@@ -184,7 +193,8 @@ def create_app(state: ServerState) -> FastAPI:
         if reply.stream:
             chunks = stream_events(engine, job, engine.info.tokenizer, chat=chat, echo=reply.echo,
                                    include_usage=reply.include_usage, on_delta=on_delta,
-                                   interval=state.settings.stream_interval, tools=reply.tools)
+                                   interval=state.settings.stream_interval, tools=reply.tools,
+                                   reasoning=reply.reasoning)
             events = held(reply.translate(chunks) if reply.translate is not None else chunks, reservation)
             reservation.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -267,11 +277,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMING,
               dependencies=[Depends(authorize)])
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        engine, job, parsed, reservation = await prepare_chat(body)
+        engine, job, parsed, reasoning, reservation = await prepare_chat(body)
         tokenizer = engine.info.tokenizer
-        return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed), request,
-                       chat=True, reservation=reservation,
-                       build=lambda result: chat_response(job, result, tokenizer, parsed))
+        return respond(engine, job, Reply(body.stream, body.include_usage, echo=False, tools=parsed,
+                                          reasoning=reasoning), request, chat=True, reservation=reservation,
+                       build=lambda result: chat_response(job, result, tokenizer, parsed, reasoning))
 
     @app.post("/v1/responses", responses=STREAMING, dependencies=[Depends(authorize)])
     async def responses(body: p.ResponsesRequest, request: Request):
@@ -283,17 +293,17 @@ def create_app(state: ServerState) -> FastAPI:
             chat = p.ChatCompletionRequest.model_validate(chat_json)
         except ValidationError as error:
             raise RequestValidationError(error.errors()) from None
-        engine, job, parsed, reservation = await prepare_chat(chat)
+        engine, job, parsed, reasoning, reservation = await prepare_chat(chat)
         tokenizer = engine.info.tokenizer
 
         def keep(response: dict) -> None:  # the conversation, its answer last, for a later previous_response_id
             state.responses.put(response, [*conversation, *output_messages(response["output"])])
 
         events = ResponseEvents(body, new_item_id("resp"), job.model_name, keep if body.store is not False else None)
-        return respond(engine, job, Reply(body.stream, True, echo=False, tools=parsed, translate=events.translate),
-                       request, chat=True, reservation=reservation,
+        return respond(engine, job, Reply(body.stream, True, echo=False, tools=parsed, reasoning=reasoning,
+                                          translate=events.translate), request, chat=True, reservation=reservation,
                        build=lambda result: ResponseBody(events.from_chat(chat_response(job, result, tokenizer,
-                                                                                        parsed))))
+                                                                                        parsed, reasoning))))
 
     @app.get("/v1/responses/{response_id}", responses=ERRORS, dependencies=[Depends(authorize)])
     async def get_response(response_id: str) -> JSONResponse:
@@ -312,8 +322,9 @@ def create_app(state: ServerState) -> FastAPI:
         return stored
 
     async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolFormat | None,
-                                                                   Reservation]:
-        """A chat request's job, ready to run, and the admission it holds (the caller releases it)."""
+                                                                   Reasoning | None, Reservation]:
+        """A chat request's job, ready to run, how its replies are read (tool calls, reasoning), and the
+        admission it holds (the caller releases it)."""
         engine, lora = admit(body)
         info = engine.info
         tokenizer = chat_tokenizer(info, body, state.settings.prompt_char_limit(info.max_model_len))
@@ -341,7 +352,10 @@ def create_app(state: ServerState) -> FastAPI:
             job = Job(new_id("chatcmpl"), [Prompt(ids, "")], params, lora or state.model_name, num_top, lora,
                       num_prompt_logprobs=body.prompt_logprobs)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
-            return engine, job, parsed, reservation
+            reasoning = None
+            if state.reasoning is not None:
+                reasoning = Reasoning(state.reasoning, state.reasoning.opened_by(ids), body.include_reasoning)
+            return engine, job, parsed, reasoning, reservation
         except BaseException:
             reservation.release()
             raise
@@ -357,6 +371,7 @@ class Reply:
     include_usage: bool
     echo: bool
     tools: ToolFormat | None = None  # the reply's text is parsed for tool calls in this format
+    reasoning: Reasoning | None = None  # a chat reply's reasoning block is split from its content
     # Turns the chat or completion stream's events into another API's (the Responses API's); None: as they are.
     translate: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None
 

@@ -26,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from model.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import APIError, sse_error
+from server.reasoning import Reasoning, ReasoningSplit
 from server.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls
 
 ENGINE_FAILED = "the engine failed while running this request"
@@ -258,6 +259,7 @@ class Collected:
     def __init__(self, job: Job) -> None:
         count = len(job.prompts) * job.params.n
         self.text = [""] * count
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
         self.prompt_logprobs: list[list[TokenLogprobs] | None] = [None] * count
         self.finish: list[str | None] = [None] * count
@@ -267,6 +269,7 @@ class Collected:
         if delta.finish_reason is FinishReason.ERROR:
             raise request_error(delta)
         self.text[index] += delta.text
+        self.token_ids[index].extend(delta.token_ids)
         self.logprobs[index].extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
@@ -282,9 +285,12 @@ async def collect(engine: AsyncLLMEngine, job: Job, on_delta=None) -> Collected:
     return result
 
 
-def usage(job: Job, num_output_tokens: int) -> p.Usage:
+def usage(job: Job, num_output_tokens: int, num_reasoning_tokens: int | None = None) -> p.Usage:
+    """`num_reasoning_tokens`: of the output, in reasoning blocks (None: the model has none)."""
+    details = None if num_reasoning_tokens is None else p.CompletionTokensDetails(
+        reasoning_tokens=num_reasoning_tokens)
     return p.Usage(prompt_tokens=job.num_prompt_tokens, completion_tokens=num_output_tokens,
-                   total_tokens=job.num_prompt_tokens + num_output_tokens)
+                   total_tokens=job.num_prompt_tokens + num_output_tokens, completion_tokens_details=details)
 
 
 def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo: bool) -> p.CompletionResponse:
@@ -307,23 +313,30 @@ def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo:
                                 usage=usage(job, result.num_output_tokens))
 
 
-def assistant_message(text: str, finish: str | None, tools: ToolFormat | None) -> tuple[p.AssistantMessage, str | None]:
-    """The reply's message and finish reason: with tools, the calls the text holds are parsed out of it
-    (`finish_reason` "tool_calls" when the model stopped after making some)."""
+def assistant_message(text: str, finish: str | None, tools: ToolFormat | None,
+                      reasoning: str | None = None) -> tuple[p.AssistantMessage, str | None]:
+    """The reply's message and finish reason: with tools, the calls the text (the reply after its reasoning)
+    holds are parsed out of it (`finish_reason` "tool_calls" when the model stopped after making some)."""
     if tools is None:
-        return p.AssistantMessage(content=text), finish
+        return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
     content, calls = parse_tool_calls(text, tools)
     if not calls:
-        return p.AssistantMessage(content=text), finish
-    message = p.AssistantMessage(content=content, tool_calls=[p.ToolCall(**call.to_openai()) for call in calls])
+        return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
+    message = p.AssistantMessage(content=content, reasoning_content=reasoning,
+                                 tool_calls=[p.ToolCall(**call.to_openai()) for call in calls])
     return message, "tool_calls" if finish == "stop" else finish
 
 
-def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolFormat | None = None
-                  ) -> p.ChatCompletionResponse:
+def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolFormat | None = None,
+                  reasoning: Reasoning | None = None) -> p.ChatCompletionResponse:
     choices = []
+    num_reasoning_tokens = None if reasoning is None else 0
     for i, text in enumerate(result.text):
-        message, finish = assistant_message(text, result.finish[i], tools)
+        thought = None
+        if reasoning is not None:
+            thought, text, num_tokens = reasoning.whole(text, result.token_ids[i])
+            num_reasoning_tokens += num_tokens
+        message, finish = assistant_message(text, result.finish[i], tools, thought)
         choices.append(p.ChatChoice(index=i, message=message, finish_reason=finish,
                                     logprobs=chat_logprobs(tokenizer, result.logprobs[i])
                                     if job.num_top_logprobs is not None else None))
@@ -331,7 +344,8 @@ def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: Tool
     if job.num_prompt_logprobs is not None:
         scored = prompt_logprobs_payload(tokenizer, result.prompt_logprobs[0], job.num_prompt_logprobs)
     return p.ChatCompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
-                                    usage=usage(job, result.num_output_tokens), prompt_logprobs=scored)
+                                    usage=usage(job, result.num_output_tokens, num_reasoning_tokens),
+                                    prompt_logprobs=scored)
 
 
 def tool_stream_piece(stream: ToolCallStream, text: str, finished: bool, first_index: int) -> tuple[str, list[dict]]:
@@ -350,12 +364,13 @@ def sse(payload: dict) -> str:
 
 
 async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, chat: bool, echo: bool,
-                        include_usage: bool, on_delta=None, interval: int = 1, tools: ToolFormat | None = None
-                        ) -> AsyncIterator[str]:
+                        include_usage: bool, on_delta=None, interval: int = 1, tools: ToolFormat | None = None,
+                        reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`; an event
     carries up to `interval` tokens of a sample (see `run_job`). With `tools`, a chat choice's text goes
     through a ToolCallStream: what may begin a tool call is held back until it is decided, and each call
-    goes out whole, as one `delta.tool_calls` entry, once its text is complete."""
+    goes out whole, as one `delta.tool_calls` entry, once its text is complete. With `reasoning`, a chat
+    choice's reasoning goes out as `delta.reasoning_content` and only the text after it is content."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": job.request_id, "object": kind, "created": created, "model": job.model_name}
@@ -363,6 +378,8 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
     offsets: dict[int, int] = {}
     tool_streams: dict[int, ToolCallStream] = {}
     num_calls: dict[int, int] = {}  # choice -> tool calls sent
+    splits: dict[int, ReasoningSplit] = {}
+    num_reasoning_tokens = None if reasoning is None else 0
     num_output_tokens = 0
     async for index, delta in run_job(engine, job, on_delta, interval):
         if delta.finish_reason is FinishReason.ERROR:
@@ -397,17 +414,28 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         offsets[index] = offsets.get(index, 0) + len(text)
         if delta.finished:
             num_output_tokens += delta.num_output_tokens
+        thought = ""
+        if chat and reasoning is not None:
+            split = splits.setdefault(index, reasoning.split())
+            thought, text = split.push(text, delta.token_ids)
+            if delta.finished:
+                more_thought, more_text = split.finish()
+                thought, text = thought + more_thought, text + more_text
+                num_reasoning_tokens += split.num_tokens
+            thought = thought if reasoning.include else ""
         calls: list[dict] = []
         if chat and tools is not None:
             text, calls = tool_stream_piece(tool_streams.setdefault(index, ToolCallStream(tools)), text,
                                             delta.finished, num_calls.get(index, 0))
             num_calls[index] = num_calls.get(index, 0) + len(calls)
-        if not text and not calls and not delta.finished and logprobs is None and (chat or scored is None):
+        if not (text or thought or calls or delta.finished or logprobs is not None) and (chat or scored is None):
             continue
         if scored is not None and not chat:
             choice["prompt_logprobs"] = scored
         if chat:
-            choice["delta"] = {"content": text} if text else {}
+            choice["delta"] = {"reasoning_content": thought} if thought else {}
+            if text:
+                choice["delta"]["content"] = text
             if calls:
                 choice["delta"]["tool_calls"] = calls
         else:
@@ -418,5 +446,6 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         yield sse({**base, "choices": [choice]})
     else:
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(job, num_output_tokens).model_dump()})
+            yield sse({**base, "choices": [], "usage": usage(job, num_output_tokens,
+                                                             num_reasoning_tokens).model_dump(exclude_none=True)})
     yield "data: [DONE]\n\n"

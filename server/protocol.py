@@ -313,6 +313,9 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Text | None = None  # a tool message: the call it answers
+    # An earlier reply's reasoning, given back: templates that show past reasoning read it (Qwen3's keeps
+    # the reasoning of the turns after the last user message).
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _content_by_role(self):
@@ -320,6 +323,8 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
@@ -338,6 +343,8 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -435,6 +442,8 @@ class ChatPrompt(BaseModel):
 
 class ChatCompletionRequest(_Request, ChatPrompt):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    # vLLM's: false leaves a reasoning model's reasoning out of the answer (it is never in `content`).
+    include_reasoning: Annotated[bool, Strict()] = True
     logprobs: Annotated[bool, Strict()] = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -448,10 +457,16 @@ class ChatCompletionRequest(_Request, ChatPrompt):
 # -- responses -----------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # A reasoning model's chat completions: how many of the completion's tokens were reasoning.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -506,6 +521,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (server/reasoning.py)
     tool_calls: list[ToolCall] = []
 
 

@@ -70,12 +70,16 @@ class ResponseStore:
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat turn they were: one assistant message with the text of its
-    message items and the calls of its function_call items."""
+    message items, the calls of its function_call items and the text of its reasoning items."""
     text = "".join(part.get("text", "") for item in output if item["type"] == "message" for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
                                                                       "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
-    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    reasoning = "".join(part.get("text", "") for item in output if item["type"] == "reasoning"
+                        for part in item.get("content") or ())
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
-    return [message] if text or calls else []
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return [message] if text or calls or reasoning else []

@@ -23,16 +23,20 @@ from typing import Any
 from server import protocol as p
 from server.errors import APIError
 
-# Sampling fields of ladder's chat completions a Responses request may also give (OpenAI's API has none of
-# these; vLLM's Responses endpoint takes several).
+# Fields of ladder's chat completions a Responses request may also give (OpenAI's API has none of these;
+# vLLM's Responses endpoint takes several).
 PASSED_THROUGH = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
                   "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "speculative_tokens",
-                  "chat_template_kwargs", "skip_special_tokens", "user")
+                  "chat_template_kwargs", "skip_special_tokens", "user", "include_reasoning",
+                  # vLLM's and llama.cpp's structured outputs, beside text.format (at most one of them all)
+                  "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar",
+                  "json_schema")
 UNSUPPORTED = {
     "conversation": "conversation objects are not implemented: use previous_response_id, or send the whole "
                     "conversation in input",
     "prompt": "stored prompt templates are not implemented",
-    "reasoning": "this model has no reasoning setting",
+    "reasoning": "reasoning effort is not a setting here: a reasoning model's thinking comes back as a reasoning "
+                 "item, and Qwen3's is switched off by chat_template_kwargs {\"enable_thinking\": false}",
     "top_logprobs": "log-probabilities are given by /v1/chat/completions",
 }
 
@@ -89,14 +93,25 @@ def chat_body(body: p.ResponsesRequest, history: list[dict[str, Any]] = ()) -> t
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages for `input`: a text is one user message; items are messages (`role` and `content`, a
     text or input_text/output_text parts), `function_call`s (an assistant turn's tool calls; consecutive
-    calls are one turn) and `function_call_output`s (tool messages)."""
+    calls are one turn), `function_call_output`s (tool messages) and `reasoning` items (the next assistant
+    turn's `reasoning_content`)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        nonlocal reasoning
+        if reasoning:
+            message["reasoning_content"], reasoning = reasoning, ""
+        return message
+
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message" and "role" in item:
-            messages.append({"role": item["role"], "content": item_text(item.get("content"), i)})
+            message = {"role": item["role"], "content": item_text(item.get("content"), i)}
+            messages.append(assistant(message) if item["role"] == "assistant" else message)
+            reasoning = ""
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -104,13 +119,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
                 last["tool_calls"].append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else item_text(output, i)})
-        elif kind == "reasoning":
-            continue  # another model's reasoning summary: nothing this model reads
+        elif kind == "reasoning":  # its text goes with the next assistant turn (a summary alone is not read)
+            reasoning += "".join(part.get("text", "") for part in item.get("content") or ()
+                                 if isinstance(part, dict) and isinstance(part.get("text"), str))
         else:
             raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported (messages, function_call "
                                 "and function_call_output are)", param="input")
@@ -149,7 +165,9 @@ def response_object(response_id: str, created: int, body: p.ResponsesRequest, mo
         "truncation": "disabled", "store": stored, "metadata": body.metadata or {},
         "usage": None if usage is None else {
             "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]},
     }
 
@@ -157,6 +175,12 @@ def response_object(response_id: str, created: int, body: p.ResponsesRequest, mo
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id or new_item_id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    """A reasoning model's thinking (server/reasoning.py), as OpenAI's reasoning item with its full text."""
+    return {"type": "reasoning", "id": item_id or new_item_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
 def call_item(call: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +209,8 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the message item being streamed
         self.text = ""
+        self.thought: dict[str, Any] | None = None  # the reasoning item being streamed
+        self.thought_text = ""
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -202,7 +228,9 @@ class ResponseEvents:
 
     def from_chat(self, chat: p.ChatCompletionResponse) -> dict[str, Any]:
         choice = chat.choices[0]
-        self.output = [message_item(choice.message.content)] if choice.message.content else []
+        reasoning = choice.message.reasoning_content
+        self.output = [reasoning_item(reasoning)] if reasoning else []
+        self.output += [message_item(choice.message.content)] if choice.message.content else []
         self.output += [call_item(call.model_dump()) for call in choice.message.tool_calls or ()]
         status, incomplete = output_status(choice.finish_reason)
         return self.finished(self.snapshot(status, chat.usage.model_dump(), incomplete))
@@ -226,6 +254,9 @@ class ResponseEvents:
                 return
             for choice in data.get("choices", ()):
                 delta = choice.get("delta", {})
+                if delta.get("reasoning_content"):
+                    for event in self.reasoning_delta(delta["reasoning_content"]):
+                        yield event
                 if delta.get("content"):
                     for event in self.text_delta(delta["content"]):
                         yield event
@@ -242,8 +273,36 @@ class ResponseEvents:
                 response = self.finished(self.snapshot(status, data["usage"], incomplete))
                 yield self.event(f"response.{status}", response=response)
 
-    def text_delta(self, text: str) -> list[str]:
+    def reasoning_delta(self, text: str) -> list[str]:
         events = []
+        if self.thought is None:
+            self.thought = reasoning_item("", status="in_progress")
+            self.thought_text = ""
+            events.append(self.event("response.output_item.added", output_index=len(self.output), item=self.thought))
+            events.append(self.event("response.content_part.added", item_id=self.thought["id"],
+                                     output_index=len(self.output), content_index=0,
+                                     part={"type": "reasoning_text", "text": ""}))
+        self.thought_text += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self.thought["id"],
+                                 output_index=len(self.output), content_index=0, delta=text))
+        return events
+
+    def close_reasoning(self) -> list[str]:
+        if self.thought is None:
+            return []
+        item_id, index = self.thought["id"], len(self.output)
+        done = reasoning_item(self.thought_text, item_id=item_id)
+        events = [self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                             text=self.thought_text),
+                  self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                             part=done["content"][0]),
+                  self.event("response.output_item.done", output_index=index, item=done)]
+        self.output.append(done)
+        self.thought = None
+        return events
+
+    def text_delta(self, text: str) -> list[str]:
+        events = self.close_reasoning()
         if self.message is None:
             self.message = message_item("", status="in_progress")
             self.text = ""
@@ -257,8 +316,9 @@ class ResponseEvents:
         return events
 
     def close_message(self) -> list[str]:
+        """Closes the message item being streamed (and a reasoning item before it)."""
         if self.message is None:
-            return []
+            return self.close_reasoning()
         item_id, index = self.message["id"], len(self.output)
         done = message_item(self.text, item_id=item_id)
         part = done["content"][0]

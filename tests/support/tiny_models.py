@@ -289,3 +289,60 @@ def make_tiny_chat_model(directory: Path, seed: int = 0) -> Path:
     )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+# A Qwen3-style ChatML template: past reasoning is shown from `reasoning_content`; `enable_thinking` false
+# writes an empty closed block into the prompt (as Qwen3's does), `open_thinking` opens the block for the
+# reply (as QwQ's and newer DeepSeek-R1 templates do).
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content or '' }}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% elif open_thinking %}<think>
+{% endif %}{% endif %}"""
+
+
+def make_tiny_thinking_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Llama whose vocabulary is SmolLM2's plus <think>, </think>, <tool_call> and </tool_call>
+    (ids 49152-49155, added tokens decoded as text, as Qwen3's are) and whose chat template is
+    THINKING_TEMPLATE: a stand-in for a reasoning model."""
+    import json
+
+    import tokenizers
+    import transformers
+
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    backend = tokenizer.backend
+    backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                        for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "add_bos_token": False,
+        "chat_template": THINKING_TEMPLATE,
+    }))
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
