@@ -49,14 +49,18 @@ class GuideMasker:
         self._executor = llguidance.LLExecutor(num_threads=2)
         self._bits = torch.arange(32, dtype=torch.int32)
 
-    def start(self, matchers: list[llguidance.LLMatcher | None]) -> Future[StepMasks] | None:
-        """Start computing the masks of the rows whose matcher is not None; None when no row is guided."""
+    def start(self, matchers: list[llguidance.LLMatcher | None], openings: list[int | None] | None = None
+              ) -> Future[StepMasks] | None:
+        """Start computing the masks of the rows whose matcher is not None; None when no row is guided.
+        `openings`: per row, a token allowed beside the grammar (a reasoning block's start), or None."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        return self._pool.submit(self._compute, rows, [matchers[i] for i in rows])
+        extra = [openings[i] for i in rows] if openings is not None else [None] * len(rows)
+        return self._pool.submit(self._compute, rows, [matchers[i] for i in rows], extra)
 
-    def _compute(self, rows: list[int], matchers: list[llguidance.LLMatcher]) -> StepMasks:
+    def _compute(self, rows: list[int], matchers: list[llguidance.LLMatcher], openings: list[int | None]
+                 ) -> StepMasks:
         bitmask = torch.zeros(len(rows), self.words, dtype=torch.int32)  # [R, W], bit j of word w: token 32w + j
         try:
             self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
@@ -76,6 +80,9 @@ class GuideMasker:
                 token = int(marked[k])
                 if not matchers[j].validate_tokens([token]):
                     allowed[j, token] = False
+        for j, token in enumerate(openings):
+            if token is not None:
+                allowed[j, token] = True
         for j, m in enumerate(matchers):
             # A matcher in error (it never should be: tokens come from its own masks) allows nothing.
             if m.is_error() or not allowed[j].any():

@@ -250,10 +250,12 @@ class LLMEngine:
         samples: list[Request] = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
+            matcher = compiled.matcher() if compiled is not None else None
+            held = params.guide_after is not None and params.reasoning_open  # the guide waits for the block's end
             sample = Request(f"{request_id}#{index}", list(prompt_token_ids), params.replace(seed=seed, n=1),
                              self.eos_token_ids, leader=samples[0] if samples else None,
                              parent_id=request_id, index=index,
-                             matcher=compiled.matcher() if compiled is not None else None,
+                             matcher=None if held else matcher, held_matcher=matcher if held else None,
                              lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"",
                              pooling=pooling)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
@@ -316,7 +318,7 @@ class LLMEngine:
             rows = self._row_split(inputs)
             plain = [inputs.sample_requests[i] for i in rows.plain]
             # The guided rows' masks are computed while the model runs (engine/guide_masks.py).
-            pending_masks = self.masker.start([r.matcher for r in plain])
+            pending_masks = self.masker.start([r.matcher for r in plain], [r.guide_opening for r in plain])
             logits, hidden = self.runner.forward(inputs)
             if inputs.pooled:
                 self._pool(hidden, inputs.pooled)
@@ -477,6 +479,7 @@ class LLMEngine:
         text = ""
         appended: list[int] = []
         for token_id, token_logprobs in zip(token_ids, logprobs):
+            opening = request.guide_opening
             appended.append(token_id)
             request.output_token_ids.append(token_id)
             if token_logprobs is not None:
@@ -484,7 +487,13 @@ class LLMEngine:
             text += stream.push(token_id)
             reason = None
             guide_done = False
-            if request.matcher is not None:
+            if opening is not None and token_id == opening and not request.matcher.validate_tokens([token_id]):
+                # The reply reasons first, and the grammar does not cover the block: it waits for its end.
+                request.held_matcher, request.matcher = request.matcher, None
+            elif request.held_matcher is not None:
+                if token_id == params.guide_after[1]:  # the reasoning ended: the guide holds from here
+                    request.matcher, request.held_matcher = request.held_matcher, None
+            elif request.matcher is not None:
                 if not request.matcher.consume_token(token_id):
                     raise RuntimeError(f"the guide refused token {token_id}: {request.matcher.get_error()}")
                 guide_done = request.matcher.is_stopped()  # complete: nothing but a stop token could follow

@@ -76,6 +76,8 @@ class Request:
     # A guided sample's llguidance matcher (engine/guide.py): which tokens may come next, advanced by each
     # token appended. Kept through preemption: the output tokens it has seen are kept too.
     matcher: Any = None
+    # The matcher of a guide that waits for the end of the reply's reasoning block (params.guide_after).
+    held_matcher: Any = None
     # The LoRA adapter the request runs with (None: the base model), the slot it holds while admitted
     # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
     lora: str | None = None
@@ -89,6 +91,15 @@ class Request:
     # cls: the row). Reset by preemption, which computes the prompt again.
     pooling: str | None = None
     pooled: Any = None
+
+    @property
+    def guide_opening(self) -> int | None:
+        """A token the guide's mask lets through beside its grammar: a reasoning block's start, as the reply's
+        first token (params.guide_after)."""
+        markers = self.params.guide_after
+        if markers is None or self.output_token_ids or self.params.reasoning_open or self.matcher is None:
+            return None
+        return markers[0]
 
     @property
     def needs_every_prompt_row(self) -> bool:

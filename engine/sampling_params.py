@@ -23,7 +23,10 @@ class SamplingParams:
     (repetition: over prompt and generated tokens; 1 disables it). `logit_bias` adds to a token's logit
     before everything else (OpenAI's -100 bans a token, +100 all but forces it); `guide` constrains the
     output to a JSON schema, regex, choice or grammar (engine/guide.py), and the request stops when it is
-    complete. `speculative_tokens` is how many draft tokens per step prompt lookup may propose for it
+    complete; with `guide_after` (a reasoning model's block markers, start and end token ids) it holds after
+    the reply's reasoning: from the first token unless that token starts a block the grammar does not
+    cover itself, else after the block's end (`reasoning_open`: the prompt opened the block already).
+    `speculative_tokens` is how many draft tokens per step prompt lookup may propose for it
     (engine/speculative.py): 0 never, None the engine's default.
     """
 
@@ -48,6 +51,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; a mapping is accepted
     guide: Guide | None = None
+    guide_after: tuple[int, int] | None = None
+    reasoning_open: bool = False
     speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +86,7 @@ class SamplingParams:
             (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
              f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must not be negative"),
+            (self.guide_after is None or self.guide is not None, "guide_after needs a guide"),
             (self.speculative_tokens is None or 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}"),
         ]

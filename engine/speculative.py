@@ -107,7 +107,7 @@ class Proposer:
         return state.accepted >= MIN_BATCHED_ACCEPTANCE * state.proposed
 
     def _width(self, request: Request) -> int:
-        if request.matcher is not None or request.params.has_penalties:
+        if request.matcher is not None or request.held_matcher is not None or request.params.has_penalties:
             return 0
         if len(request.output_token_ids) < request.params.min_tokens:
             return 0

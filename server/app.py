@@ -355,6 +355,9 @@ def create_app(state: ServerState) -> FastAPI:
             reasoning = None
             if state.reasoning is not None:
                 reasoning = Reasoning(state.reasoning, state.reasoning.opened_by(ids), body.include_reasoning)
+                if guide is not None:  # the answer follows the guide; the reasoning before it is free
+                    job.params = params.replace(guide_after=(reasoning.fmt.start_id, reasoning.fmt.end_id),
+                                                reasoning_open=reasoning.opened)
             return engine, job, parsed, reasoning, reservation
         except BaseException:
             reservation.release()

@@ -147,39 +147,74 @@ def test_the_stream_splits_as_the_whole_reply(server):
 
 
 def test_a_block_the_prompt_opened(server):
-    opened = 'start: /[a-z]{2,6}/ "\\n" <[49153]> "\\n\\nYes"'
-    reply = chat(server, chat_template_kwargs={"open_thinking": True}, guided_grammar=opened,
-                 logprobs=True)
+    # The guide holds after the block: its end (all but forced by the bias) comes first, then the answer.
+    reply = chat(server, chat_template_kwargs={"open_thinking": True}, guided_choice=["Yes", "No"],
+                 logit_bias={"49153": 100}, logprobs=True)
     message = reply["choices"][0]["message"]
-    assert message["content"] == "Yes" and message["reasoning_content"].isalpha()
-    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == tokens_through_end_marker(reply)
-    # Cut off while thinking: all of it is reasoning.
-    cut = chat(server, chat_template_kwargs={"open_thinking": True}, guided_regex="[a-z]( [a-z]){30}", max_tokens=5)
+    assert message["content"] in ("Yes", "No") and message["reasoning_content"] == ""
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == tokens_through_end_marker(reply) == 1
+    # Cut off while thinking (its end banned): all of it is reasoning.
+    cut = chat(server, chat_template_kwargs={"open_thinking": True}, logit_bias={"49153": -100}, max_tokens=5)
     assert cut["choices"][0]["finish_reason"] == "length" and cut["choices"][0]["message"]["content"] == ""
     assert cut["usage"]["completion_tokens_details"]["reasoning_tokens"] == 5
 
 
-def test_a_guide_that_only_spells_a_marker_writes_its_text(server):
-    """llguidance marks every added token spelled <...> special: its mask allowed <think> where a regex's text
-    begins with "<think>", and its matcher then refused the token, a 500 for any guided request of a model
-    with such tokens (Qwen's <tool_call> under a forced tool call). Now the masker drops what the matcher
-    refuses: the text is written in other tokens, so the reply splits as before, but its reasoning tokens,
-    counted by the marker tokens, are none."""
-    reply = chat(server, guided_regex="<think>\n[a-z]{3,6}\n</think>\n\nOk", logit_bias={"49152": 100, "49153": 100},
-                 logprobs=True)
+def test_a_guide_holds_after_the_reasoning(server):
+    """A guide is for the answer: a block the reply opens (its first token, here all but forced by the bias)
+    runs free, and the guide holds from its end; a grammar that names the start token covers the block
+    itself (the tests above)."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    block_first = {"49152": 50, "49153": 100}  # <think> wins the first token, </think> the next
+    reply = chat(server, response_format=response_format, logit_bias=block_first, logprobs=True)
+    tokens = [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]]
+    message = reply["choices"][0]["message"]
+    assert tokens[:2] == ["<think>", "</think>"] and message["reasoning_content"] == ""
+    assert json.loads(message["content"])["answer"] in ("yes", "no")
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2
+    # Without a block the guide holds from the first token.
+    plain = chat(server, response_format=response_format, logit_bias={"49152": -100})
+    assert plain["choices"][0]["message"]["reasoning_content"] is None
+    assert json.loads(plain["choices"][0]["message"]["content"])["answer"] in ("yes", "no")
+    # A forced tool call, after the reasoning.
+    zone = {"type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": zone}}]
+    called = chat(server, tools=tools, tool_choice="required", logit_bias=block_first, max_tokens=80)
+    assert called["choices"][0]["message"]["reasoning_content"] == ""
+    call = called["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_time" and json.loads(call["arguments"])["zone"] in ("utc", "local")
+
+
+@pytest.fixture(scope="module")
+def plain_server(thinker_dir):
+    """The same model with --reasoning-parser none: its reply is content, and a guide holds from the start."""
+    server = InProcessServer(make_state(thinker_dir, served_model_name=NAME, max_model_len=512, reasoning_parser="none"))
+    yield server
+    server.stop()
+
+
+def test_a_guide_that_only_spells_a_marker_writes_its_text(plain_server):
+    """llguidance takes every added token spelled <...> for a special one: its mask allowed <think> where a
+    regex's text begins with "<think>", and its matcher then refused the token, a 500 for any guided request
+    of a model with such tokens. The tokenizer llguidance is given now holds them as text
+    (engine/guide.py `_llguidance_json`): the text is written in the tokens llguidance reads it as."""
+    reply = chat(plain_server, guided_regex="<think>\n[a-z]{3,6}\n</think>\n\nOk",
+                 logit_bias={"49152": 100, "49153": 100}, logprobs=True)
     tokens = [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]]
     assert "<think>" not in tokens and "</think>" not in tokens
     message = reply["choices"][0]["message"]
-    assert message["content"] == "Ok" and message["reasoning_content"].isalpha()
-    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert message["content"].startswith("<think>\n") and message["content"].endswith("\n</think>\n\nOk")
+    assert message["reasoning_content"] is None and reply["usage"]["completion_tokens_details"] is None
 
 
-def test_a_forced_tool_call_when_the_vocabulary_has_a_tool_call_token(server):
+def test_a_forced_tool_call_when_the_vocabulary_has_a_tool_call_token(plain_server):
     """The same disagreement made every forced tool call of a Qwen model fail: its grammar starts with the
     text <tool_call>, which Qwen's vocabulary holds as one added token."""
     tools = [{"type": "function", "function": {"name": "get_time"}}]
     for bias in ({}, {"49154": 100}):  # the model's preference for the token is no matter
-        reply = chat(server, tools=tools, tool_choice="required", logit_bias=bias, logprobs=True)
+        reply = chat(plain_server, tools=tools, tool_choice="required", logit_bias=bias, logprobs=True)
         tokens = [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]]
         assert "".join(tokens).startswith('<tool_call>\n{"name": "get_time"') and "<tool_call>" not in tokens[:5]
 
