@@ -79,6 +79,8 @@ async function send(question) {
   $("send").disabled = true;
   $("stop").disabled = false;
   let answer = "";
+  let reasoning = ""; // a reasoning model's thinking, shown above the answer and not sent back
+  let thinking = null;
   try {
     const maxTokens = parseInt($("max-tokens").value, 10);
     const response = await fetch("/v1/chat/completions", {
@@ -96,6 +98,16 @@ async function send(question) {
     }
     for await (const event of events(response)) {
       if (event.error) throw new Error(event.error.message);
+      const thought = event.choices?.[0]?.delta?.reasoning_content;
+      if (thought) {
+        if (!thinking) {
+          thinking = document.createElement("span");
+          thinking.className = "thinking";
+          target.before(thinking);
+        }
+        reasoning += thought;
+        thinking.textContent = reasoning;
+      }
       const delta = event.choices?.[0]?.delta?.content;
       if (delta) {
         answer += delta;
