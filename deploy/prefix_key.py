@@ -29,9 +29,10 @@ MAX_PARSE_BYTES = 256 << 10
 def routing_text(path: str, body: bytes) -> str | None:
     """The text whose prefix decides the replica: the prompt of /v1/completions, the messages of
     /v1/chat/completions, the instructions and input of /v1/responses, the input of /v1/embeddings (a
-    repeated input's last-token embedding is read from the prefix cache). None for other routes and for
-    bodies the replica will refuse anyway."""
-    if not path.endswith(("/completions", "/embeddings", "/responses")) or len(body) > MAX_PARSE_BYTES:
+    repeated input's last-token embedding is read from the prefix cache), the instruction and query of
+    /v1/rerank (every document's prompt starts with them). None for other routes and for bodies the
+    replica will refuse anyway."""
+    if not path.endswith(("/completions", "/embeddings", "/responses", "/rerank")) or len(body) > MAX_PARSE_BYTES:
         return None
     try:
         payload = json.loads(body)
@@ -41,6 +42,9 @@ def routing_text(path: str, body: bytes) -> str | None:
         return None
     if path.endswith("/chat/completions"):
         return messages_text(payload.get("messages"))
+    if path.endswith("/rerank"):
+        parts = (payload.get("instruction"), payload.get("query"))
+        return "\x00".join(p for p in parts if isinstance(p, str)) or None
     if path.endswith("/responses"):  # the chat it becomes: the instructions' system turn, then the input
         instructions, given = payload.get("instructions"), payload.get("input")
         turns = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []

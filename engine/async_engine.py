@@ -164,11 +164,13 @@ class AsyncLLMEngine:
         return f"req-{next(self._ids)}"
 
     async def embed(self, prompt_token_ids: list[int], request_id: str | None = None,
-                    lora: str | None = None) -> SampleDelta:
+                    lora: str | None = None, score_token_ids: tuple[int, ...] = ()) -> SampleDelta:
         """The final delta of an embedding request, pooled by the engine's rule (`info.pooling`): its
-        `embedding` [hidden] float32, unnormalized, or its error."""
-        async for delta in self.generate(prompt_token_ids, SamplingParams(max_tokens=1), request_id, lora,
-                                         pooling=self.info.pooling.kind):
+        `embedding` [hidden] float32, unnormalized, or its error. With `score_token_ids`, the `embedding` is
+        instead the next-token logits [T] of those tokens after the prompt (a reranker's)."""
+        params = SamplingParams(max_tokens=1, score_token_ids=score_token_ids)
+        pooling = "last" if score_token_ids else self.info.pooling.kind
+        async for delta in self.generate(prompt_token_ids, params, request_id, lora, pooling=pooling):
             last = delta
         return last
 

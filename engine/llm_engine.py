@@ -282,6 +282,10 @@ class LLMEngine:
             raise ValueError(f"unknown pooling {pooling!r} (choose from {', '.join(POOLING_KINDS)})")
         if params.n != 1 or params.guide is not None or params.prompt_logprobs is not None:
             raise ValueError("an embedding request samples nothing: n 1, no guide, no prompt_logprobs")
+        if params.score_token_ids and pooling != "last":
+            raise ValueError("score_token_ids are the next token's: they need the last token's pooling")
+        if not all(0 <= t < self.model.config.vocab_size for t in params.score_token_ids):
+            raise ValueError(f"score_token_ids must be in [0, {self.model.config.vocab_size})")
         if self.embeddings_unavailable is not None:
             raise ValueError(self.embeddings_unavailable)
 
@@ -400,13 +404,21 @@ class LLMEngine:
 
     def _finish_embedding(self, request: Request) -> None:
         """An embedding request whose prompt has run: its pooled vector [hidden] float32 (mean: the sum over
-        the prompt's tokens / their number), unnormalized, on its last delta."""
+        the prompt's tokens / their number), unnormalized, on its last delta; or, with
+        params.score_token_ids, the next-token logits of those tokens."""
         pooled = request.pooled
         if pooled is None:  # cannot happen: its prompt's chunks each gave their rows
             self._finish(request, FinishReason.ERROR, POOLING_FAILED)
             return
         if request.pooling == "mean":
             pooled = pooled / request.num_prompt_tokens
+        if request.params.score_token_ids:
+            try:
+                pooled = self.runner.module.token_logits(pooled, request.params.score_token_ids)
+            except Exception:
+                log.exception("scoring the next tokens of request %s failed", request.request_id)
+                self._finish(request, FinishReason.ERROR, POOLING_FAILED)
+                return
         request.finish(FinishReason.STOP)
         delta = self._delta(request, [], "", [])
         self.pending.append(dataclasses.replace(delta, embedding=pooled.float().cpu()))

@@ -51,6 +51,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; a mapping is accepted
     guide: Guide | None = None
+    # An embedding request pooled by its last token: its last delta carries the next-token logits of these
+    # tokens ([T] float32) instead of the hidden state (a reranker's "no" and "yes"; server/rerank.py).
+    score_token_ids: tuple[int, ...] = ()
     guide_after: tuple[int, int] | None = None
     reasoning_open: bool = False
     speculative_tokens: int | None = None
@@ -60,6 +63,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "score_token_ids", tuple(int(t) for t in self.score_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.top_k == -1:

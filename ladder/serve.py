@@ -51,6 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="a reasoning model's <think> block goes to reasoning_content, apart from the content of "
                         "chat replies: auto (when the vocabulary has <think> and </think> tokens), none (left in "
                         "content), think (required; qwen3 and deepseek_r1, vLLM's names, mean the same)")
+    p.add_argument("--reranker", default="auto", choices=["auto", "on", "off"],
+                   help="serve POST /v1/rerank, scoring each document by the model's next-token odds of 'yes' "
+                        "against 'no' (Qwen3-Reranker's rule): auto (a model whose name says reranker), on, off")
     add_auto_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                               max_prompt_chars=args.max_prompt_chars, stream_interval=args.stream_interval,
                               protect_metrics=args.protect_metrics,
                               allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                              reasoning_parser=args.reasoning_parser)
+                              reasoning_parser=args.reasoning_parser, reranker=args.reranker)
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
         # The dtype as asked too: each replica resolves auto for its own device.

@@ -13,6 +13,7 @@ instead of three or two; the loader concatenates the weights).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -271,6 +272,12 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def token_logits(self, hidden: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+        """hidden [hidden] float32 (a row `sample_logits_and_hidden` returned) -> the logits [T] float32 of
+        `token_ids`, as sampling that row would see them: a reranker's "no" and "yes"."""
+        row = hidden.to(self.device, self.embed_tokens.weight.dtype)[None]  # the activations' dtype
+        return self.compute_logits(row)[0, list(token_ids)].cpu()
 
     def sample_logits(
         self,

@@ -66,6 +66,9 @@ class HiddenStepModel(StepModel, Protocol):
                                  hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`sample_logits`, and the final (normed) hidden states [H, hidden] float32 of `hidden_rows` [H]."""
 
+    def token_logits(self, hidden: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+        """The next-token logits [T] float32 of `token_ids` after a final hidden state [hidden] float32."""
+
 
 def returns_hidden(model: StepModel) -> bool:
     return callable(getattr(model, "sample_logits_and_hidden", None))

@@ -47,6 +47,7 @@ from server.middleware import BodyLimit, InFlight
 from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
 from server.reasoning import Reasoning, ReasoningFormat
 from server.response_store import ResponseStore, output_messages
+from server.rerank import Reranker, install_rerank_routes
 from server.responses import ResponseEvents, chat_body, new_item_id
 from server.token_routes import install_token_routes
 from server.tool_calls import ToolFormat, tool_format
@@ -80,6 +81,8 @@ class ServerSettings:
     # A reasoning model's <think> block goes to `reasoning_content` (server/reasoning.py): auto (when the
     # vocabulary has the markers), none, or think (required).
     reasoning_parser: str = "auto"
+    # Serve /v1/rerank (server/rerank.py): auto (a model named a reranker), on, off.
+    reranker: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -113,6 +116,7 @@ class ServerState:
         self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
         self.reasoning: ReasoningFormat | None = None  # the served model's, found when it is attached
+        self.reranker: Reranker | None = None  # likewise
 
     def _stats(self):
         return self.engine.stats if self.engine else None
@@ -122,6 +126,7 @@ class ServerState:
         tokenizer = engine.info.tokenizer
         self.reasoning = ReasoningFormat.for_server(self.settings.reasoning_parser, tokenizer) \
             if tokenizer is not None else None
+        self.reranker = Reranker.find(self.settings.reranker, engine.info.model_name, tokenizer)
         engine.stats.observers.append(self.metrics.observe_finished)
         self.engine = engine
 
@@ -168,8 +173,8 @@ def create_app(state: ServerState) -> FastAPI:
     install_dashboard(app, state, authorize_metrics)
     install_lora_routes(app, state, authorize)
 
-    def admit(body: p._Request | p.EmbeddingRequest | p.TokenizeText | p.TokenizeChat | p.DetokenizeRequest
-              ) -> tuple[AsyncLLMEngine, str | None]:
+    def admit(body: p._Request | p.EmbeddingRequest | p.RerankRequest | p.TokenizeText | p.TokenizeChat
+              | p.DetokenizeRequest) -> tuple[AsyncLLMEngine, str | None]:
         """The engine, and the LoRA adapter the request's `model` names (None: the base model)."""
         engine = state.ready_engine()
         if body.model is None or body.model == state.model_name:
@@ -182,6 +187,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     install_token_routes(app, state, authorize, admit)
     install_embedding_routes(app, state, authorize, admit, until_disconnected)
+    install_rerank_routes(app, state, authorize, admit, until_disconnected)
 
     def respond(engine: AsyncLLMEngine, job: Job, reply: Reply, request: Request, chat: bool,
                 build: Callable[[Collected], BaseModel], reservation: Reservation) -> Response:

@@ -94,14 +94,16 @@ def tokenize(items: list[str | list[int]], tokenizer, add_special_tokens: bool) 
     return [next(encoded) if isinstance(item, str) else list(item) for item in items]
 
 
-async def embed_all(engine: AsyncLLMEngine, ids: list[list[int]], lora: str | None, window: int) -> list:
-    """The pooled vectors of every input, in order, at most `window` in the engine at once. The first failure
+async def embed_all(engine: AsyncLLMEngine, ids: list[list[int]], lora: str | None, window: int,
+                    score_token_ids: tuple[int, ...] = ()) -> list:
+    """The pooled vectors of every input, in order, at most `window` in the engine at once (with
+    `score_token_ids`, the next-token logits of those tokens after each input instead). The first failure
     ends the others (their engine requests are aborted) and becomes the response's error."""
     gate = asyncio.Semaphore(window)
 
     async def one(prompt: list[int]):
         async with gate:
-            delta = await engine.embed(prompt, lora=lora)
+            delta = await engine.embed(prompt, lora=lora, score_token_ids=score_token_ids)
         if delta.embedding is None:
             raise request_error(delta)
         return delta.embedding

@@ -33,6 +33,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOOLS = 128
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one embeddings request
+MAX_RERANK_DOCUMENTS = 1000  # Cohere's bound on one rerank request
 
 # Fields of OpenAI's, vLLM's or llama.cpp's APIs that would change the output and that this server does not
 # implement: a request naming one is refused (400, naming it) rather than answered as if it were absent.
@@ -666,6 +667,46 @@ class EmbeddingResponse(BaseModel):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    text: Text
+
+
+class RerankRequest(BaseModel):
+    """POST /v1/rerank: Jina's and Cohere's fields (vLLM's too), and Qwen3-Reranker's instruction."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    query: NonEmptyText
+    documents: Annotated[list[Text | RerankDocument], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    top_n: Annotated[int, Strict(), Field(ge=1)] | None = None  # the best N only (default: all)
+    return_documents: Annotated[bool, Strict()] = True
+    # What relevance means here (Qwen3-Reranker's <Instruct>); default: a web search query's passages.
+    instruction: NonEmptyText | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float  # the probability that the document meets the query, in [0, 1]
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]  # best first
 
 
 class TokenizeText(BaseModel):

@@ -44,6 +44,11 @@ def test_routing_text_reads_the_prompt_of_each_openai_route():
                                                                                        "text": "Hi"}]}]}
     assert routing_text("/v1/responses", json.dumps(responses).encode()) == routing_text(
         "/v1/chat/completions", json.dumps(chat).encode())
+    # Every document's prompt starts with the instruction and the query.
+    rerank = {"query": "capital of France?", "documents": ["Paris.", "Rome."]}
+    assert routing_text("/v1/rerank", json.dumps(rerank).encode()) == "capital of France?"
+    instructed = json.dumps({**rerank, "instruction": "Find"}).encode()
+    assert routing_text("/rerank", instructed) == "Find\x00capital of France?"
     assert routing_text("/v1/models", completion) is None
     assert request_prefix("/v1/completions", json.dumps({"prompt": SHARED}).encode()) == block_hashes(SHARED)
 

@@ -190,7 +190,8 @@ def test_a_guide_holds_after_the_reasoning(server):
 @pytest.fixture(scope="module")
 def plain_server(thinker_dir):
     """The same model with --reasoning-parser none: its reply is content, and a guide holds from the start."""
-    server = InProcessServer(make_state(thinker_dir, served_model_name=NAME, max_model_len=512, reasoning_parser="none"))
+    server = InProcessServer(make_state(thinker_dir, served_model_name=NAME, max_model_len=512,
+                                        reasoning_parser="none"))
     yield server
     server.stop()
 
