@@ -49,22 +49,25 @@ class GuideMasker:
         self._executor = llguidance.LLExecutor(num_threads=2)
         self._bits = torch.arange(32, dtype=torch.int32)
 
-    def start(self, matchers: list[llguidance.LLMatcher | None], openings: list[int | None] | None = None
-              ) -> Future[StepMasks] | None:
-        """Start computing the masks of the rows whose matcher is not None; None when no row is guided.
+    def start(self, matchers: list[llguidance.LLMatcher | None], openings: list[int | None] | None = None,
+              forced: list[int | None] | None = None) -> Future[StepMasks] | None:
+        """Start computing the masks of the rows whose matcher is not None, or that must take one token
+        (`forced`: a reasoning block's end once its budget is spent); None when there are none.
         `openings`: per row, a token allowed beside the grammar (a reasoning block's start), or None."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        forced = forced or [None] * len(matchers)
+        rows = [i for i, m in enumerate(matchers) if m is not None or forced[i] is not None]
         if not rows:
             return None
         extra = [openings[i] for i in rows] if openings is not None else [None] * len(rows)
-        return self._pool.submit(self._compute, rows, [matchers[i] for i in rows], extra)
+        return self._pool.submit(self._compute, rows, [matchers[i] for i in rows], extra, [forced[i] for i in rows])
 
-    def _compute(self, rows: list[int], matchers: list[llguidance.LLMatcher], openings: list[int | None]
-                 ) -> StepMasks:
+    def _compute(self, rows: list[int], matchers: list[llguidance.LLMatcher | None], openings: list[int | None],
+                 forced: list[int | None]) -> StepMasks:
         bitmask = torch.zeros(len(rows), self.words, dtype=torch.int32)  # [R, W], bit j of word w: token 32w + j
         try:
-            self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
-                                                   self.words * 4, len(rows))
+            guided = [(m, j) for j, m in enumerate(matchers) if m is not None]
+            if guided:
+                self._executor.unsafe_compute_mask_ptr(guided, bitmask.data_ptr(), self.words * 4, len(rows))
         except Exception:  # the guided requests fail, not the step (the unguided rows never wait on this)
             log.exception("computing the token masks of %d guided rows failed", len(rows))
             return StepMasks(rows, torch.ones(len(rows), self.vocab_size, dtype=torch.bool),
@@ -78,12 +81,18 @@ class GuideMasker:
             # `<think>` in Lark); where the grammar only has its text, the text is written in other tokens.
             for j, k in (allowed[:, marked]).nonzero().tolist():
                 token = int(marked[k])
-                if not matchers[j].validate_tokens([token]):
+                if matchers[j] is not None and not matchers[j].validate_tokens([token]):
                     allowed[j, token] = False
         for j, token in enumerate(openings):
             if token is not None:
                 allowed[j, token] = True
+        for j, token in enumerate(forced):
+            if token is not None:  # the one token this row may take
+                allowed[j] = False
+                allowed[j, token] = True
         for j, m in enumerate(matchers):
+            if m is None:
+                continue
             # A matcher in error (it never should be: tokens come from its own masks) allows nothing.
             if m.is_error() or not allowed[j].any():
                 errors[rows[j]] = GUIDE_FAILED

@@ -251,13 +251,16 @@ class LLMEngine:
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             matcher = compiled.matcher() if compiled is not None else None
-            held = params.guide_after is not None and params.reasoning_open  # the guide waits for the block's end
+            block = params.reasoning
+            held = block is not None and block.opened and matcher is not None  # the guide waits for the block's end
+            thinking = False if block is None else (True if block.opened else None)  # None: the first token says
             sample = Request(f"{request_id}#{index}", list(prompt_token_ids), params.replace(seed=seed, n=1),
                              self.eos_token_ids, leader=samples[0] if samples else None,
                              parent_id=request_id, index=index,
                              matcher=None if held else matcher, held_matcher=matcher if held else None,
                              lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"",
-                             pooling=pooling)
+                             pooling=pooling,
+                             in_reasoning=thinking)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples
@@ -322,7 +325,8 @@ class LLMEngine:
             rows = self._row_split(inputs)
             plain = [inputs.sample_requests[i] for i in rows.plain]
             # The guided rows' masks are computed while the model runs (engine/guide_masks.py).
-            pending_masks = self.masker.start([r.matcher for r in plain], [r.guide_opening for r in plain])
+            pending_masks = self.masker.start([r.matcher for r in plain], [r.guide_opening for r in plain],
+                                              [r.forced_token for r in plain])
             logits, hidden = self.runner.forward(inputs)
             if inputs.pooled:
                 self._pool(hidden, inputs.pooled)
@@ -492,6 +496,7 @@ class LLMEngine:
         appended: list[int] = []
         for token_id, token_logprobs in zip(token_ids, logprobs):
             opening = request.guide_opening
+            request.note_reasoning(token_id)
             appended.append(token_id)
             request.output_token_ids.append(token_id)
             if token_logprobs is not None:
@@ -503,7 +508,7 @@ class LLMEngine:
                 # The reply reasons first, and the grammar does not cover the block: it waits for its end.
                 request.held_matcher, request.matcher = request.matcher, None
             elif request.held_matcher is not None:
-                if token_id == params.guide_after[1]:  # the reasoning ended: the guide holds from here
+                if token_id == params.reasoning.end_id:  # the reasoning ended: the guide holds from here
                     request.matcher, request.held_matcher = request.held_matcher, None
             elif request.matcher is not None:
                 if not request.matcher.consume_token(token_id):

@@ -76,8 +76,12 @@ class Request:
     # A guided sample's llguidance matcher (engine/guide.py): which tokens may come next, advanced by each
     # token appended. Kept through preemption: the output tokens it has seen are kept too.
     matcher: Any = None
-    # The matcher of a guide that waits for the end of the reply's reasoning block (params.guide_after).
+    # The matcher of a guide that waits for the end of the reply's reasoning block (params.reasoning).
     held_matcher: Any = None
+    # In the reply's reasoning block (params.reasoning): None until the first token says, where the prompt
+    # did not open one; and how many tokens the block holds so far (its markers not counted).
+    in_reasoning: bool | None = False
+    num_reasoning_tokens: int = 0
     # The LoRA adapter the request runs with (None: the base model), the slot it holds while admitted
     # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
     lora: str | None = None
@@ -95,11 +99,33 @@ class Request:
     @property
     def guide_opening(self) -> int | None:
         """A token the guide's mask lets through beside its grammar: a reasoning block's start, as the reply's
-        first token (params.guide_after)."""
-        markers = self.params.guide_after
-        if markers is None or self.output_token_ids or self.params.reasoning_open or self.matcher is None:
+        first token (params.reasoning)."""
+        block = self.params.reasoning
+        if block is None or self.output_token_ids or block.opened or self.matcher is None:
             return None
-        return markers[0]
+        return block.start_id
+
+    @property
+    def forced_token(self) -> int | None:
+        """The block's end, once the reasoning budget is spent (params.reasoning_budget); a grammar that
+        covers the block (an active matcher inside it) keeps its own rule."""
+        budget = self.params.reasoning_budget
+        if budget is None or not self.in_reasoning or self.matcher is not None or self.num_reasoning_tokens < budget:
+            return None
+        return self.params.reasoning.end_id
+
+    def note_reasoning(self, token_id: int) -> None:
+        """Follow the reasoning block through an appended token."""
+        block = self.params.reasoning
+        if block is None:
+            return
+        if self.in_reasoning is None:
+            self.in_reasoning = token_id == block.start_id
+        elif self.in_reasoning:
+            if token_id == block.end_id:
+                self.in_reasoning = False
+            else:
+                self.num_reasoning_tokens += 1
 
     @property
     def needs_every_prompt_row(self) -> bool:

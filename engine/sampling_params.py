@@ -15,6 +15,15 @@ MAX_SPECULATIVE_TOKENS = 16  # draft tokens per step a request may ask for (engi
 
 
 @dataclass(frozen=True)
+class ThinkBlock:
+    """A reasoning model's block: its start and end marker tokens, and whether the prompt opened it."""
+
+    start_id: int
+    end_id: int
+    opened: bool = False
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
 
@@ -23,9 +32,10 @@ class SamplingParams:
     (repetition: over prompt and generated tokens; 1 disables it). `logit_bias` adds to a token's logit
     before everything else (OpenAI's -100 bans a token, +100 all but forces it); `guide` constrains the
     output to a JSON schema, regex, choice or grammar (engine/guide.py), and the request stops when it is
-    complete; with `guide_after` (a reasoning model's block markers, start and end token ids) it holds after
-    the reply's reasoning: from the first token unless that token starts a block the grammar does not
-    cover itself, else after the block's end (`reasoning_open`: the prompt opened the block already).
+    complete. `reasoning`: a reasoning model's block markers (`ThinkBlock`); a guide then holds after the
+    reply's reasoning: from the first token unless that token starts a block the grammar does not cover
+    itself, else after the block's end. `reasoning_budget`: the most tokens the block may hold; then its
+    end is the next token (not where a grammar covers the block).
     `speculative_tokens` is how many draft tokens per step prompt lookup may propose for it
     (engine/speculative.py): 0 never, None the engine's default.
     """
@@ -54,8 +64,8 @@ class SamplingParams:
     # An embedding request pooled by its last token: its last delta carries the next-token logits of these
     # tokens ([T] float32) instead of the hidden state (a reranker's "no" and "yes"; server/rerank.py).
     score_token_ids: tuple[int, ...] = ()
-    guide_after: tuple[int, int] | None = None
-    reasoning_open: bool = False
+    reasoning: ThinkBlock | None = None
+    reasoning_budget: int | None = None
     speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -90,7 +100,9 @@ class SamplingParams:
             (all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
              f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must not be negative"),
-            (self.guide_after is None or self.guide is not None, "guide_after needs a guide"),
+            (self.reasoning_budget is None or self.reasoning_budget >= 0,
+             f"reasoning_budget must be at least 0, got {self.reasoning_budget}"),
+            (self.reasoning_budget is None or self.reasoning is not None, "reasoning_budget needs reasoning markers"),
             (self.speculative_tokens is None or 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}"),
         ]

@@ -109,6 +109,8 @@ class Proposer:
     def _width(self, request: Request) -> int:
         if request.matcher is not None or request.held_matcher is not None or request.params.has_penalties:
             return 0
+        if request.params.reasoning_budget is not None and request.in_reasoning is not False:  # it may be forced
+            return 0
         if len(request.output_token_ids) < request.params.min_tokens:
             return 0
         state = self.states.get(request.request_id)

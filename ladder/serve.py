@@ -54,6 +54,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--reranker", default="auto", choices=["auto", "on", "off"],
                    help="serve POST /v1/rerank, scoring each document by the model's next-token odds of 'yes' "
                         "against 'no' (Qwen3-Reranker's rule): auto (a model whose name says reranker), on, off")
+    p.add_argument("--reasoning-budget", type=int, default=None,
+                   help="the most tokens a reasoning model may think before its </think> is written for it, for "
+                        "requests that give no reasoning_budget (default: no bound; 0: answer without thinking)")
     add_auto_dtype_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences computed together per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -157,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
                               max_prompt_chars=args.max_prompt_chars, stream_interval=args.stream_interval,
                               protect_metrics=args.protect_metrics,
                               allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                              reasoning_parser=args.reasoning_parser, reranker=args.reranker)
+                              reasoning_parser=args.reasoning_parser, reranker=args.reranker,
+                              reasoning_budget=args.reasoning_budget)
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
         # The dtype as asked too: each replica resolves auto for its own device.

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import SampleDelta
+from engine.sampling_params import ThinkBlock
 from server import protocol as p
 from server.access import INVALID_KEY, KeyGate, bearer_matches, check_key
 from server.admission import Admission, Reservation
@@ -46,8 +47,8 @@ from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
 from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
 from server.reasoning import Reasoning, ReasoningFormat
-from server.response_store import ResponseStore, output_messages
 from server.rerank import Reranker, install_rerank_routes
+from server.response_store import ResponseStore, output_messages
 from server.responses import ResponseEvents, chat_body, new_item_id
 from server.token_routes import install_token_routes
 from server.tool_calls import ToolFormat, tool_format
@@ -83,12 +84,16 @@ class ServerSettings:
     reasoning_parser: str = "auto"
     # Serve /v1/rerank (server/rerank.py): auto (a model named a reranker), on, off.
     reranker: str = "auto"
+    # The default reasoning budget of chat requests (tokens in a reasoning block; None: no bound).
+    reasoning_budget: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_body_bytes", "max_prompts_per_request", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ValueError(f"reasoning_budget must be at least 0, got {self.reasoning_budget}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be at least 1, got {self.max_prompt_chars}")
         check_key(self.api_key)
@@ -360,10 +365,15 @@ def create_app(state: ServerState) -> FastAPI:
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             reasoning = None
             if state.reasoning is not None:
+                # The engine follows the block too: a guide holds after it, a budget bounds it.
                 reasoning = Reasoning(state.reasoning, state.reasoning.opened_by(ids), body.include_reasoning)
-                if guide is not None:  # the answer follows the guide; the reasoning before it is free
-                    job.params = params.replace(guide_after=(reasoning.fmt.start_id, reasoning.fmt.end_id),
-                                                reasoning_open=reasoning.opened)
+                budget = body.reasoning_budget if body.reasoning_budget is not None \
+                    else state.settings.reasoning_budget
+                block = ThinkBlock(reasoning.fmt.start_id, reasoning.fmt.end_id, reasoning.opened)
+                job.params = params.replace(reasoning=block, reasoning_budget=budget)
+            elif body.reasoning_budget is not None:
+                raise APIError(400, "reasoning_budget needs a reasoning model (<think> and </think> tokens) "
+                                    "served with its reasoning parser", param="reasoning_budget")
             return engine, job, parsed, reasoning, reservation
         except BaseException:
             reservation.release()

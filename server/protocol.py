@@ -445,6 +445,9 @@ class ChatCompletionRequest(_Request, ChatPrompt):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     # vLLM's: false leaves a reasoning model's reasoning out of the answer (it is never in `content`).
     include_reasoning: Annotated[bool, Strict()] = True
+    # The most tokens a reasoning model's block may hold before its end is written for it (default: the
+    # server's --reasoning-budget, else no bound); 0 answers without thinking.
+    reasoning_budget: Annotated[int, Strict(), Field(ge=0)] | None = None
     logprobs: Annotated[bool, Strict()] = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 

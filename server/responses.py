@@ -27,7 +27,7 @@ from server.errors import APIError
 # vLLM's Responses endpoint takes several).
 PASSED_THROUGH = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
                   "ignore_eos", "min_tokens", "logit_bias", "stop_token_ids", "speculative_tokens",
-                  "chat_template_kwargs", "skip_special_tokens", "user", "include_reasoning",
+                  "chat_template_kwargs", "skip_special_tokens", "user", "include_reasoning", "reasoning_budget",
                   # vLLM's and llama.cpp's structured outputs, beside text.format (at most one of them all)
                   "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar",
                   "json_schema")

@@ -187,6 +187,35 @@ def test_a_guide_holds_after_the_reasoning(server):
     assert call["name"] == "get_time" and json.loads(call["arguments"])["zone"] in ("utc", "local")
 
 
+def test_a_reasoning_budget_ends_the_block(server):
+    never_ends = {"49153": -100}  # the model would not close its block itself
+    reply = chat(server, chat_template_kwargs={"open_thinking": True}, logit_bias=never_ends, reasoning_budget=3,
+                 max_tokens=10, logprobs=True)
+    tokens = [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]]
+    assert tokens[3] == "</think>" and "</think>" not in tokens[:3]
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4  # three, then the end marker
+    assert reply["choices"][0]["message"]["reasoning_content"] == "".join(tokens[:3]).strip("\n")
+    # A block the reply opens: its start marker, two tokens, the end.
+    opened = chat(server, logit_bias={"49152": 100, **never_ends}, reasoning_budget=2, max_tokens=10, logprobs=True)
+    tokens = [entry["token"] for entry in opened["choices"][0]["logprobs"]["content"]]
+    assert tokens[0] == "<think>" and tokens[3] == "</think>"
+    assert opened["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4
+    # 0: no thinking; the server's default applies to a request that gives none.
+    none = chat(server, chat_template_kwargs={"open_thinking": True}, logit_bias=never_ends, reasoning_budget=0,
+                max_tokens=4)
+    assert none["choices"][0]["message"]["reasoning_content"] == ""
+    assert none["usage"]["completion_tokens_details"]["reasoning_tokens"] == 1
+    server.state.settings.reasoning_budget = 1
+    try:
+        default = chat(server, chat_template_kwargs={"open_thinking": True}, logit_bias=never_ends, max_tokens=6)
+    finally:
+        server.state.settings.reasoning_budget = None
+    assert default["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "reasoning_budget": -1})
+    assert bad.status_code == 400 and "reasoning_budget" in bad.text
+
+
 @pytest.fixture(scope="module")
 def plain_server(thinker_dir):
     """The same model with --reasoning-parser none: its reply is content, and a guide holds from the start."""
@@ -218,6 +247,12 @@ def test_a_forced_tool_call_when_the_vocabulary_has_a_tool_call_token(plain_serv
         reply = chat(plain_server, tools=tools, tool_choice="required", logit_bias=bias, logprobs=True)
         tokens = [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]]
         assert "".join(tokens).startswith('<tool_call>\n{"name": "get_time"') and "<tool_call>" not in tokens[:5]
+
+
+def test_a_reasoning_budget_needs_a_reasoning_model(plain_server):
+    response = httpx.post(plain_server.url + "/v1/chat/completions", timeout=30, json={
+        "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "reasoning_budget": 10})
+    assert response.status_code == 400 and "reasoning_budget needs a reasoning model" in response.text
 
 
 def test_thinking_switched_off_leaves_the_reply_as_content(server):
