@@ -98,6 +98,11 @@ def load(
         config, _ = read_config(path)
         check_moe_quantization(config, quantization, str(path))
         tensors = read_tensors(safetensors_files(path))  # each read when build_model asks for it
+        if "score.weight" in tensors:
+            # A sequence classifier's head (a reranker or reward model converted for vLLM): the decoder and
+            # its LM head (tied to the embeddings, or refused as missing) are what ladder runs.
+            log.warning("%s: its classification head (score.weight) is not read; the model runs with its LM "
+                        "head, which scores /v1/rerank the same only for a reranker converted from it", path)
         if config.architecture == "gemma3":
             tensors = shift_norm_weights(tensors)
         module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size)

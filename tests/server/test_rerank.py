@@ -133,3 +133,38 @@ def test_the_setting_is_checked():
         Reranker.find("on", "any", NoAnswers())
     with pytest.raises(ValueError, match="unknown reranker setting"):
         Reranker.find("maybe", "any", NoAnswers())
+
+
+def test_a_converted_sequence_classification_reranker_scores_the_same(reranker_dir, tmp_path_factory, reference):
+    """vLLM's and sentence-transformers' converted Qwen3-Reranker: a ForSequenceClassification checkpoint whose
+    one score row is the LM head's "yes" row minus its "no" row, the head tied to the embeddings (0.6B's
+    is). Its score head is not read: the tied head gives the same two logits, so the same scores as
+    transformers' classifier, sigmoid(score row . hidden)."""
+    import shutil
+
+    import transformers
+
+    causal = transformers.AutoModelForCausalLM.from_pretrained(reranker_dir, torch_dtype=torch.float32).eval()
+    config = causal.config
+    config.num_labels, config.architectures = 1, ["LlamaForSequenceClassification"]
+    classifier = transformers.LlamaForSequenceClassification(config).eval()
+    classifier.model.load_state_dict(causal.model.state_dict())
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(reranker_dir / "tokenizer.json"))
+    head = causal.lm_head.weight
+    with torch.no_grad():
+        classifier.score.weight.copy_(head[tokenizer.convert_tokens_to_ids("yes")]
+                                      - head[tokenizer.convert_tokens_to_ids("no")])
+    directory = tmp_path_factory.mktemp("models") / "tiny-Qwen3-Reranker-seq-cls"
+    classifier.save_pretrained(directory, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(reranker_dir / name, directory / name)
+    server = InProcessServer(make_state(directory, max_model_len=256))
+    try:
+        results = post(server, documents=DOCUMENTS[:3]).json()["results"]
+    finally:
+        server.stop()
+    for r in results:
+        with torch.no_grad():
+            logit = classifier(torch.tensor([reference.ids(QUERY, DOCUMENTS[r["index"]])])).logits[0, 0]
+        assert r["relevance_score"] == pytest.approx(torch.sigmoid(logit.double()).item(), abs=1e-5)
+        assert r["relevance_score"] == pytest.approx(reference(QUERY, DOCUMENTS[r["index"]]), abs=1e-5)
