@@ -221,16 +221,21 @@ def _llguidance_json(backend: tokenizers.Tokenizer) -> str:
     tokens are that token, and its matcher refuses it (a failed request). Such a token, when its spelling is
     printable ASCII (the same text in a byte-level and in a SentencePiece alphabet), moves into the model's
     vocabulary here, where llguidance reads it as the text it is; a grammar can still name it, `<[id]>`."""
-    data = json.loads(backend.to_str())
+    def movable(text: str, special: bool) -> bool:
+        return not special and text.isascii() and text.isprintable() and " " not in text
+
+    text = backend.to_str()
+    if not any(movable(t.content, t.special) for t in backend.get_added_tokens_decoder().values()):
+        return text  # nothing to move: no parse (a second or more for a large vocabulary)
+    data = json.loads(text)
     vocab = data.get("model", {}).get("vocab")
     if not isinstance(vocab, dict):  # a Unigram vocabulary is a list: left as it is (the masker still checks)
-        return backend.to_str()
+        return text
     kept = []
     for token in data.get("added_tokens") or ():
-        text = token["content"]
-        plain = text.isascii() and text.isprintable() and " " not in text
-        if not token.get("special") and plain and vocab.get(text, token["id"]) == token["id"]:
-            vocab[text] = token["id"]
+        if movable(token["content"], token.get("special", False)) and vocab.get(token["content"], token["id"]) == \
+                token["id"]:
+            vocab[token["content"]] = token["id"]
         else:
             kept.append(token)
     data["added_tokens"] = kept
