@@ -126,3 +126,20 @@ def test_w4a8_reads_each_block_type_of_the_file(ours):
     assert seen == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     head, _ = weights(w4a8.module.lm_head)
     assert torch.equal(head, ours.module.lm_head.weight)  # the Q8_0 embedding, tied
+
+
+def test_a_guide_whose_text_spells_an_added_tag_runs(ours):
+    """Gemma's vocabulary holds 73 HTML-like tags (`<table>`, `<tr>`...) as added tokens decoded as text.
+    llguidance took them for special tokens: for a regex that begins with "<table>" its mask allowed only
+    that token, and its matcher refused it, so the request failed. The tokenizer llguidance is given now
+    holds them as text (engine/guide.py `_llguidance_json`)."""
+    import re
+
+    from engine.guide import Guide
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(loaded=ours, kv_cache_memory_gib=0.2, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=24, guide=Guide.regex("<table><tr><td>[a-z]{2,6}</td></tr>"))
+    out = llm.generate(["An HTML table:"], params)[0].outputs[0]
+    assert re.fullmatch("<table><tr><td>[a-z]{2,6}</td></tr>", out.text), out.text
