@@ -67,7 +67,8 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not implemented",
     "modalities": "text is the only output",
     "prediction": "predicted outputs are not implemented",
-    "reasoning_effort": "this model has no reasoning setting",
+    "reasoning_effort": "efforts are not mapped to budgets; a reasoning model's thinking is bounded by "
+                        "reasoning_budget (tokens)",
     "web_search_options": "web search is not implemented",
     "chat_template": "a request cannot bring its own template; the server's is used (ladder serve --chat-template)",
     "documents": "not implemented",

@@ -36,7 +36,7 @@ UNSUPPORTED = {
                     "conversation in input",
     "prompt": "stored prompt templates are not implemented",
     "reasoning": "reasoning effort is not a setting here: a reasoning model's thinking comes back as a reasoning "
-                 "item, and Qwen3's is switched off by chat_template_kwargs {\"enable_thinking\": false}",
+                 "item, and is bounded by reasoning_budget (tokens; 0 for none)",
     "top_logprobs": "log-probabilities are given by /v1/chat/completions",
 }
 
