@@ -73,26 +73,42 @@ class LLM:
         """One embedding per prompt, [len(prompts), dimensions or hidden] float32, in the prompts' order: the
         final hidden states pooled by the engine's rule (`engine.pooling`: the checkpoint's, or the last
         token's), cut to `dimensions`, L2-normalized unless the rule says not to. All run batched together."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         hidden = self.engine.model.config.hidden_size
         if dimensions is not None and not 1 <= dimensions <= hidden:
             raise ValueError(f"dimensions must be in [1, {hidden}], the model's hidden size; got {dimensions}")
+        pooled = self._pool(prompts, SamplingParams(max_tokens=1), self.engine.pooling.kind, lora)
+        normalize = self.engine.pooling.normalize
+        return torch.stack([finish_embedding(vector, normalize, dimensions) for vector in pooled])
+
+    def next_token_logits(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], token_ids: Sequence[int],
+                          lora: str | None = None) -> torch.Tensor:
+        """[len(prompts), len(token_ids)] float32: after each prompt, the logits of `token_ids` as its next
+        token (the model's own: no sampling field applies), all batched together; a choice among a few
+        answers (a reranker's "no" and "yes", a multiple-choice letter) without generating."""
+        if not token_ids:
+            raise ValueError("token_ids is empty")
+        params = SamplingParams(max_tokens=1, score_token_ids=tuple(token_ids))
+        return torch.stack(self._pool(prompts, params, "last", lora))
+
+    def _pool(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams, pooling: str,
+              lora: str | None) -> list[torch.Tensor]:
+        """Each prompt's pooled request run in one batch: the `embedding` of its last delta, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
         pooled: dict[str, torch.Tensor] = {}
         order = []
         for prompt in prompts:
             request_id = f"embed-{next(self._ids)}"
             order.append(request_id)
-            self.engine.add_request(request_id, self._encode(prompt), SamplingParams(max_tokens=1),
-                                    lora=self.default_lora if lora is None else lora, pooling=self.engine.pooling.kind)
+            self.engine.add_request(request_id, self._encode(prompt), params,
+                                    lora=self.default_lora if lora is None else lora, pooling=pooling)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 if delta.error is not None:
                     raise RuntimeError(f"embedding request {delta.request_id} failed: {delta.error}")
                 if delta.embedding is not None:
                     pooled[delta.request_id] = delta.embedding
-        normalize = self.engine.pooling.normalize
-        return torch.stack([finish_embedding(pooled[i], normalize, dimensions) for i in order])
+        return [pooled[i] for i in order]
 
     def default_sampling_params(self) -> SamplingParams:
         """The parameters of a call that gives none: the model's generation_config.json sampling fields

@@ -7,6 +7,7 @@ hit; and such requests are refused where they cannot mean anything."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -56,3 +57,15 @@ def test_scores_need_the_last_tokens_pooling_and_real_tokens(llm):
         llm.engine.add_request("mean", ids, SamplingParams(max_tokens=1, score_token_ids=(1,)), pooling="mean")
     with pytest.raises(ValueError, match="score_token_ids must be in"):
         llm.engine.add_request("big", ids, SamplingParams(max_tokens=1, score_token_ids=(10**6,)), pooling="last")
+
+
+def test_llm_next_token_logits_batches_prompts_in_order(llm):
+    prompts = [PROMPT, "The sky is blue. True or false? Answer:", PROMPT]
+    yes, no = llm.tokenizer.encode(" yes", add_special_tokens=False), llm.tokenizer.encode(" no",
+                                                                                         add_special_tokens=False)
+    logits = llm.next_token_logits(prompts, [yes[0], no[0]])
+    assert logits.shape == (3, 2) and torch.equal(logits[0], logits[2])
+    alone = llm.next_token_logits(prompts[1], [yes[0], no[0]])
+    assert torch.allclose(alone[0], logits[1], atol=1e-5)
+    with pytest.raises(ValueError, match="token_ids is empty"):
+        llm.next_token_logits(PROMPT, [])
