@@ -109,6 +109,8 @@ class EngineInfo:
     # (None: it can).
     pooling: Pooling = field(default_factory=Pooling)
     embeddings_unavailable: str | None = None
+    # The model is a reranker file (a classification head of LM-head rows, model/loader.py read_score_rows).
+    reranker_file: bool = False
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -133,7 +135,8 @@ class AsyncLLMEngine:
                                precision=weight_precision(engine), guides=engine.guides,
                                lora_enabled=engine.lora is not None, sampling_defaults=engine.sampling_defaults,
                                kv_cache_dtype=str(engine.runner.kv_caches[0].dtype).removeprefix("torch."),
-                               pooling=engine.pooling, embeddings_unavailable=engine.embeddings_unavailable)
+                               pooling=engine.pooling, embeddings_unavailable=engine.embeddings_unavailable,
+                               reranker_file=bool(getattr(engine.model.module, "score_rows", None)))
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()

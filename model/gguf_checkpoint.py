@@ -152,11 +152,6 @@ class GGUFCheckpoint:
             raise ModelLoadError(
                 f"{self.path}: unknown architecture {self.gguf_arch!r} (supported: {', '.join(ARCHITECTURES)})"
             )
-        if "cls.output.weight" in self.tensor_names:
-            # llama.cpp's reranker files: a classification head in place of the LM head, which this loader
-            # would take to be tied to the embeddings and score with silently.
-            raise ModelLoadError(f"{self.path}: a classification head (cls.output.weight, a reranker's) is not "
-                                 "read yet; serve the Hugging Face checkpoint, whose LM head /v1/rerank uses")
         scaling = self._get("rope.scaling.type")
         if scaling not in (None, "none") and not (scaling == "linear" and self.gguf_arch == "gemma3"):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling {scaling!r}")
@@ -253,6 +248,20 @@ class GGUFCheckpoint:
             raise ModelLoadError(
                 f"{self.path}: tensor {name!r} has unsupported type {tensor.tensor_type.name}"
             ) from None
+
+    def classifier_rows(self) -> dict[str, torch.Tensor]:
+        """A reranker file's classification head by label: llama.cpp writes Qwen3-Reranker's as
+        `cls.output.weight`, the LM head's rows [hidden] float32 of the tokens "yes" and "no" (the labels of
+        `{arch}.classifier.output_labels`), in place of the LM head. {} for a file without one."""
+        if "cls.output.weight" not in self.tensor_names:
+            return {}
+        rows = np.ascontiguousarray(self._dequantize("cls.output.weight"), dtype=np.float32)
+        rows = rows.reshape(-1, self.config.hidden_size)
+        labels = [str(label) for label in self.metadata.get(f"{self.gguf_arch}.classifier.output_labels") or ()]
+        if len(labels) != rows.shape[0]:
+            raise ModelLoadError(f"{self.path}: cls.output.weight has {rows.shape[0]} rows and the file names "
+                                 f"{len(labels)} classifier labels")
+        return {label: torch.from_numpy(row.copy()) for label, row in zip(labels, rows)}
 
     def read_tensors(self) -> LazyTensors[torch.Tensor]:
         """Every model tensor under Hugging Face names, [out, in] layout, dequantized to float32 when it is

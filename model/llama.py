@@ -163,6 +163,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # token id -> [hidden]: a reranker file's own rows for some tokens' logits (`token_logits`; loader.py).
+        self.score_rows: dict[int, torch.Tensor] = {}
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.make_rotary(torch.get_default_device())
@@ -277,7 +279,14 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         """hidden [hidden] float32 (a row `sample_logits_and_hidden` returned) -> the logits [T] float32 of
         `token_ids`, as sampling that row would see them: a reranker's "no" and "yes"."""
         row = hidden.to(self.device, self.embed_tokens.weight.dtype)[None]  # the activations' dtype
-        return self.compute_logits(row)[0, list(token_ids)].cpu()
+        logits = self.compute_logits(row)[0, list(token_ids)]
+        for k, token in enumerate(token_ids):  # a reranker file's own rows for these tokens (model/loader.py)
+            own = self.score_rows.get(token)
+            if own is not None:
+                value = (own @ row[0]).float()
+                cap = self.config.final_logit_softcapping
+                logits[k] = value if cap is None else torch.tanh(value / cap) * cap
+        return logits.cpu()
 
     def sample_logits(
         self,

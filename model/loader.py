@@ -43,6 +43,26 @@ class LoadedModel:
     pooling: Pooling | None = None  # the embedding rule the checkpoint declares (model/pooling.py); None: none
 
 
+def read_score_rows(module, checkpoint, tokenizer: Tokenizer, source: str) -> None:
+    """A reranker GGUF's classification rows (llama.cpp's `cls.output.weight`: the LM head's rows of the
+    tokens its labels spell, "yes" and "no") become the module's `score_rows`, by token id: the logits
+    /v1/rerank reads come from them. Such a file has no LM head of its own (the embeddings stand in, so its
+    generated text means nothing when the model's head was not tied)."""
+    rows = checkpoint.classifier_rows()
+    if not rows:
+        return
+    ids = {label: tokenizer.token_to_id(label) for label in rows}
+    missing = sorted(label for label, token in ids.items() if token is None)
+    if missing:
+        raise ModelLoadError(f"{source}: its classifier labels {missing} are not tokens of its vocabulary; only "
+                             "rerankers whose head is LM-head rows (Qwen3-Reranker's yes and no) are read")
+    dtype = module.embed_tokens.weight.dtype
+    module.score_rows = {ids[label]: row.to(module.device, dtype) for label, row in rows.items()}
+    if "output.weight" not in checkpoint.tensor_names:
+        log.warning("%s: a reranker file (classifier rows %s): /v1/rerank scores with them; its LM head is the "
+                    "embeddings', so its generated text is not the model's", source, ", ".join(rows))
+
+
 def check_source(source: str | Path | None) -> None:
     """ModelLoadError (one line) unless `source` is the embedded default, a directory or a .gguf file:
     what `load` refuses before reading anything, for a caller whose loading happens elsewhere (the Ray
@@ -125,6 +145,7 @@ def load(
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size, skip)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
+        read_score_rows(module, checkpoint, tokenizer, str(path))
         weight_files = [path]
         pooling = gguf_pooling(checkpoint.metadata)
         if quantization == "w4a8":

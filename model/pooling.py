@@ -69,7 +69,7 @@ def gguf_pooling(metadata: Mapping[str, Any]) -> Pooling | None:
     by default, so a declared rule normalizes too."""
     arch = metadata.get("general.architecture")
     value = metadata.get(f"{arch}.pooling_type")
-    if value is None or int(value) == 0:
+    if value is None or int(value) in (0, 4):  # none; rank: a reranker file, read by /v1/rerank
         return None
     kind = GGUF_POOLING.get(int(value))
     if kind is None:

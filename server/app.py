@@ -131,7 +131,8 @@ class ServerState:
         tokenizer = engine.info.tokenizer
         self.reasoning = ReasoningFormat.for_server(self.settings.reasoning_parser, tokenizer) \
             if tokenizer is not None else None
-        self.reranker = Reranker.find(self.settings.reranker, engine.info.model_name, tokenizer)
+        self.reranker = Reranker.find(self.settings.reranker, engine.info.model_name, tokenizer,
+                                      engine.info.reranker_file)
         engine.stats.observers.append(self.metrics.observe_finished)
         self.engine = engine
 

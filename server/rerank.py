@@ -9,8 +9,10 @@ pooled by its last token whose last delta carries those two logits (SamplingPara
 continuous batch beside the generating requests; the documents of a request share the prompt's start, which
 the prefix cache computes once.
 
-A model is served as a reranker when its name says so ("rerank" in it) and its vocabulary has "yes" and
-"no" as tokens, or when `--reranker on` asks for it (any chat model then judges with the same prompt).
+A model is served as a reranker when its name says so ("rerank" in it) or its GGUF file is one (llama.cpp's
+conversion: the "yes" and "no" rows of the LM head as a classification head, read by model/loader.py), and
+its vocabulary has "yes" and "no" as tokens; or when `--reranker on` asks for it (any chat model then judges
+with the same prompt).
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ class Reranker:
     yes_id: int
 
     @classmethod
-    def find(cls, setting: str, model_name: str, tokenizer: Tokenizer | None) -> Reranker | None:
-        """`--reranker`: auto (a model named a reranker, with the tokens), on (required), off. Raises
-        ValueError for a setting this model cannot meet."""
+    def find(cls, setting: str, model_name: str, tokenizer: Tokenizer | None, declared: bool = False
+             ) -> Reranker | None:
+        """`--reranker`: auto (a model named a reranker, or a reranker file (`declared`), with the tokens), on
+        (required), off. Raises ValueError for a setting this model cannot meet."""
         if setting not in SETTINGS:
             raise ValueError(f"unknown reranker setting {setting!r}; one of {', '.join(SETTINGS)}")
-        if setting == "off" or (setting == "auto" and "rerank" not in model_name.lower()):
+        if setting == "off" or (setting == "auto" and not declared and "rerank" not in model_name.lower()):
             return None
         ids = (tokenizer.token_to_id("no"), tokenizer.token_to_id("yes")) if tokenizer is not None else (None,)
         usable = tokenizer is not None and None not in ids and bool(tokenizer.chat_template)

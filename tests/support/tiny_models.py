@@ -153,10 +153,31 @@ def random_raw_blocks(qtype, rows: int, cols: int, rng):
     return raw.reshape(rows, -1)
 
 
+def copy_smollm2_tokenizer(writer) -> None:
+    """The embedded model's tokenizer (tokens, merges, chat template) into a GGUF being written."""
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+
+    meta = GGUFCheckpoint(default_model_path()).metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
 def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
-               qtypes: dict[str, str] | None = None) -> dict:
+               qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool = False,
+               reranker: tuple[int, int] | None = None) -> dict:
     """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`, or in qtypes[part] for the tensors
     whose GGUF name has that part ("attn_v", "output", ...: a K-quant file's mix of types); norms stay F32.
+    The vocabulary is 256 byte tokens and control tokens, or with `smollm2_tokenizer` the embedded model's
+    (its 49,152 tokens, merges and chat template: `hf_model` needs that vocabulary size). `reranker` (the
+    ids of "yes" and "no") writes the file as llama.cpp converts Qwen3-Reranker: pooling type rank, labels
+    "yes" and "no", their LM-head rows as `cls.output.weight` in place of the LM head.
 
     Returns the state dict the file actually holds after quantization, in Hugging Face names and
     layout, to load into the reference model (row permutations commute with row-wise quantization,
@@ -192,17 +213,25 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
                          [t == "sliding_attention" for t in cfg.layer_types])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    if smollm2_tokenizer:
+        copy_smollm2_tokenizer(writer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    byte_tokens = list(bytes_to_unicode().values())
-    extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
-    writer.add_token_list(byte_tokens + extra)
-    writer.add_token_types([1] * 256 + [3] * len(extra))
-    writer.add_token_merges([])
-    writer.add_eos_token_id(256)
-    writer.add_bos_token_id(257)
+        byte_tokens = list(bytes_to_unicode().values())
+        extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
+        writer.add_token_list(byte_tokens + extra)
+        writer.add_token_types([1] * 256 + [3] * len(extra))
+        writer.add_token_merges([])
+        writer.add_eos_token_id(256)
+        writer.add_bos_token_id(257)
+    if reranker is not None:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_array(f"{arch}.classifier.output_labels", ["yes", "no"])
+        head = hf_model.get_output_embeddings().weight.detach().float()
+        writer.add_tensor("cls.output.weight", head[list(reranker)].numpy().astype(np.float32))
 
     if cfg.rope_parameters.get("rope_type") == "llama3":
         # llama.cpp stores Llama 3 scaling as per-frequency divisors in a `rope_freqs` tensor.
@@ -216,7 +245,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     held = {}
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or reranker is not None):
             continue
         if ".mlp.experts." in name:  # stacked experts: llama.cpp's 3-D tensors
             held[name] = write_gguf_experts(writer, name, tensor, qtype)
