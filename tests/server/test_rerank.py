@@ -174,8 +174,9 @@ def test_a_reranker_gguf_scores_with_its_classification_rows(tmp_path):
     """llama.cpp's conversion of Qwen3-Reranker: pooling type rank, the LM head's "yes" and "no" rows as
     `cls.output.weight`, no LM head. Read by the file, whatever its name, its scores are the untied model's
     P(yes) in transformers: from those rows, not from the embeddings that stand in for the missing head."""
-    import model
     from tiny_models import make_hf_model, write_gguf
+
+    import model
 
     hf = make_hf_model("qwen3", tmp_path / "hf", vocab_size=49152)  # untied
     tokenizer = model.load().tokenizer  # the file's vocabulary and chat template: the embedded model's
