@@ -8,6 +8,10 @@ Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn
 llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q6_k, q8_0. The defaults are
 Llama 3.2 1B's shapes; the tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's:
 1.17B parameters in all.
+`--reranker` writes a dense Qwen3 (per-head q/k norms) converted as llama.cpp converts Qwen3-Reranker: pooling
+type rank, the tied head's "yes" and "no" rows as `cls.output.weight`, and a `rerank` template giving the
+prompt `ladder serve`'s /v1/rerank writes through the chat template (for Qwen3-Reranker-0.6B's shapes:
+`--hidden 1024 --layers 28 --intermediate 3072 --heads 16 --kv-heads 8 --head-dim 128`).
 `--experts E --experts-used K` writes a Qwen3-MoE instead (every layer sparse, `--intermediate` rows per
 expert; ffn_down_exps takes the place of ffn_down in the preset), e.g. Qwen3-30B-A3B's layer shapes with
 fewer layers and experts: `--experts 32 --experts-used 8 --intermediate 768 --heads 32 --kv-heads 4
@@ -79,13 +83,23 @@ def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template(meta["tokenizer.chat_template"])
 
 
+def rerank_template() -> str:
+    """The prompt of /v1/rerank (server/rerank.py) as the embedded model's ChatML template renders it, with
+    llama.cpp's {query} and {document} placeholders."""
+    from server.rerank import DEFAULT_INSTRUCTION, JUDGE
+
+    return (f"<|im_start|>system\n{JUDGE}<|im_end|>\n<|im_start|>user\n<Instruct>: {DEFAULT_INSTRUCTION}\n"
+            "<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n")
+
+
 def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-          head_dim: int | None = None, experts: int = 0, experts_used: int = 0, seed: int = 0) -> None:
+          head_dim: int | None = None, experts: int = 0, experts_used: int = 0, seed: int = 0,
+          reranker: bool = False) -> None:
     """A dense Llama, or with `experts` a Qwen3-MoE (per-head q/k norms, every layer sparse: a float32 router,
-    experts of `intermediate` rows each)."""
+    experts of `intermediate` rows each), or with `reranker` a dense Qwen3 reranker file (module docstring)."""
     rng = np.random.default_rng(seed)
     head_dim = head_dim or hidden // heads
-    writer = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "llama")
+    writer = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "qwen3" if reranker else "llama")
     writer.add_block_count(layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
@@ -104,18 +118,29 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
     copy_tokenizer(writer)
     vocab = len(tokenizer_source().metadata["tokenizer.ggml.tokens"])
     writer.add_vocab_size(vocab)
+    if reranker:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_array("qwen3.classifier.output_labels", ["yes", "no"])
+        writer.add_chat_template([{"name": "rerank", "template": rerank_template()}])
 
-    def linear(name: str, rows: int, cols: int, layer: int | None, stack: int = 0) -> None:
-        """A [rows, cols] weight, or `stack` of them ([stack, rows, cols]: llama.cpp's expert tensors)."""
+    def linear(name: str, rows: int, cols: int, layer: int | None, stack: int = 0) -> np.ndarray:
+        """A [rows, cols] weight, or `stack` of them ([stack, rows, cols]: llama.cpp's expert tensors); its blocks."""
         kind = tensor_kind(preset, name.split(".")[-2].removesuffix("_exps") if layer is not None
                            else name.split(".")[0], layer)
         raw = random_blocks(kind, max(stack, 1) * rows, cols, rng)
         writer.add_tensor(name, raw.reshape(stack, rows, -1) if stack else raw,
                           raw_dtype=gguf.GGMLQuantizationType[kind])
+        return raw
 
-    linear("token_embd.weight", vocab, hidden, None)
+    embeddings = linear("token_embd.weight", vocab, hidden, None)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    linear("output.weight", vocab, hidden, None)
+    if reranker:  # the tied head's rows of "yes" and "no", in place of an LM head
+        tokens = list(tokenizer_source().metadata["tokenizer.ggml.tokens"])
+        kind = gguf.GGMLQuantizationType[tensor_kind(preset, "token_embd", None)]
+        rows = gguf.quants.dequantize(embeddings[[tokens.index("yes"), tokens.index("no")]], kind)
+        writer.add_tensor("cls.output.weight", np.ascontiguousarray(rows, dtype=np.float32))
+    else:
+        linear("output.weight", vocab, hidden, None)
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -123,6 +148,9 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
         linear(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, i)
         linear(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, i)
         linear(f"blk.{i}.attn_output.weight", hidden, heads * head_dim, i)
+        if reranker:
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         if not experts:
             linear(f"blk.{i}.ffn_gate.weight", intermediate, hidden, i)
             linear(f"blk.{i}.ffn_up.weight", intermediate, hidden, i)
@@ -154,13 +182,14 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=0,
                         help="a Qwen3-MoE of this many experts a layer (--intermediate: each expert's)")
     parser.add_argument("--experts-used", type=int, default=8)
+    parser.add_argument("--reranker", action="store_true", help="a Qwen3 reranker file (see above)")
     args = parser.parse_args()
     if args.hidden % 256 or args.intermediate % 256:
         parser.error("--hidden and --intermediate must be multiples of 256 (K-quant rows)")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
-          args.head_dim, args.experts, args.experts_used)
+          args.head_dim, args.experts, args.experts_used, reranker=args.reranker)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, preset {args.preset})")
     return 0
 

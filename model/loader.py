@@ -46,8 +46,8 @@ class LoadedModel:
 def read_score_rows(module, checkpoint, tokenizer: Tokenizer, source: str) -> None:
     """A reranker GGUF's classification rows (llama.cpp's `cls.output.weight`: the LM head's rows of the
     tokens its labels spell, "yes" and "no") become the module's `score_rows`, by token id: the logits
-    /v1/rerank reads come from them. Such a file has no LM head of its own (the embeddings stand in, so its
-    generated text means nothing when the model's head was not tied)."""
+    /v1/rerank reads come from them. Such a file has no LM head of its own: the embeddings stand in (the
+    model's own head when it was tied, as Qwen3-Reranker-0.6B's is)."""
     rows = checkpoint.classifier_rows()
     if not rows:
         return
@@ -59,8 +59,9 @@ def read_score_rows(module, checkpoint, tokenizer: Tokenizer, source: str) -> No
     dtype = module.embed_tokens.weight.dtype
     module.score_rows = {ids[label]: row.to(module.device, dtype) for label, row in rows.items()}
     if "output.weight" not in checkpoint.tensor_names:
-        log.warning("%s: a reranker file (classifier rows %s): /v1/rerank scores with them; its LM head is the "
-                    "embeddings', so its generated text is not the model's", source, ", ".join(rows))
+        log.warning("%s: a reranker file (classifier rows %s): /v1/rerank scores with them; its LM head, not in "
+                    "the file, is taken to be the embeddings (so for a model whose head was not tied, its "
+                    "generated text is not the model's)", source, ", ".join(rows))
 
 
 def check_source(source: str | Path | None) -> None:
