@@ -250,17 +250,12 @@ class LLMEngine:
         samples: list[Request] = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
-            matcher = compiled.matcher() if compiled is not None else None
-            block = params.reasoning
-            held = block is not None and block.opened and matcher is not None  # the guide waits for the block's end
-            thinking = False if block is None else (True if block.opened else None)  # None: the first token says
             sample = Request(f"{request_id}#{index}", list(prompt_token_ids), params.replace(seed=seed, n=1),
                              self.eos_token_ids, leader=samples[0] if samples else None,
                              parent_id=request_id, index=index,
-                             matcher=None if held else matcher, held_matcher=matcher if held else None,
+                             matcher=compiled.matcher() if compiled is not None else None,
                              lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"",
-                             pooling=pooling,
-                             in_reasoning=thinking)
+                             pooling=pooling)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples

@@ -80,7 +80,7 @@ class Request:
     held_matcher: Any = None
     # In the reply's reasoning block (params.reasoning): None until the first token says, where the prompt
     # did not open one; and how many tokens the block holds so far (its markers not counted).
-    in_reasoning: bool | None = False
+    in_reasoning: bool | None = field(default=False, init=False)
     num_reasoning_tokens: int = 0
     # The LoRA adapter the request runs with (None: the base model), the slot it holds while admitted
     # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
@@ -95,6 +95,13 @@ class Request:
     # cls: the row). Reset by preemption, which computes the prompt again.
     pooling: str | None = None
     pooled: Any = None
+
+    def __post_init__(self) -> None:
+        block = self.params.reasoning
+        if block is not None:
+            self.in_reasoning = True if block.opened else None
+            if block.opened and self.matcher is not None:  # the guide waits for the block's end
+                self.held_matcher, self.matcher = self.matcher, None
 
     @property
     def guide_opening(self) -> int | None:
