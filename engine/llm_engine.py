@@ -535,7 +535,8 @@ class LLMEngine:
                            logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
                            num_output_tokens=len(request.output_token_ids),
                            num_cached_tokens=request.num_cached_tokens, finish_reason=request.finish_reason,
-                           error=request.error)
+                           error=request.error, num_reasoning_tokens=request.num_reasoning_output_tokens
+                           if request.params.reasoning is not None else None)
 
     def _release_finished(self) -> None:
         self.scheduler.remove_finished()

@@ -28,6 +28,9 @@ class SampleDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     # An embedding request's last delta: its pooled final hidden state [hidden] float32, unnormalized.
     embedding: torch.Tensor | None = None
+    # With SamplingParams.reasoning: the output's tokens so far that are its reasoning block's, markers
+    # counted (None without).
+    num_reasoning_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

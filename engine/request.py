@@ -79,9 +79,11 @@ class Request:
     # The matcher of a guide that waits for the end of the reply's reasoning block (params.reasoning).
     held_matcher: Any = None
     # In the reply's reasoning block (params.reasoning): None until the first token says, where the prompt
-    # did not open one; and how many tokens the block holds so far (its markers not counted).
+    # did not open one; how many tokens the block holds so far (its markers not counted: the budget's
+    # measure), and how many of the output's tokens are the block's, its markers counted (usage's).
     in_reasoning: bool | None = field(default=False, init=False)
     num_reasoning_tokens: int = 0
+    num_reasoning_output_tokens: int = 0
     # The LoRA adapter the request runs with (None: the base model), the slot it holds while admitted
     # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
     lora: str | None = None
@@ -128,7 +130,9 @@ class Request:
             return
         if self.in_reasoning is None:
             self.in_reasoning = token_id == block.start_id
+            self.num_reasoning_output_tokens += self.in_reasoning
         elif self.in_reasoning:
+            self.num_reasoning_output_tokens += 1
             if token_id == block.end_id:
                 self.in_reasoning = False
             else:

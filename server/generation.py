@@ -259,23 +259,24 @@ class Collected:
     def __init__(self, job: Job) -> None:
         count = len(job.prompts) * job.params.n
         self.text = [""] * count
-        self.token_ids: list[list[int]] = [[] for _ in range(count)]
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
         self.prompt_logprobs: list[list[TokenLogprobs] | None] = [None] * count
         self.finish: list[str | None] = [None] * count
         self.num_output_tokens = 0
+        self.num_reasoning_tokens: int | None = None  # with SamplingParams.reasoning: the samples' blocks'
 
     def add(self, index: int, delta: SampleDelta) -> None:
         if delta.finish_reason is FinishReason.ERROR:
             raise request_error(delta)
         self.text[index] += delta.text
-        self.token_ids[index].extend(delta.token_ids)
         self.logprobs[index].extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
         if delta.finished:
             self.finish[index] = finish_reason(delta)
             self.num_output_tokens += delta.num_output_tokens
+            if delta.num_reasoning_tokens is not None:
+                self.num_reasoning_tokens = (self.num_reasoning_tokens or 0) + delta.num_reasoning_tokens
 
 
 async def collect(engine: AsyncLLMEngine, job: Job, on_delta=None) -> Collected:
@@ -330,12 +331,10 @@ def assistant_message(text: str, finish: str | None, tools: ToolFormat | None,
 def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolFormat | None = None,
                   reasoning: Reasoning | None = None) -> p.ChatCompletionResponse:
     choices = []
-    num_reasoning_tokens = None if reasoning is None else 0
     for i, text in enumerate(result.text):
         thought = None
         if reasoning is not None:
-            thought, text, num_tokens = reasoning.whole(text, result.token_ids[i])
-            num_reasoning_tokens += num_tokens
+            thought, text = reasoning.whole(text)
         message, finish = assistant_message(text, result.finish[i], tools, thought)
         choices.append(p.ChatChoice(index=i, message=message, finish_reason=finish,
                                     logprobs=chat_logprobs(tokenizer, result.logprobs[i])
@@ -344,7 +343,7 @@ def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: Tool
     if job.num_prompt_logprobs is not None:
         scored = prompt_logprobs_payload(tokenizer, result.prompt_logprobs[0], job.num_prompt_logprobs)
     return p.ChatCompletionResponse(id=job.request_id, model=job.model_name, choices=choices,
-                                    usage=usage(job, result.num_output_tokens, num_reasoning_tokens),
+                                    usage=usage(job, result.num_output_tokens, result.num_reasoning_tokens),
                                     prompt_logprobs=scored)
 
 
@@ -379,7 +378,7 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
     tool_streams: dict[int, ToolCallStream] = {}
     num_calls: dict[int, int] = {}  # choice -> tool calls sent
     splits: dict[int, ReasoningSplit] = {}
-    num_reasoning_tokens = None if reasoning is None else 0
+    num_reasoning_tokens: int | None = None  # with SamplingParams.reasoning: the samples' blocks'
     num_output_tokens = 0
     async for index, delta in run_job(engine, job, on_delta, interval):
         if delta.finish_reason is FinishReason.ERROR:
@@ -414,14 +413,15 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
         offsets[index] = offsets.get(index, 0) + len(text)
         if delta.finished:
             num_output_tokens += delta.num_output_tokens
+            if delta.num_reasoning_tokens is not None:
+                num_reasoning_tokens = (num_reasoning_tokens or 0) + delta.num_reasoning_tokens
         thought = ""
         if chat and reasoning is not None:
             split = splits.setdefault(index, reasoning.split())
-            thought, text = split.push(text, delta.token_ids)
+            thought, text = split.push(text)
             if delta.finished:
                 more_thought, more_text = split.finish()
                 thought, text = thought + more_thought, text + more_text
-                num_reasoning_tokens += split.num_tokens
             thought = thought if reasoning.include else ""
         calls: list[dict] = []
         if chat and tools is not None:

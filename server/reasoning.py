@@ -8,7 +8,8 @@ prompt opened it (templates that start the reply's thinking themselves, such as 
 DeepSeek-R1 ones, end the prompt with <think>); a block never closed (the length limit) is all reasoning.
 
 The markers are found in the vocabulary: both spellings single tokens that decoding keeps. So whether the
-prompt opened a block is read from its token ids, and the reasoning's length in tokens is exact.
+prompt opened a block is read from its token ids, and the engine follows the block by its tokens
+(SamplingParams.reasoning: a guide after it, a budget, the reasoning's length in tokens).
 """
 
 from __future__ import annotations
@@ -79,20 +80,19 @@ class Reasoning:
     def split(self) -> ReasoningSplit:
         return ReasoningSplit(self.fmt, self.opened)
 
-    def whole(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str, int]:
-        """A whole reply's reasoning (None without a block, or when not included), content, and reasoning
-        tokens."""
+    def whole(self, text: str) -> tuple[str | None, str]:
+        """A whole reply's reasoning (None without a block, or when not included) and content."""
         split = self.split()
-        reasoning, content = split.push(text, token_ids)
+        reasoning, content = split.push(text)
         more_reasoning, more_content = split.finish()
         has_block = split.inside or split.after is not None
         reasoning = reasoning + more_reasoning if has_block and self.include else None
-        return reasoning, content + more_content, split.num_tokens
+        return reasoning, content + more_content
 
 
 class ReasoningSplit:
-    """One sample's text split as it grows: `push` takes each new piece of text (and its token ids) and
-    returns the reasoning and content it releases. Reasoning loses the newlines next to its markers and
+    """One sample's text split as it grows: `push` takes each new piece of text and returns the reasoning
+    and content it releases (the engine counts the block's tokens: SampleDelta.num_reasoning_tokens). Reasoning loses the newlines next to its markers and
     content its leading whitespace after a block, so a tail of newlines (and of a partly written marker)
     is held until what follows decides it. The pieces of a stream joined equal the whole text's split."""
 
@@ -107,12 +107,8 @@ class ReasoningSplit:
         self.after: int | None = None  # where the text after the block starts
         self.content: int | None = None  # where content starts, once known
         self.content_sent = 0
-        # Tokens: the block counts from its start token (or the first, when the prompt opened it) to its end.
-        self.counting: bool | None = True if opened else None
-        self.num_tokens = 0
 
-    def push(self, text: str, token_ids: Sequence[int] = (), final: bool = False) -> tuple[str, str]:
-        self._count(token_ids)
+    def push(self, text: str, final: bool = False) -> tuple[str, str]:
         self.text += text
         start = self.fmt.start
         if not self.decided:
@@ -159,17 +155,6 @@ class ReasoningSplit:
         piece = self.text[self.released:limit]
         self.released = max(self.released, limit)
         return piece
-
-    def _count(self, token_ids: Sequence[int]) -> None:
-        for token in token_ids:
-            if self.counting is None:
-                self.counting = token == self.fmt.start_id
-            if not self.counting:
-                continue
-            self.num_tokens += 1
-            if token == self.fmt.end_id:
-                self.counting = False
-
 
 def _partial_suffix(text: str, marker: str, floor: int) -> int:
     """The length of the longest tail of `text` (after `floor`) that is a proper prefix of `marker`."""

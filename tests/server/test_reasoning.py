@@ -18,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from in_process_server import InProcessServer, make_state
 
+from engine.request import Request
+from engine.sampling_params import SamplingParams, ThinkBlock
 from model.tokenizer import Tokenizer
 from server.reasoning import Reasoning, ReasoningFormat
 from server.responses import input_messages
@@ -39,7 +41,7 @@ NAME = "thinker"
     ("", True, "", ""),
 ])
 def test_the_split_of_a_whole_reply(text, opened, reasoning, content):
-    assert Reasoning(FMT, opened).whole(text, [])[:2] == (reasoning, content)
+    assert Reasoning(FMT, opened).whole(text) == (reasoning, content)
 
 
 @settings(max_examples=300, deadline=None)
@@ -48,7 +50,7 @@ def test_the_split_of_a_whole_reply(text, opened, reasoning, content):
        cuts=st.lists(st.integers(0, 200), max_size=8), opened=st.booleans())
 def test_a_stream_in_any_pieces_splits_as_the_whole(pieces, cuts, opened):
     text = "".join(pieces)
-    whole_reasoning, whole_content, _ = Reasoning(FMT, opened).whole(text, [])
+    whole_reasoning, whole_content = Reasoning(FMT, opened).whole(text)
     split = Reasoning(FMT, opened).split()
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     streamed = [split.push(text[a:b]) for a, b in itertools.pairwise(bounds)] + [split.finish()]
@@ -56,12 +58,20 @@ def test_a_stream_in_any_pieces_splits_as_the_whole(pieces, cuts, opened):
     assert "".join(c for _, c in streamed) == whole_content
 
 
-def test_reasoning_tokens_run_from_the_start_marker_to_the_end_marker():
-    count = lambda ids, opened: Reasoning(FMT, opened).whole("", ids)[2]
-    assert count([1, 7, 8, 2, 9], False) == 4
-    assert count([7, 8, 2, 9], True) == 3
-    assert count([7, 1, 8, 2], False) == 0  # no block: it does not start the reply
-    assert count([1, 7, 8], False) == 3  # never closed
+def test_the_engine_counts_reasoning_tokens_from_the_start_marker_to_the_end_marker():
+    """Request.note_reasoning: the block's tokens of the output, markers counted (usage's), and the tokens
+    inside it (the budget's)."""
+    def count(ids: list[int], opened: bool) -> tuple[int, int, bool | None]:
+        request = Request("r", [5], SamplingParams(reasoning=ThinkBlock(1, 2, opened)))
+        for token in ids:
+            request.note_reasoning(token)
+        return request.num_reasoning_output_tokens, request.num_reasoning_tokens, request.in_reasoning
+
+    assert count([1, 7, 8, 2, 9], False) == (4, 2, False)
+    assert count([7, 8, 2, 9], True) == (3, 2, False)
+    assert count([7, 1, 8, 2], False) == (0, 0, False)  # no block: it does not start the reply
+    assert count([1, 7, 8], False) == (3, 2, True)  # never closed
+    assert count([], False) == (0, 0, None)  # the first token will say
     assert FMT.opened_by([5, 1, 9]) and not FMT.opened_by([1, 9, 2, 5]) and not FMT.opened_by([5, 6])
 
 
