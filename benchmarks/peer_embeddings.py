@@ -44,6 +44,16 @@ def texts_of(count: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120))).capitalize() + "." for _ in range(count)]
 
 
+def llama_server(given: Path | None, script: str) -> Path:
+    """The llama-server binary: `given`, else the first one peer_llamacpp.sh built (its cache); exits with the
+    way to build one when there is none."""
+    cache = Path(os.environ.get("LADDER_PEER_CACHE", Path.home() / ".cache/ladder/peer-llamacpp"))
+    found = given or next(iter(sorted(cache.glob("*/llama-server"))), None)
+    if found is None:
+        sys.exit(f"{script}: no llama-server under {cache}; run benchmarks/peer_llamacpp.sh --build-only")
+    return found
+
+
 def start(command: list[str], url: str, ready_path: str, log: Path) -> subprocess.Popen:
     proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -110,10 +120,7 @@ def main() -> None:
     from model.default import default_model_path
 
     gguf = Path(args.model) if args.model else default_model_path()
-    cache = Path(os.environ.get("LADDER_PEER_CACHE", Path.home() / ".cache/ladder/peer-llamacpp"))
-    server_bin = args.llama_server or next(iter(sorted(cache.glob("*/llama-server"))), None)
-    if server_bin is None:
-        sys.exit(f"peer_embeddings: no llama-server under {cache}; run benchmarks/peer_llamacpp.sh --build-only")
+    server_bin = llama_server(args.llama_server, "peer_embeddings")
     url = f"http://127.0.0.1:{args.port}"
     threads = str(os.cpu_count())
     sides = {

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import httpx
 from bench_report import write_report  # benchmarks/, this script's directory
-from peer_embeddings import ROOT, start, stop, texts_of
+from peer_embeddings import ROOT, llama_server, start, stop, texts_of
 
 QUERY = "Which of these sentences talks about a river near a mountain city?"
 
@@ -75,10 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.documents, args.rounds) < 2:
         parser.error("--documents and --rounds must be at least 2")
-    cache = Path(os.environ.get("LADDER_PEER_CACHE", Path.home() / ".cache/ladder/peer-llamacpp"))
-    server_bin = args.llama_server or next(iter(sorted(cache.glob("*/llama-server"))), None)
-    if server_bin is None:
-        sys.exit(f"peer_rerank: no llama-server under {cache}; run benchmarks/peer_llamacpp.sh --build-only")
+    server_bin = llama_server(args.llama_server, "peer_rerank")
     url = f"http://127.0.0.1:{args.port}"
     threads = str(os.cpu_count())
     sides = {
