@@ -30,9 +30,10 @@ def routing_text(path: str, body: bytes) -> str | None:
     """The text whose prefix decides the replica: the prompt of /v1/completions, the messages of
     /v1/chat/completions, the instructions and input of /v1/responses, the input of /v1/embeddings (a
     repeated input's last-token embedding is read from the prefix cache), the instruction and query of
-    /v1/rerank (every document's prompt starts with them). None for other routes and for bodies the
-    replica will refuse anyway."""
-    if not path.endswith(("/completions", "/embeddings", "/responses", "/rerank")) or len(body) > MAX_PARSE_BYTES:
+    /v1/rerank and the first text_1 of /v1/score (every document's prompt starts with them). None for other
+    routes and for bodies the replica will refuse anyway."""
+    if not path.endswith(("/completions", "/embeddings", "/responses", "/rerank", "/score")) \
+            or len(body) > MAX_PARSE_BYTES:
         return None
     try:
         payload = json.loads(body)
@@ -42,8 +43,9 @@ def routing_text(path: str, body: bytes) -> str | None:
         return None
     if path.endswith("/chat/completions"):
         return messages_text(payload.get("messages"))
-    if path.endswith("/rerank"):
-        parts = (payload.get("instruction"), payload.get("query"))
+    if path.endswith(("/rerank", "/score")):
+        query = payload.get("query") if path.endswith("/rerank") else prompt_text(payload.get("text_1"))
+        parts = (payload.get("instruction"), query)
         return "\x00".join(p for p in parts if isinstance(p, str)) or None
     if path.endswith("/responses"):  # the chat it becomes: the instructions' system turn, then the input
         instructions, given = payload.get("instructions"), payload.get("input")

@@ -713,6 +713,47 @@ class RerankResponse(BaseModel):
     results: list[RerankResult]  # best first
 
 
+class ScoreRequest(BaseModel):
+    """POST /v1/score (vLLM's): `text_1` (the query) against each `text_2`, or two lists of one length scored
+    pairwise."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    text_1: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    text_2: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    instruction: NonEmptyText | None = None  # as /v1/rerank's
+
+    @model_validator(mode="after")
+    def _pairs_line_up(self):
+        if isinstance(self.text_1, list) and isinstance(self.text_2, list) and len(self.text_1) != len(self.text_2):
+            raise ValueError(f"text_1 has {len(self.text_1)} texts and text_2 {len(self.text_2)}: lists are scored "
+                             "pairwise, so their lengths must be equal (or text_1 one text)")
+        if isinstance(self.text_1, list) and isinstance(self.text_2, str):
+            raise ValueError("text_1 is a list and text_2 one text: give text_2 a text per text_1, or swap them")
+        return self
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        seconds = self.text_2 if isinstance(self.text_2, list) else [self.text_2]
+        firsts = self.text_1 if isinstance(self.text_1, list) else [self.text_1] * len(seconds)
+        return list(zip(firsts, seconds))
+
+
+class Score(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Score]
+    usage: RerankUsage
+
+
 class TokenizeText(BaseModel):
     """POST /tokenize with a text: vLLM's `prompt` and `add_special_tokens` (default true), or llama.cpp's
     `content` and `add_special` (default false)."""

@@ -1,4 +1,5 @@
-"""POST /v1/rerank (also /rerank and /v2/rerank): documents ranked by their relevance to a query.
+"""POST /v1/rerank (also /rerank and /v2/rerank): documents ranked by their relevance to a query; and vLLM's
+POST /v1/score (also /score): the same scores for pairs of texts, in their order.
 
 A reranker such as Qwen3-Reranker is a causal language model asked, through its chat template, whether a
 document meets a query: a system turn with the judging rule, a user turn with the instruction, the query
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,6 +95,31 @@ def install_rerank_routes(app: FastAPI, state: ServerState, authorize,
     @app.post("/rerank", response_model=p.RerankResponse, responses=ERRORS, dependencies=[Depends(authorize)],
               include_in_schema=False)
     async def rerank(body: p.RerankRequest, request: Request) -> p.RerankResponse:
+        texts = body.texts
+        scores, num_tokens = await score_pairs(body, [(body.query, t) for t in texts], body.instruction, request,
+                                               "documents", "document")
+        results = [p.RerankResult(index=i, relevance_score=score,
+                                  document=p.RerankDocument(text=texts[i]) if body.return_documents else None)
+                   for i, score in enumerate(scores)]
+        results.sort(key=lambda r: (-r.relevance_score, r.index))
+        return p.RerankResponse(id=new_id("rerank"), model=body.model or state.model_name,
+                                usage=p.RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+                                results=results[:body.top_n])
+
+    @app.post("/v1/score", response_model=p.ScoreResponse, responses=ERRORS, dependencies=[Depends(authorize)])
+    @app.post("/score", response_model=p.ScoreResponse, responses=ERRORS, dependencies=[Depends(authorize)],
+              include_in_schema=False)
+    async def score(body: p.ScoreRequest, request: Request) -> p.ScoreResponse:
+        """vLLM's score API: `text_1` against each `text_2`, or the texts pairwise; scores in input order."""
+        scores, num_tokens = await score_pairs(body, body.pairs, body.instruction, request, "text_2", "pair")
+        return p.ScoreResponse(id=new_id("score"), created=int(time.time()), model=body.model or state.model_name,
+                               data=[p.Score(index=i, score=s) for i, s in enumerate(scores)],
+                               usage=p.RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+
+    async def score_pairs(body: p.RerankRequest | p.ScoreRequest, pairs: list[tuple[str, str]],
+                          instruction: str | None, request: Request, param: str, what: str
+                          ) -> tuple[list[float], int]:
+        """Each (query, document) pair's relevance score, in order, and the prompt tokens they took."""
         engine, lora = admit(body)
         info = engine.info
         reranker = state.reranker
@@ -102,40 +129,30 @@ def install_rerank_routes(app: FastAPI, state: ServerState, authorize,
                            param="model")
         if info.embeddings_unavailable is not None:
             raise APIError(400, info.embeddings_unavailable)
-        texts = body.texts
         limit = state.settings.prompt_char_limit(info.max_model_len)
-        check_chars(len(body.query) + max(len(t) for t in texts), limit, "query and document")
-        instruction = body.instruction or DEFAULT_INSTRUCTION
-        window = min(len(texts), EMBEDDING_WINDOW)
+        check_chars(max(len(q) + len(d) for q, d in pairs), limit, "query and document")
+        window = min(len(pairs), EMBEDDING_WINDOW)
         reservation = state.admission.reserve(window)
         try:
-            ids = await asyncio.to_thread(prompts, info.tokenizer, body.query, texts, instruction)
+            ids = await asyncio.to_thread(prompts, info.tokenizer, pairs, instruction or DEFAULT_INSTRUCTION)
             for i, prompt in enumerate(ids):
                 if len(prompt) > info.max_model_len:
-                    raise APIError(400, f"document {i} makes a prompt of {len(prompt)} tokens; this model takes "
-                                        f"at most {info.max_model_len}", param="documents",
-                                   code="context_length_exceeded")
+                    raise APIError(400, f"{what} {i} makes a prompt of {len(prompt)} tokens; this model takes "
+                                        f"at most {info.max_model_len}", param=param, code="context_length_exceeded")
             logits = await until_disconnected(request, embed_all(engine, ids, lora, window,
                                                                  reranker.score_token_ids))
         except EngineDeadError:
             raise APIError(503, "the engine has stopped after an internal error") from None
         finally:
             reservation.release()
-        results = [p.RerankResult(index=i, relevance_score=reranker.score(pair),
-                                  document=p.RerankDocument(text=texts[i]) if body.return_documents else None)
-                   for i, pair in enumerate(logits)]
-        results.sort(key=lambda r: (-r.relevance_score, r.index))
-        num_tokens = sum(len(prompt) for prompt in ids)
-        return p.RerankResponse(id=new_id("rerank"), model=body.model or state.model_name,
-                                usage=p.RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
-                                results=results[:body.top_n])
+        return [reranker.score(pair) for pair in logits], sum(len(prompt) for prompt in ids)
 
 
-def prompts(tokenizer: Tokenizer, query: str, documents: list[str], instruction: str) -> list[list[int]]:
-    """Each document's prompt ids, through the chat template (special-token text in the query or a document
-    is plain text). CPU-heavy: off the event loop."""
+def prompts(tokenizer: Tokenizer, pairs: list[tuple[str, str]], instruction: str) -> list[list[int]]:
+    """Each (query, document) pair's prompt ids, through the chat template (special-token text in a query or
+    a document is plain text). CPU-heavy: off the event loop."""
     out = []
-    for document in documents:
+    for query, document in pairs:
         try:
             _, ids = tokenizer.encode_chat(Reranker.messages(query, document, instruction), True,
                                            enable_thinking=False)

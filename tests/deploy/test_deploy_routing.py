@@ -49,6 +49,8 @@ def test_routing_text_reads_the_prompt_of_each_openai_route():
     assert routing_text("/v1/rerank", json.dumps(rerank).encode()) == "capital of France?"
     instructed = json.dumps({**rerank, "instruction": "Find"}).encode()
     assert routing_text("/rerank", instructed) == "Find\x00capital of France?"
+    scored = json.dumps({"text_1": ["capital of France?", "other"], "text_2": ["Paris.", "Rome."]}).encode()
+    assert routing_text("/v1/score", scored) == "capital of France?"
     assert routing_text("/v1/models", completion) is None
     assert request_prefix("/v1/completions", json.dumps({"prompt": SHARED}).encode()) == block_hashes(SHARED)
 

@@ -1,6 +1,7 @@
-"""POST /v1/rerank (server/rerank.py) on a tiny model named a reranker: the prompt is Qwen3-Reranker's, token
-for token; each score is transformers' P("yes") against "no" on the same weights; the results come best
-first with top_n, documents and usage as Jina's and Cohere's clients read them; bad requests are refused."""
+"""POST /v1/rerank and vLLM's /v1/score (server/rerank.py) on a tiny model named a reranker: the prompt is
+Qwen3-Reranker's, token for token; each score is transformers' P("yes") against "no" on the same weights; the
+results come best first with top_n, documents and usage as Jina's and Cohere's clients read them (in input
+order for /v1/score); bad requests are refused."""
 
 from __future__ import annotations
 
@@ -90,6 +91,28 @@ def test_top_n_objects_instruction_and_the_other_paths(server, reference):
     assert results[0]["relevance_score"] == pytest.approx(expected[0][0], abs=1e-5)
     for path in ("/rerank", "/v2/rerank"):
         assert post(server, path, **body).json()["results"] == results
+
+
+def test_vllms_score_api_gives_the_same_scores_in_input_order(server, reference):
+    one_to_many = httpx.post(server.url + "/v1/score", timeout=60, json={"text_1": QUERY, "text_2": DOCUMENTS[:3]})
+    assert one_to_many.status_code == 200, one_to_many.text
+    out = one_to_many.json()
+    assert out["object"] == "list" and out["id"].startswith("score-") and out["model"] == "tiny-Qwen3-Reranker"
+    assert [d["index"] for d in out["data"]] == [0, 1, 2] and all(d["object"] == "score" for d in out["data"])
+    for d in out["data"]:
+        assert d["score"] == pytest.approx(reference(QUERY, DOCUMENTS[d["index"]]), abs=1e-5)
+    assert out["usage"]["prompt_tokens"] == sum(len(reference.ids(QUERY, d)) for d in DOCUMENTS[:3])
+    queries = ["What is the capital of France?", "Which fruit is yellow?"]
+    pairwise = httpx.post(server.url + "/score", timeout=60, json={"text_1": queries, "text_2": DOCUMENTS[:2]})
+    assert [d["score"] for d in pairwise.json()["data"]] == pytest.approx(
+        [reference(q, d) for q, d in zip(queries, DOCUMENTS[:2])], abs=1e-5)
+    single = httpx.post(server.url + "/v1/score", timeout=60, json={"text_1": QUERY, "text_2": DOCUMENTS[1]})
+    assert single.json()["data"][0]["score"] == pytest.approx(reference(QUERY, DOCUMENTS[1]), abs=1e-5)
+    for body, words in (({"text_1": queries, "text_2": DOCUMENTS[:3]}, "lengths must be equal"),
+                        ({"text_1": queries, "text_2": "x"}, "text_2 one text"),
+                        ({"text_1": "", "text_2": "x"}, "text_1"), ({"text_2": ["x"]}, "text_1")):
+        bad = httpx.post(server.url + "/v1/score", timeout=60, json=body)
+        assert bad.status_code == 400 and words in bad.text, (body, bad.text)
 
 
 def test_bad_requests_are_refused(server):
