@@ -92,9 +92,10 @@ class Reasoning:
 
 class ReasoningSplit:
     """One sample's text split as it grows: `push` takes each new piece of text and returns the reasoning
-    and content it releases (the engine counts the block's tokens: SampleDelta.num_reasoning_tokens). Reasoning loses the newlines next to its markers and
-    content its leading whitespace after a block, so a tail of newlines (and of a partly written marker)
-    is held until what follows decides it. The pieces of a stream joined equal the whole text's split."""
+    and content it releases (the engine counts the block's tokens: SampleDelta.num_reasoning_tokens).
+    Reasoning loses the newlines next to its markers and content its leading whitespace after a block, so a
+    tail of newlines (and of a partly written marker) is held until what follows decides it. The pieces of
+    a stream joined equal the whole text's split."""
 
     def __init__(self, fmt: ReasoningFormat, opened: bool) -> None:
         self.fmt = fmt
@@ -155,6 +156,7 @@ class ReasoningSplit:
         piece = self.text[self.released:limit]
         self.released = max(self.released, limit)
         return piece
+
 
 def _partial_suffix(text: str, marker: str, floor: int) -> int:
     """The length of the longest tail of `text` (after `floor`) that is a proper prefix of `marker`."""
