@@ -40,10 +40,12 @@ from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from model.config import ModelConfig
+from model.image_processor import ImageProcessor, ProcessedImage
 from model.lora import LoRAAdapter
 from model.pooling import Pooling
 from model.precision import precision_of_dtype
 from model.tokenizer import Tokenizer
+from model.vision import EncodedImages
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class _Add:
     params: SamplingParams
     lora: str | None = None
     pooling: str | None = None  # an embedding request (LLMEngine.add_request)
+    images: EncodedImages | None = None  # the prompt's images' embeddings (LLMEngine.add_request)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,10 @@ class EngineInfo:
     embeddings_unavailable: str | None = None
     # The model is a reranker file (a classification head of LM-head rows, model/loader.py read_score_rows).
     reranker_file: bool = False
+    # The image processor of a model that reads images (model/image_processor.py), else None; its vision
+    # tower runs through `AsyncLLMEngine.encode_images`.
+    image_processor: ImageProcessor | None = None
+    image_token_id: int | None = None
 
 
 def weight_precision(engine: LLMEngine) -> str:
@@ -136,7 +143,9 @@ class AsyncLLMEngine:
                                lora_enabled=engine.lora is not None, sampling_defaults=engine.sampling_defaults,
                                kv_cache_dtype=str(engine.runner.kv_caches[0].dtype).removeprefix("torch."),
                                pooling=engine.pooling, embeddings_unavailable=engine.embeddings_unavailable,
-                               reranker_file=bool(getattr(engine.model.module, "score_rows", None)))
+                               reranker_file=bool(getattr(engine.model.module, "score_rows", None)),
+                               image_processor=engine.vision.processor if engine.vision else None,
+                               image_token_id=engine.vision.image_token_id if engine.vision else None)
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()
@@ -179,10 +188,11 @@ class AsyncLLMEngine:
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        lora: str | None = None, pooling: str | None = None,
+        lora: str | None = None, pooling: str | None = None, images: EncodedImages | None = None,
     ) -> AsyncIterator[SampleDelta]:
         """Stream the request's deltas until all its samples finish. Leaving early aborts it. `lora`: the
-        adapter to run it with (None: the base model); `pooling`: an embedding request (`embed`)."""
+        adapter to run it with (None: the base model); `pooling`: an embedding request (`embed`); `images`:
+        its prompt's images, encoded (`encode_images`)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
         request_id = request_id or self.new_request_id()
@@ -191,7 +201,7 @@ class AsyncLLMEngine:
         if not self.is_alive:  # died while this request registered: it may have missed the death notice
             self.streams.pop(request_id, None)
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
-        self.commands.put(_Add(request_id, list(prompt_token_ids), params, lora, pooling))
+        self.commands.put(_Add(request_id, list(prompt_token_ids), params, lora, pooling, images))
         finished: set[int] = set()
         try:
             while len(finished) < params.n:
@@ -208,6 +218,11 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.commands.put(_Abort(request_id))
+
+    async def encode_images(self, images: list[ProcessedImage]) -> EncodedImages:
+        """Run the vision tower over a prompt's images on a worker thread, beside the engine's steps (the
+        two share the cores, not the decoder's state); ValueError when the model takes no images."""
+        return await asyncio.to_thread(self.engine.encode_images, images)
 
     async def add_lora(self, adapter: LoRAAdapter) -> None:
         """Serve another adapter from the next step on; ValueError as `LLMEngine.add_lora`."""
@@ -319,7 +334,7 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.lora, command.pooling)
+                                            command.lora, command.pooling, command.images)
                 except ValueError as error:
                     self._fail_request(command.request_id, command.params.n, str(error))
             elif isinstance(command, _ChangeLoRA):

@@ -8,9 +8,12 @@ both drive this class; nothing in it is thread-safe, so the async engine calls i
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +43,10 @@ from model.pooling import POOLING_KINDS, Pooling
 from model.precision import parse_kv_cache_dtype
 from model.quantization import resolve_quantization
 from model.step import returns_hidden
+from model.vision import EncodedImages, Vision
+
+if TYPE_CHECKING:
+    from model.image_processor import ProcessedImage
 from parallel import tensor_parallel_model
 
 log = logging.getLogger(__name__)
@@ -222,11 +229,13 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    lora: str | None = None, pooling: str | None = None) -> None:
+                    lora: str | None = None, pooling: str | None = None, images: EncodedImages | None = None,
+                    ) -> None:
         """Queue a request; its n samples share the prompt's KV blocks through the prefix cache. `lora`: the
         name of a loaded adapter to run it with (None: the base model). `pooling` (model/pooling.py
         POOLING_KINDS) makes it an embedding request: its prompt runs, nothing is sampled (`params` apply
-        only as far as n, which must be 1), and its last delta carries the pooled hidden state."""
+        only as far as n, which must be 1), and its last delta carries the pooled hidden state. `images`:
+        the embeddings of the prompt's images (`encode_images`), one row per `<image>` token, in order."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if pooling is not None:
@@ -241,11 +250,15 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if not all(0 <= t < vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        image_positions = self._image_positions(prompt_token_ids, images)
         compiled = None
         if params.guide is not None:
             if self.guides is None:
                 raise ValueError("this model has no tokenizer, so its output cannot follow a grammar")
             compiled = self.guides.compile(params.guide)  # cached: the server compiled it already
+        salt = self.lora.cache_salt(lora) if lora is not None else b""
+        if images is not None:  # blocks after an image are the image's: its pixels key them too
+            salt = hashlib.sha256(salt + images.digest).digest()
         streams = {}
         samples: list[Request] = []
         for index in range(params.n):
@@ -254,8 +267,8 @@ class LLMEngine:
                              self.eos_token_ids, leader=samples[0] if samples else None,
                              parent_id=request_id, index=index,
                              matcher=compiled.matcher() if compiled is not None else None,
-                             lora=lora, cache_salt=self.lora.cache_salt(lora) if lora is not None else b"",
-                             pooling=pooling)
+                             lora=lora, cache_salt=salt, pooling=pooling, image_positions=image_positions,
+                             image_embeds=images.embeds if images is not None else None)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples
@@ -266,6 +279,31 @@ class LLMEngine:
                 self._finish(sample, FinishReason.ERROR, reason)
             else:
                 self.scheduler.add(sample)
+
+    @property
+    def vision(self) -> Vision | None:
+        """The model's vision tower and image processor (model/vision.py), or None: it takes no images."""
+        return getattr(self.runner.module, "vision", None)
+
+    def encode_images(self, images: Sequence[ProcessedImage]) -> EncodedImages:
+        """The embeddings `add_request` takes for a prompt's images. Safe to call from another thread while
+        steps run (the tower is apart from the decoder); ValueError when the model takes no images."""
+        if self.vision is None:
+            raise ValueError(f"{self.model.name} takes no images")
+        return self.vision.encode(images)
+
+    def _image_positions(self, prompt_token_ids: list[int], images: EncodedImages | None) -> list[int]:
+        """Where the prompt's `<image>` tokens are, checked against the images' embeddings."""
+        vision = self.vision
+        if vision is None:
+            if images is not None:
+                raise ValueError(f"{self.model.name} takes no images")
+            return []
+        positions = [i for i, t in enumerate(prompt_token_ids) if t == vision.image_token_id]
+        given = 0 if images is None else images.embeds.shape[0]
+        if len(positions) != given:
+            raise ValueError(f"the prompt has {len(positions)} image tokens and its images {given} embeddings")
+        return positions
 
     @property
     def embeddings_unavailable(self) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from model.lora_slots import LoRASlots
-from model.step import SeqChunk, StepInputs, StepModel, build_step, run_step, run_step_with_hidden
+from model.step import InputEmbeds, SeqChunk, StepInputs, StepModel, build_step, run_step, run_step_with_hidden
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class ModelRunner:
             num_rows = len(draft) + end - start if num_scored else num_sampled
             tokens = request.all_token_ids[start:end] + list(draft)
             chunks.append(SeqChunk(tokens, start, request.block_ids, num_rows, request.lora_slot,
-                                   request.window_block_ids if self.windowed else None))
+                                   request.window_block_ids if self.windowed else None,
+                                   image_rows(request, start, end)))
             if num_scored:
                 scored.append(ScoredRows(request, row, num_scored, start + 1))
             if is_sampled:
@@ -135,6 +137,16 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.rows = None
+
+
+def image_rows(request: Request, start: int, end: int) -> InputEmbeds | None:
+    """The image embeddings of a chunk of positions start .. end - 1, by the chunk's rows; None for none."""
+    positions = request.image_positions
+    first, last = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
+    if first == last:
+        return None
+    rows = torch.tensor(positions[first:last], dtype=torch.long) - start
+    return InputEmbeds(rows, request.image_embeds[first:last])
 
 
 def pooled_rows(kind: str, start: int, end: int, num_prompt_tokens: int) -> range:

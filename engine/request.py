@@ -97,6 +97,10 @@ class Request:
     # cls: the row). Reset by preemption, which computes the prompt again.
     pooling: str | None = None
     pooled: Any = None
+    # A prompt with images (model/vision.py): the prompt positions of its `<image>` tokens, ascending, and
+    # the embeddings [len(image_positions), hidden] each step puts in their rows instead of the token's.
+    image_positions: list[int] = field(default_factory=list)
+    image_embeds: Any = None
 
     def __post_init__(self) -> None:
         block = self.params.reasoning

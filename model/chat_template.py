@@ -23,7 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model.errors import one_line
 
-__all__ = ["BUILTIN_TEMPLATES", "compile_chat_template", "read_chat_template", "render_chat_template"]
+__all__ = ["BUILTIN_TEMPLATES", "compile_chat_template", "read_chat_template", "reads_content_parts",
+           "render_chat_template"]
 
 # Templates for GGUF files that ship none, by `general.architecture`, as llama.cpp's server falls back to
 # a template it knows. Gemma's turns: `<start_of_turn>user` / `<start_of_turn>model`, each closed by
@@ -106,6 +107,26 @@ def compile_chat_template(template: str) -> jinja2.Template:
         return _environment().from_string(template)
     except jinja2.exceptions.TemplateError as exc:
         raise ValueError(f"chat template does not compile: {one_line(exc)}") from exc
+
+
+@functools.lru_cache(maxsize=64)
+def reads_content_parts(template: str) -> bool:
+    """Whether the template loops over a message's content: it reads content as a list of typed parts
+    (`{"type": "text", ...}`, `{"type": "image"}`), as vision models' templates do, some of them only so."""
+    try:
+        tree = _environment().parse(template)
+    except jinja2.exceptions.TemplateError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        source = loop.iter
+        while isinstance(source, jinja2.nodes.Filter | jinja2.nodes.Test) and source.node is not None:
+            source = source.node
+        if isinstance(source, jinja2.nodes.Getitem) and isinstance(source.arg, jinja2.nodes.Const) \
+                and source.arg.value == "content":
+            return True
+        if isinstance(source, jinja2.nodes.Getattr) and source.attr == "content":
+            return True
+    return False
 
 
 def render_chat_template(

@@ -189,6 +189,10 @@ class ModelConfig:
             text = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg},
                     **cfg["text_config"], "model_type": "gemma3_text"}
             return cls.from_hf(text)
+        if model_type in ("idefics3", "smolvlm") and "text_config" in cfg:
+            # SmolVLM (Idefics3): a Llama-family text model with a vision tower beside it (model/vision.py).
+            text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
+            return cls.from_hf({"model_type": "llama", **text})
         if model_type == "gemma3_text":  # hub configs leave out the fields that keep their defaults
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         arch = HF_MODEL_TYPES.get(model_type, model_type)

@@ -55,8 +55,9 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 # A multimodal checkpoint's language model sits under one of these (transformers 4 and 5 spellings); the
 # rest of it (vision tower, projector) is not the decoder's.
-LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
-OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.text_model.")
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                "model.vision_model.", "model.connector.", "vision_model.", "connector.")
 
 
 def decoder_name(key: str) -> str | None:

@@ -27,7 +27,8 @@ from model.cpu_step import CpuDecoderStep, step_support, structure_version
 from model.moe import SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
 from model.rope import inverse_frequencies, local_inverse_frequencies
-from model.step import BaseStepModel, allocate_kv_caches
+from model.step import BaseStepModel, InputEmbeds, allocate_kv_caches
+from model.vision import Vision
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             self.lm_head.weight = self.embed_tokens.weight
         # token id -> [hidden]: a reranker file's own rows for some tokens' logits (`token_logits`; loader.py).
         self.score_rows: dict[int, torch.Tensor] = {}
+        # The vision tower and image processor of a model that reads images (model/vision.py), else None:
+        # kept beside the decoder, not among its modules, which quantization and the C++ step walk.
+        self.vision: Vision | None = None
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.make_rotary(torch.get_default_device())
@@ -231,6 +235,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         plan: AttentionPlan,  # the attention backend's plan: tensors only, shared by every layer
+        input_embeds: InputEmbeds | None = None,  # rows that run on these embeddings instead of their tokens'
     ) -> torch.Tensor:
         """`forward` after the plan is built: no Python numbers from the metadata, so one compiled graph
         serves every batch shape."""
@@ -238,6 +243,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
+        if input_embeds is not None:  # an image's embeddings in its tokens' places (unscaled, as trained)
+            x = x.index_copy(0, input_embeds.rows, input_embeds.values.to(x.dtype))
         if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self.decoder_step() is not None:
             local = (cos, sin) if self.local_attention is None else rotary_cos_sin_ref(positions, self.local_inv_freq)
             return self.cpu_step(x, cos, sin, *local, kv_caches, plan)
@@ -295,9 +302,10 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         kv_caches: list[torch.Tensor],
         plan: AttentionPlan,
         sample_rows: torch.Tensor,  # [B] rows of the flat batch whose next token is drawn
+        input_embeds: InputEmbeds | None = None,
     ) -> torch.Tensor:  # [B, vocab] float32
         """One step as the engine runs it: write the cache, return the logits of the rows to sample."""
-        return self.compute_logits(self.run(input_ids, positions, kv_caches, plan)[sample_rows])
+        return self.compute_logits(self.run(input_ids, positions, kv_caches, plan, input_embeds)[sample_rows])
 
     def sample_logits_and_hidden(
         self,
@@ -307,8 +315,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         plan: AttentionPlan,
         sample_rows: torch.Tensor,  # [B]
         hidden_rows: torch.Tensor,  # [H] rows whose final hidden states an embedding pools
+        input_embeds: InputEmbeds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, vocab], [H, hidden] float32
-        hidden = self.run(input_ids, positions, kv_caches, plan)
+        hidden = self.run(input_ids, positions, kv_caches, plan, input_embeds)
         return self.compute_logits(hidden[sample_rows]), hidden[hidden_rows].float()
 
     def allocate_kv_caches(self, num_blocks: int, num_window_blocks: int | None = None) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from model.moe import check_quantization as check_moe_quantization
 from model.pooling import Pooling, gguf_pooling, hf_dir_pooling
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
 from model.step import StepModel
+from model.vision import VISION_MODEL_TYPES, read_vision
 from model.weights import build_model, shift_norm_weights
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def load(
     from model.tokenizer import Tokenizer
 
     if path.is_dir():
-        config, _ = read_config(path)
+        config, raw_config = read_config(path)
         check_moe_quantization(config, quantization, str(path))
         tensors = read_tensors(safetensors_files(path))  # each read when build_model asks for it
         if "score.weight" in tensors:
@@ -130,6 +131,8 @@ def load(
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
         pooling = hf_dir_pooling(path)
+        if raw_config.get("model_type") in VISION_MODEL_TYPES:
+            module.vision = read_vision(path, raw_config, safetensors_files(path), torch_dtype, device)
     else:  # a .gguf file (check_source)
         from model.gguf_checkpoint import GGUFCheckpoint
 

@@ -86,6 +86,16 @@ class SeqChunk:
     # The sliding-window layers' blocks when they have a cache of their own (engine/window_blocks.py): one
     # entry per block of the sequence, negative for a block no query of the step can see.
     window_block_table: list[int] | None = None
+    # Rows of the chunk that take these embeddings instead of their tokens' (an image's, model/vision.py).
+    embeds: InputEmbeds | None = None
+
+
+@dataclass(frozen=True)
+class InputEmbeds:
+    """Embeddings that replace some rows' token embeddings: an image's in place of its `<image>` tokens."""
+
+    rows: torch.Tensor  # [E] int64: a chunk's rows (SeqChunk), or the flat batch's (StepInputs)
+    values: torch.Tensor  # [E, hidden]
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,12 @@ class StepInputs:
     sample_rows: torch.Tensor  # [B] int64 rows of the flat batch whose logits are returned
     adapters: torch.Tensor | None = None  # [T] int64 LoRA slot of each row (-1: none); None when no row has one
     hidden_rows: torch.Tensor | None = None  # [H] int64 rows whose final hidden states are returned too
+    input_embeds: InputEmbeds | None = None  # rows run on given embeddings (a model with `vision` only)
+
+    @property
+    def model_kwargs(self) -> dict[str, Any]:
+        """The step's optional inputs, for a model's step call: none unless the step has them."""
+        return {} if self.input_embeds is None else {"input_embeds": self.input_embeds}
 
 
 @torch.inference_mode()
@@ -109,6 +125,7 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
     window_tables: list[list[int]] = []
     adapters: list[int] = []
+    embeds: list[InputEmbeds] = []
     for chunk in chunks:
         if not chunk.token_ids:
             continue
@@ -123,6 +140,9 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
             window = chunk.window_block_table
             window_tables.append([b if b >= 0 else window[-1] for b in window])
         sample_rows.extend(range(len(input_ids) - chunk.num_sampled, len(input_ids)))
+        if chunk.embeds is not None:
+            first = len(input_ids) - len(chunk.token_ids)
+            embeds.append(InputEmbeds(chunk.embeds.rows + first, chunk.embeds.values))
         adapters.extend([chunk.adapter] * len(chunk.token_ids))
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
     if window_tables:
@@ -132,15 +152,20 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         meta = dataclasses.replace(meta, window=window)
     as_long = {"dtype": torch.long, "device": device}
     rows = torch.tensor(adapters, **as_long) if any(a >= 0 for a in adapters) else None
+    given = None
+    if embeds:
+        given = InputEmbeds(torch.cat([e.rows for e in embeds]).to(device),
+                            torch.cat([e.values for e in embeds]).to(device))
     return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
-                      torch.tensor(sample_rows, **as_long), rows)
+                      torch.tensor(sample_rows, **as_long), rows, input_embeds=given)
 
 
 @torch.inference_mode()
 def run_step(model: StepModel, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
     """Logits [B, vocab] float32 of the step's sample rows (B may be 0: prefill chunks only)."""
     plan = model.plan(inputs.attn_metadata)
-    return model.sample_logits(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows)
+    return model.sample_logits(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows,
+                               **inputs.model_kwargs)
 
 
 @torch.inference_mode()
@@ -149,7 +174,7 @@ def run_step_with_hidden(model: HiddenStepModel, inputs: StepInputs,
     """`run_step`'s logits, and the final hidden states [H, hidden] float32 of the step's `hidden_rows`."""
     plan = model.plan(inputs.attn_metadata)
     return model.sample_logits_and_hidden(inputs.input_ids, inputs.positions, kv_caches, plan, inputs.sample_rows,
-                                          inputs.hidden_rows)
+                                          inputs.hidden_rows, **inputs.model_kwargs)
 
 
 class BaseStepModel:

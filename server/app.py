@@ -42,6 +42,7 @@ from server.generation import (
     stream_events,
 )
 from server.guides import compile_guide, request_guide
+from server.images import ImageInputs
 from server.lora_routes import install_lora_routes
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
@@ -86,10 +87,15 @@ class ServerSettings:
     reranker: str = "auto"
     # The default reasoning budget of chat requests (tokens in a reasoning block; None: no bound).
     reasoning_budget: int | None = None
+    # A vision model's images: at most this many in one request, and fetched from these hosts only (http(s)
+    # URLs; `*` any host, `*.example.com` its subdomains); data: URLs are always read.
+    max_images_per_prompt: int = 8
+    allowed_image_domains: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_body_bytes", "max_prompts_per_request", "stream_interval"):
+        for name in ("max_queue", "max_body_bytes", "max_prompts_per_request", "stream_interval",
+                     "max_images_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.reasoning_budget is not None and self.reasoning_budget < 0:
@@ -122,6 +128,7 @@ class ServerState:
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
         self.reasoning: ReasoningFormat | None = None  # the served model's, found when it is attached
         self.reranker: Reranker | None = None  # likewise
+        self.vision: ImageInputs | None = None  # how chats' images are read, for a model that takes them
 
     def _stats(self):
         return self.engine.stats if self.engine else None
@@ -133,6 +140,10 @@ class ServerState:
             if tokenizer is not None else None
         self.reranker = Reranker.find(self.settings.reranker, engine.info.model_name, tokenizer,
                                       engine.info.reranker_file)
+        info = engine.info
+        self.vision = None if info.image_processor is None else ImageInputs(
+            info.image_processor, info.image_token_id, self.settings.allowed_image_domains,
+            self.settings.max_images_per_prompt)
         engine.stats.observers.append(self.metrics.observe_finished)
         self.engine = engine
 
@@ -352,16 +363,18 @@ def create_app(state: ServerState) -> FastAPI:
             guide, guide_field = tools.guide(), "tool_choice"
         reservation = state.admission.reserve(body.n)
         try:
-            ids = await chat_prompt_ids(tokenizer, body, fmt, tools, state.settings.allow_special_tokens_in_content)
+            ids, images = await chat_prompt_ids(tokenizer, body, fmt, tools,
+                                                state.settings.allow_special_tokens_in_content, state.vision)
             requested = body.max_completion_tokens or body.max_tokens
             max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
             check_length(len(ids), max_tokens, info.max_model_len, "messages")
+            encoded = await engine.encode_images(images) if images else None
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
             params = sampling_params(body, max_tokens, num_top, guide, info.sampling_defaults)
-            job = Job(new_id("chatcmpl"), [Prompt(ids, "")], params, lora or state.model_name, num_top, lora,
+            job = Job(new_id("chatcmpl"), [Prompt(ids, "", encoded)], params, lora or state.model_name, num_top, lora,
                       num_prompt_logprobs=body.prompt_logprobs)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             reasoning = None

@@ -24,6 +24,7 @@ from engine.outputs import SampleDelta
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from model.tokenizer import Tokenizer
+from model.vision import EncodedImages
 from server import protocol as p
 from server.errors import APIError, sse_error
 from server.reasoning import Reasoning, ReasoningSplit
@@ -37,6 +38,7 @@ ENGINE_STOPPED = "the engine has stopped after an internal error"  # it died bef
 class Prompt:
     token_ids: list[int]
     text: str  # for echo
+    images: EncodedImages | None = None  # the embeddings of its `<image>` tokens (a chat's images)
 
 
 @dataclass
@@ -133,7 +135,7 @@ async def run_job(engine: AsyncLLMEngine, job: Job, on_delta: Callable[[SampleDe
         started: set[int] = set()
         try:
             async for delta in engine.generate(prompt.token_ids, job.params, f"{job.request_id}-{prompt_index}",
-                                             job.lora):
+                                             job.lora, images=prompt.images):
                 if on_delta is not None:
                     on_delta(delta)
                 if job.prompt_only:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from engine.async_engine import EngineInfo
+from model.chat_template import reads_content_parts
+from model.image_processor import ProcessedImage
 from model.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import APIError
 from server.generation import Prompt, check_length
+from server.images import ImageInputs
 from server.tool_calls import ToolFormat, prepare_chat
 from server.tool_use import ToolUse
 
@@ -81,17 +84,27 @@ def chat_tokenizer(info: EngineInfo, body: p.ChatPrompt, char_limit: int) -> Tok
 
 
 async def chat_prompt_ids(tokenizer: Tokenizer, body: p.ChatPrompt, fmt: ToolFormat, tools: ToolUse | None,
-                          allow_special_tokens: bool) -> list[int]:
-    """The token ids of a chat's prompt: its messages, the tools it shows the model (`tools`, None for none)
-    and its template variables, rendered with the chat template on a worker thread; the assistant's turn
-    opened, or the last message left open (`body.opens_turn`, `body.continue_final_message`). One function
-    for /v1/chat/completions and /tokenize, so that a count is the count the completion sees."""
-    messages, template_vars = prepare_chat([m.to_template() for m in body.messages],
+                          allow_special_tokens: bool, vision: ImageInputs | None = None,
+                          ) -> tuple[list[int], list[ProcessedImage]]:
+    """The token ids of a chat's prompt, and its images: its messages, the tools it shows the model (`tools`,
+    None for none) and its template variables, rendered with the chat template on a worker thread; the
+    assistant's turn opened, or the last message left open (`body.opens_turn`, `body.continue_final_message`);
+    each image the messages hold read and given its place (server/images.py; `vision` None: the model takes
+    none). One function for /v1/chat/completions and /tokenize, so that a count is the count the completion
+    sees."""
+    urls = [url for m in body.messages for url in m.image_urls]
+    if urls and vision is None:
+        raise APIError(400, "this model takes no images (image_url content parts)", param="messages")
+    parts = vision is not None and reads_content_parts(tokenizer.chat_template)
+    messages, template_vars = prepare_chat([m.to_template(parts) for m in body.messages],
                                            tools.definitions if tools is not None else None, fmt)
     template_vars = {**(body.chat_template_kwargs or {}), **template_vars}
+    images = await vision.load(urls) if urls else []
     _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, allow_special_tokens, template_vars,
                                      body.opens_turn, body.continue_final_message)
-    return ids
+    if vision is not None:
+        ids = vision.place(ids, images, tokenizer)
+    return ids, images
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict], allow_special_tokens: bool = False,

@@ -295,6 +295,23 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ImageURL(BaseModel):
+    url: Annotated[str, Field(min_length=1)]  # data:<type>;base64,<data>, or http(s) (server/images.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; every image is read at the model's tiles
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]  # the object, or its url alone (vLLM's form)
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     name: NonEmptyText
     arguments: Text  # JSON text, as the model wrote it
@@ -311,7 +328,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # None only for an assistant message that made tool calls.
-    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] | None = None
+    content: Text | Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] | None = None
     name: Text | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Text | None = None  # a tool message: the call it answers
@@ -335,12 +352,25 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
-    def to_template(self) -> dict:
-        """The message as a chat template reads it: plain text content, `developer` as `system`."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": None if self.content is None else self.text}
+    @property
+    def image_urls(self) -> list[str]:
+        return [] if isinstance(self.content, str | None) else [p.url for p in self.content if isinstance(p, ImagePart)]
+
+    def to_template(self, parts: bool = False) -> dict:
+        """The message as a chat template reads it, `developer` as `system`: its content as plain text, or
+        with `parts` (a template that reads content parts: a vision model's) as a list of text parts and
+        `{"type": "image"}` parts in their order (an image the template writes as its image token)."""
+        content: Any = None if self.content is None else self.text
+        if parts and self.content is not None:
+            items = [self.content] if isinstance(self.content, str) else self.content
+            content = [{"type": "text", "text": item} if isinstance(item, str) else
+                       {"type": "text", "text": item.text} if isinstance(item, TextPart) else {"type": "image"}
+                       for item in items]
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:

@@ -42,8 +42,8 @@ def install_token_routes(app: FastAPI, state: ServerState, authorize,
         if isinstance(body, p.TokenizeChat):
             tokenizer = chat_tokenizer(info, body, char_limit)
             fmt = tool_format(tokenizer.chat_template)
-            ids = await chat_prompt_ids(tokenizer, body, fmt, ToolUse.of(body, fmt),
-                                        state.settings.allow_special_tokens_in_content)
+            ids, _ = await chat_prompt_ids(tokenizer, body, fmt, ToolUse.of(body, fmt),
+                                           state.settings.allow_special_tokens_in_content, state.vision)
         else:
             tokenizer = needs_tokenizer(info.tokenizer)
             check_chars(len(body.text), char_limit, "prompt")

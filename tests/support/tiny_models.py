@@ -375,3 +375,64 @@ def make_tiny_thinking_model(directory: Path, seed: int = 0) -> Path:
     )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+# SmolVLM's chat template: a message's content is a list of parts, an image part written as <image>.
+VISION_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+VISION_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                 *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
+
+def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 128, tile: int = 64) -> Path:
+    """A tiny random SmolVLM (Idefics3): SmolLM2's vocabulary plus SmolVLM's image tokens (special), a
+    2-layer Llama, a 2-layer SigLIP over `tile`-pixel tiles of 8-pixel patches folded 2 x 2 (16 tokens a
+    tile), images resized to `longest_edge` first, and SmolVLM's chat template."""
+    import json
+
+    import tokenizers
+    import transformers
+
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    backend = tokenizer.backend
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": "<end_of_utterance>", "add_bos_token": False,
+        "chat_template": VISION_TEMPLATE,
+    }))
+    (directory / "preprocessor_config.json").write_text(json.dumps({
+        "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True,
+        "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Idefics3ImageProcessor", "max_image_size": {"longest_edge": tile},
+        "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": longest_edge},
+    }))
+    (directory / "processor_config.json").write_text(json.dumps({"image_seq_len": (tile // 8) ** 2 // 4}))
+    torch.manual_seed(seed)
+    eos = backend.token_to_id("<end_of_utterance>")
+    config = transformers.Idefics3Config(
+        text_config={"model_type": "llama", "vocab_size": backend.get_vocab_size(), "hidden_size": 32,
+                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos},
+        vision_config={"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "image_size": tile, "patch_size": 8},
+        scale_factor=2, image_token_id=backend.token_to_id("<image>"), tie_word_embeddings=False,
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # random weights large enough that images change the logits
+        for name, p in model.named_parameters():
+            if "vision_model" in name or "connector" in name:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory

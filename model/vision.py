@@ -1,0 +1,264 @@
+"""The vision tower of an Idefics3-style model (SmolVLM): a SigLIP encoder over square image tiles, then a
+connector that folds each s x s block of patches into one token (pixel shuffle) and projects it into the
+language model's embedding space.
+
+A tile of `image_size` pixels is (image_size / patch_size)^2 patches; the connector turns them into
+`tokens_per_tile` = patches / scale_factor^2 embeddings, which take the places of as many `<image>` tokens
+in the prompt (model/image_processor.py writes those). The decoder then runs them like any other token, so
+the engine's batching, paged cache and prefix cache need nothing of images but the rows to put them in.
+
+Names follow the Hugging Face checkpoints (`model.vision_model.*`, `model.connector.*`), so a state dict
+loads as it is, without its `model.` prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.errors import ModelLoadError, one_line
+
+if TYPE_CHECKING:
+    from model.image_processor import ImageProcessor, ProcessedImage
+
+# The config.json model types whose checkpoints hold this tower beside a Llama-family text model.
+VISION_MODEL_TYPES = ("idefics3", "smolvlm")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int  # a tile's side in pixels
+    patch_size: int
+    layer_norm_eps: float
+    scale_factor: int  # the connector folds scale_factor x scale_factor patches into one token
+    text_hidden_size: int
+    image_token_id: int  # the prompt token each image embedding replaces
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.patches_per_side ** 2 // self.scale_factor ** 2
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> VisionConfig:
+        """From an Idefics3/SmolVLM config.json (ValueError or KeyError when it is not one)."""
+        if cfg.get("model_type") not in VISION_MODEL_TYPES:
+            raise ValueError(f"model_type {cfg.get('model_type')!r} has no vision tower ladder reads")
+        vision, text = cfg["vision_config"], cfg["text_config"]
+        act = vision.get("hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"vision_config.hidden_act {act!r} is not supported (gelu_pytorch_tanh)")
+        config = cls(
+            hidden_size=int(vision["hidden_size"]),
+            intermediate_size=int(vision["intermediate_size"]),
+            num_layers=int(vision["num_hidden_layers"]),
+            num_heads=int(vision["num_attention_heads"]),
+            image_size=int(vision["image_size"]),
+            patch_size=int(vision["patch_size"]),
+            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
+            scale_factor=int(cfg.get("scale_factor", 2)),
+            text_hidden_size=int(text["hidden_size"]),
+            image_token_id=int(cfg["image_token_id"]),
+        )
+        if config.image_size % config.patch_size or config.patches_per_side % config.scale_factor:
+            raise ValueError(f"image_size {config.image_size} is not whole patches of {config.patch_size} "
+                             f"in blocks of {config.scale_factor}")
+        return config
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, P, hidden] -> [N, P, hidden]
+        n, p, hidden = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [N, heads, P, head_dim]
+            return t.view(n, p, self.num_heads, -1).transpose(1, 2)
+
+        # Every patch sees every patch of its own tile (no mask: tiles are never padded).
+        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        return self.out_proj(out.transpose(1, 2).reshape(n, p, hidden))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class VisionLayer(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = VisionAttention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEmbeddings(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(3, config.hidden_size, config.patch_size, stride=config.patch_size)
+        self.position_embedding = nn.Embedding(config.patches_per_side ** 2, config.hidden_size)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, P, hidden]
+        patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        # A whole tile's patches sit at positions 0 .. P - 1, row by row (the checkpoint's NaViT-style
+        # fractional positions reduce to these when no tile is padded).
+        return patches + self.position_embedding.weight[None]
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.embeddings = VisionEmbeddings(config)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(VisionLayer(config) for _ in range(config.num_layers))
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixels)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class Connector(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.scale = config.scale_factor
+        self.modality_projection = nn.Module()
+        self.modality_projection.proj = nn.Linear(config.hidden_size * self.scale ** 2, config.text_hidden_size,
+                                                  bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, P, hidden] -> [N, P / s^2, text hidden]
+        n, p, hidden = x.shape
+        side, s = int(p ** 0.5), self.scale
+        # Pixel shuffle: each token holds an s x s block of patches, its features in the order the
+        # checkpoint was trained with (a block's columns within a row, then its rows).
+        x = x.view(n, side, side // s, hidden * s).permute(0, 2, 1, 3)
+        x = x.reshape(n, side // s, side // s, hidden * s * s).permute(0, 2, 1, 3)
+        return self.modality_projection.proj(x.reshape(n, p // (s * s), hidden * s * s))
+
+
+class ImageEncoder(nn.Module):
+    """Image tiles -> the embeddings that replace their `<image>` tokens."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vision_model = VisionEncoder(config)
+        self.connector = Connector(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.connector.modality_projection.proj.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor, tiles_per_batch: int = 8) -> torch.Tensor:
+        """pixels [N, 3, S, S] (normalized tiles) -> [N * tokens_per_tile, text hidden] in the tower's dtype;
+        tiles go through in groups of `tiles_per_batch`, which bounds the activations' memory."""
+        device = self.connector.modality_projection.proj.weight.device
+        out = [self.connector(self.vision_model(group.to(device, self.dtype)))
+               for group in pixels.split(tiles_per_batch)]
+        return torch.cat(out).flatten(0, 1)
+
+
+def vision_tensor_name(key: str) -> str | None:
+    """A checkpoint tensor's name in `ImageEncoder`'s state dict, or None for one of the text model's."""
+    key = key.removeprefix("model.")
+    return key if key.startswith(("vision_model.", "connector.")) else None
+
+
+@dataclass(frozen=True)
+class EncodedImages:
+    """A prompt's images as the decoder takes them: the rows that replace its `<image>` tokens, in order."""
+
+    embeds: torch.Tensor  # [N, text hidden], every image's tiles' tokens in prompt order
+    digest: bytes  # one sha256 over the images' pixels: equal images, equal prefix-cache keys
+
+
+@dataclass
+class Vision:
+    """What a model needs to take images: the tower, the processor that makes its tiles and prompt text."""
+
+    encoder: ImageEncoder
+    processor: ImageProcessor
+
+    @property
+    def image_token_id(self) -> int:
+        return self.encoder.config.image_token_id
+
+    def encode(self, images: Sequence[ProcessedImage]) -> EncodedImages:
+        """The images' embeddings, each image's tiles in order: [sum of tiles * tokens_per_tile, text hidden].
+        CPU-heavy (a vision transformer over every tile): run it off an event loop."""
+        if not images:
+            raise ValueError("no images to encode")
+        embeds = self.encoder(torch.cat([image.pixels for image in images]))
+        return EncodedImages(embeds, hashlib.sha256(b"".join(image.digest for image in images)).digest())
+
+
+def read_vision(directory: Path, raw_config: Mapping[str, Any], files: Sequence[Path], dtype: torch.dtype,
+                device: torch.device | str) -> Vision:
+    """The vision tower of a Hugging Face directory whose config.json names one (VISION_MODEL_TYPES), its
+    weights from the checkpoint's safetensors `files`; ModelLoadError when anything is missing."""
+    from safetensors import safe_open
+
+    from model.image_processor import ImageProcessor
+
+    try:
+        config = VisionConfig.from_hf(raw_config)
+    except (KeyError, TypeError, ValueError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else one_line(e)
+        raise ModelLoadError(f"{directory / 'config.json'}: {detail}") from None
+    processor = ImageProcessor.from_hf_dir(directory, config.image_size, config.tokens_per_tile)
+    with torch.device("meta"):
+        encoder = ImageEncoder(config)
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = vision_tensor_name(key)
+                if name is not None:
+                    state[name] = f.get_tensor(key).to(device, dtype)
+    expected = set(encoder.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(f"{directory}: the vision tower's tensors do not match its config (missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]})")
+    for name, tensor in state.items():
+        shape = encoder.state_dict()[name].shape
+        if tensor.shape != shape:
+            raise ModelLoadError(f"{directory}: vision tensor {name} is {tuple(tensor.shape)}, the config says "
+                                 f"{tuple(shape)}")
+    encoder.load_state_dict(state, assign=True)
+    return Vision(encoder.eval(), processor)

@@ -1,0 +1,128 @@
+"""A chat's images: read from their URLs, made into the vision tower's tiles, and given their places in the
+prompt's token ids.
+
+An image arrives as an OpenAI `image_url` content part: a `data:` URL (base64) always, an `http(s)` URL
+only from a host the operator allows (`--allowed-image-domains`; a server that fetches any URL a client
+names can be made to reach its own network). The chat template writes one `<image>` token per image; each
+becomes the processor's placeholder ids (model/image_processor.py), whose `<image>` tokens the engine runs
+on the image's embeddings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from model.image_processor import ImageError, ImageProcessor, ProcessedImage
+from model.tokenizer import Tokenizer
+from server.errors import APIError
+
+MAX_IMAGE_BYTES = 20 << 20  # an image read from a URL
+FETCH_TIMEOUT_S = 10.0
+
+
+def host_allowed(host: str, allowed: Sequence[str]) -> bool:
+    """`allowed`: host names, `*.example.com` for its subdomains, or `*` for any host."""
+    host = host.lower()
+    for rule in allowed:
+        rule = rule.lower()
+        if rule == "*" or host == rule or (rule.startswith("*.") and host.endswith(rule[1:])):
+            return True
+    return False
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of a `data:[<type>];base64,<data>` URL; APIError 400 for another form."""
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise APIError(400, "an image data URL must be data:<type>;base64,<data>", param="messages")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "an image data URL's data is not valid base64", param="messages") from None
+
+
+def fetch(url: str) -> bytes:
+    """GET an image's bytes (blocking: run it on a worker thread); APIError 400 when it fails."""
+    request = urllib.request.Request(url, headers={"User-Agent": "ladder"})
+    try:
+        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as response:  # http(s) only: image_bytes checks
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise APIError(400, f"could not fetch the image at {url}: {e}", param="messages") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise APIError(400, f"the image at {url} is larger than {MAX_IMAGE_BYTES} bytes", param="messages")
+    return data
+
+
+async def image_bytes(url: str, allowed_domains: Sequence[str]) -> bytes:
+    if url.startswith("data:"):
+        return data_url_bytes(url)
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise APIError(400, "an image URL must be a data: URL (base64) or an http(s) URL", param="messages")
+    if not host_allowed(parsed.hostname, allowed_domains):
+        raise APIError(400, f"images are not fetched from {parsed.hostname}: send them as data: URLs (base64), or "
+                            "start the server with --allowed-image-domains naming the host", param="messages")
+    return await asyncio.to_thread(fetch, url)
+
+
+async def load_images(urls: Sequence[str], processor: ImageProcessor, allowed_domains: Sequence[str],
+                      max_images: int) -> list[ProcessedImage]:
+    """The chat's images, read and cut into tiles, in order; APIError 400 for anything unreadable."""
+    if len(urls) > max_images:
+        raise APIError(400, f"{len(urls)} images in one request; at most {max_images} (--max-images-per-prompt)",
+                       param="messages")
+    images = []
+    for url in urls:
+        data = await image_bytes(url, allowed_domains)
+        try:
+            images.append(await asyncio.to_thread(processor.process, data))
+        except ImageError as e:
+            raise APIError(400, f"image {len(images) + 1}: {e}", param="messages") from None
+    return images
+
+
+def place_images(ids: list[int], images: Sequence[ProcessedImage], image_token_id: int, tokenizer: Tokenizer,
+                 processor: ImageProcessor) -> list[int]:
+    """The rendered chat's ids with each `<image>` token the chat template wrote replaced by its image's
+    placeholder ids (frames, tags and one `<image>` token per embedding)."""
+    found = ids.count(image_token_id)
+    if found != len(images):
+        raise APIError(400, f"the chat template wrote {found} images of the {len(images)} in the messages "
+                            "(this template may not show images in every role)", param="messages")
+    placeholders: dict[tuple[int, int], list[int]] = {}
+    out: list[int] = []
+    images_left = iter(images)
+    for token in ids:
+        if token != image_token_id:
+            out.append(token)
+            continue
+        image = next(images_left)
+        grid = (image.rows, image.cols)
+        if grid not in placeholders:  # special tokens at both ends: encoded alone, as in the whole text
+            placeholders[grid] = tokenizer.encode(processor.placeholder(*grid), add_special_tokens=False)
+        out.extend(placeholders[grid])
+    return out
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """How a server takes a chat's images, for a model that reads them."""
+
+    processor: ImageProcessor
+    image_token_id: int
+    allowed_domains: tuple[str, ...] = ()
+    max_images: int = 8
+
+    async def load(self, urls: Sequence[str]) -> list[ProcessedImage]:
+        return await load_images(urls, self.processor, self.allowed_domains, self.max_images)
+
+    def place(self, ids: list[int], images: Sequence[ProcessedImage], tokenizer: Tokenizer) -> list[int]:
+        return place_images(ids, images, self.image_token_id, tokenizer, self.processor)

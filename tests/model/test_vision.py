@@ -1,0 +1,181 @@
+"""Images through a vision model (model/vision.py, model/image_processor.py), against transformers on the
+same weights: a tiny random SmolVLM (Idefics3) whose tiles are 64 pixels, images resized to 128 first.
+
+The tiles equal transformers' image processor's, the prompt ids its processor's, and the engine's
+log-probabilities of every prompt token and its greedy tokens equal Idefics3ForConditionalGeneration's, in
+one prefill or in chunks that cut the image's tokens anywhere; the prefix cache tells images apart."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from model.image_processor import ImageError
+from model.loader import load
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+TEXT = "<|im_start|>User:<image>What is in the picture?<end_of_utterance>\nAssistant:"
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
+
+
+def png(height: int, width: int, seed: int, mode: str = "RGB") -> tuple[bytes, object]:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
+    image = Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue(), image
+
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory):
+    from tiny_models import make_tiny_vision_model
+
+    return make_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-smolvlm")
+
+
+@pytest.fixture(scope="module")
+def loaded(vision_dir):
+    return load(vision_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(vision_dir):
+    from transformers import Idefics3ForConditionalGeneration, Idefics3Processor, PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    config = json.loads((vision_dir / "preprocessor_config.json").read_text())
+    config.pop("image_processor_type")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(vision_dir / "tokenizer.json"))
+    processor = Idefics3Processor(Idefics3ImageProcessorPil(**config), tokenizer=tokenizer, image_seq_len=16)
+    return processor, Idefics3ForConditionalGeneration.from_pretrained(vision_dir).eval()
+
+
+def prompt_ids(loaded, data: bytes) -> tuple[list[int], object]:
+    """The chat's ids with the image's placeholder, as the server builds them (server/images.py)."""
+    from server.images import place_images
+
+    vision = loaded.module.vision
+    image = vision.processor.process(data)
+    _, ids = loaded.tokenizer.encode_chat(MESSAGES)
+    return place_images(ids, [image], vision.image_token_id, loaded.tokenizer, vision.processor), image
+
+
+@pytest.mark.parametrize("size", [(90, 150), (150, 40), (64, 64), (20, 30), (300, 200)])
+def test_tiles_and_prompt_ids_equal_the_checkpoints_processor(loaded, reference, size):
+    processor, _ = reference
+    data, image = png(*size, seed=sum(size))
+    ids, processed = prompt_ids(loaded, data)
+    expected = processor(images=[image], text=TEXT, return_tensors="pt")
+    assert torch.equal(processed.pixels, expected["pixel_values"][0])
+    assert ids == expected["input_ids"][0].tolist()
+    tiles = 1 + processed.rows * processed.cols if processed.rows else 1
+    assert processed.pixels.shape == (tiles, 3, 64, 64)
+
+
+def test_transparent_and_grey_images_read_as_the_checkpoints_processor_reads_them(loaded, reference):
+    processor, _ = reference
+    for mode in ("RGBA", "L"):
+        data, image = png(70, 50, seed=3, mode=mode)
+        expected = processor(images=[image], text=TEXT, return_tensors="pt")["pixel_values"][0]
+        assert torch.equal(loaded.module.vision.processor.process(data).pixels, expected)
+
+
+def run(engine: LLMEngine, ids: list[int], images, params: SamplingParams, request_id: str):
+    engine.add_request(request_id, ids, params, images=images)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += [d for d in engine.step() if d.request_id.startswith(request_id)]
+    return deltas
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24])
+def test_prompt_logprobs_and_greedy_tokens_equal_transformers(loaded, reference, max_num_batched_tokens):
+    """24-token chunks cut the image's 80 tokens (4 tiles and the global one, 16 each) in many places."""
+    processor, model = reference
+    data, image = png(90, 150, seed=1)
+    ids, processed = prompt_ids(loaded, data)
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", enable_prefix_caching=False,
+                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=512,
+                                    kv_cache_memory_gib=0.01), loaded=loaded)
+    deltas = run(engine, ids, engine.encode_images([processed]), SamplingParams(max_tokens=6, temperature=0,
+                                                                                prompt_logprobs=0), "a")
+    inputs = processor(images=[image], text=TEXT, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].float()
+        generated = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    scored = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs)
+    got = torch.tensor([entry.logprob for entry in scored if entry is not None])
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+    assert [t for d in deltas for t in d.token_ids] == generated
+    # The image matters: the same ids over the image token's own embedding score differently after it.
+    with torch.no_grad():
+        blind = torch.log_softmax(model.model.text_model(input_ids=inputs["input_ids"]).last_hidden_state[0]
+                                  @ model.lm_head.weight.T, -1)
+    first = ids.index(loaded.module.vision.image_token_id)
+    assert (blind[first + 1:-1].max(-1).indices != logits[first + 1:-1].argmax(-1)).any()
+
+
+def test_the_prefix_cache_tells_images_apart(loaded):
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", max_model_len=512,
+                                    kv_cache_memory_gib=0.01), loaded=loaded)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+    first, image_a = prompt_ids(loaded, png(90, 150, seed=1)[0])
+    second, image_b = prompt_ids(loaded, png(90, 150, seed=2)[0])
+    assert first == second  # the same prompt ids: only the pixels differ
+    a = run(engine, first, engine.encode_images([image_a]), params, "a")
+    again = run(engine, first, engine.encode_images([image_a]), params, "again")
+    b = run(engine, second, engine.encode_images([image_b]), params, "b")
+    assert again[0].num_cached_tokens > 0 and b[0].num_cached_tokens == 0
+    assert [t for d in again for t in d.token_ids] == [t for d in a for t in d.token_ids]
+    assert a[0].logprobs[0].logprob != b[0].logprobs[0].logprob
+
+
+def test_image_tokens_and_embeddings_must_agree(loaded):
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", max_model_len=512,
+                                    kv_cache_memory_gib=0.01), loaded=loaded)
+    ids, image = prompt_ids(loaded, png(90, 150, seed=1)[0])
+    encoded = engine.encode_images([image])
+    with pytest.raises(ValueError, match="80 image tokens and its images 0 embeddings"):
+        engine.add_request("x", ids, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="2 image tokens and its images 80"):
+        engine.add_request("y", [1, 2, loaded.module.vision.image_token_id] * 2, SamplingParams(max_tokens=1),
+                           images=encoded)
+
+
+def test_a_model_without_a_vision_tower_takes_no_images(tiny_dir, loaded):
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), max_model_len=128, kv_cache_memory_gib=0.01))
+    assert engine.vision is None
+    with pytest.raises(ValueError, match="takes no images"):
+        engine.encode_images([])
+    other = loaded.module.vision.encode([loaded.module.vision.processor.process(png(64, 64, seed=0)[0])])
+    with pytest.raises(ValueError, match="takes no images"):
+        engine.add_request("z", [1, 2, 3], SamplingParams(max_tokens=1), images=other)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"not an image", "not a readable image"),
+    (b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, "not a readable image"),
+])
+def test_bytes_that_are_not_an_image_are_refused(loaded, data, message):
+    with pytest.raises(ImageError, match=message):
+        loaded.module.vision.processor.process(data)
+
+
+def test_a_huge_image_is_refused_before_it_is_decoded(loaded, monkeypatch):
+    from model import image_processor
+
+    monkeypatch.setattr(image_processor, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(ImageError, match="at most 100"):
+        loaded.module.vision.processor.process(png(20, 20, seed=0)[0])
