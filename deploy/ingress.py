@@ -34,7 +34,7 @@ class BodyTooLarge(Exception):
 
 
 class LadderIngress:
-    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 4 << 20,
+    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 20 << 20,
                  api_key: str | None = None) -> None:
         # _by_reference=False: each streamed item goes straight to this process over the replica's gRPC
         # server instead of through Ray's object store and the owner's reports, which costs both this

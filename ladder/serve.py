@@ -107,7 +107,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="L2-normalize embeddings: auto, as the checkpoint's rule says (else on)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=20 << 20,
+                   help="larger request bodies get 413 (default 20 MiB: a chat's base64 images count)")
+    p.add_argument("--max-images-per-prompt", type=int, default=8,
+                   help="a vision model's chat requests hold at most this many images")
+    p.add_argument("--allowed-image-domains", nargs="+", default=(), metavar="HOST",
+                   help="hosts whose http(s) image URLs a vision model's chats may name (`*.example.com` for "
+                        "subdomains, `*` any host); default none: images come as data: URLs (base64)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve_ray.add_arguments(p)
     p.set_defaults(run=run)
@@ -161,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
                               protect_metrics=args.protect_metrics,
                               allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                               reasoning_parser=args.reasoning_parser, reranker=args.reranker,
-                              reasoning_budget=args.reasoning_budget)
+                              reasoning_budget=args.reasoning_budget,
+                              max_images_per_prompt=args.max_images_per_prompt,
+                              allowed_image_domains=tuple(args.allowed_image_domains))
     if args.ray:
         server_kwargs = {k: v for k, v in dataclasses.asdict(settings).items() if k != "created"}
         # The dtype as asked too: each replica resolves auto for its own device.

@@ -70,7 +70,7 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the model's own name
     api_key: str | None = None
     max_queue: int = 256  # sequences (prompts x n of every request) in flight beyond which requests get 429
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 20 << 20  # a chat's images come base64 in the body
     max_prompts_per_request: int = 64
     max_prompt_chars: int | None = None  # default: CHARS_PER_TOKEN_BOUND x max_model_len
     stream_interval: int = 1  # tokens per streamed event (a sample's first and last go at once)

@@ -134,16 +134,26 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def item_text(content: Any, index: int) -> Any:
-    """A message's content as chat text: a string, or its text parts joined; other parts are refused."""
+    """A message's content as chat content: a string, or its text parts joined; with `input_image` parts,
+    chat text and `image_url` parts in their order; other parts are refused."""
     if not isinstance(content, list):
         return content  # a string, or something the chat request's own validation refuses
-    texts = []
+    texts, parts = [], []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise APIError(400, f"input[{index}]: an input_image needs its image_url (a data: or http(s) URL; "
+                                    "file_id is not supported)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
         if kind not in ("input_text", "output_text", "text"):
-            raise APIError(400, f"input[{index}]: content parts of type {kind!r} are not supported (text only)",
-                           param="input")
+            raise APIError(400, f"input[{index}]: content parts of type {kind!r} are not supported (text and "
+                                "input_image)", param="input")
         texts.append(part.get("text"))
+        parts.append({"type": "text", "text": part.get("text")})
+    if len(parts) > len(texts):
+        return parts
     return "".join(t for t in texts if isinstance(t, str)) if all(isinstance(t, str) for t in texts) else texts
 
 

@@ -161,7 +161,7 @@ def test_the_store_keeps_its_bound():
     ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": []}, 400, "input"),
     ({"input": ""}, 400, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input_image"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "takes no images"),
     ({"input": [{"type": "web_search_call"}]}, 400, "web_search_call"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
     ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
