@@ -44,10 +44,10 @@ from model.precision import parse_kv_cache_dtype
 from model.quantization import resolve_quantization
 from model.step import returns_hidden
 from model.vision import EncodedImages, Vision
+from parallel import tensor_parallel_model
 
 if TYPE_CHECKING:
     from model.image_processor import ProcessedImage
-from parallel import tensor_parallel_model
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from engine.config import resolve_device
 from ladder.device import add_device_argument
 from ladder.precision import add_auto_dtype_argument, add_quantization_argument
 from ladder.tensor_parallel import add_tensor_parallel_argument
+from model.chat_template import reads_content_parts
 from model.default import DEFAULT_MODEL_NAME
 from model.detokenizer import IncrementalDetokenizer
 from model.generator import Generator
@@ -30,6 +32,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling when temperature > 0")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message for the chat template")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file shown before the prompt (a vision model; repeat for more)")
     add_auto_dtype_argument(p)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -74,13 +78,27 @@ def stream(args: argparse.Namespace, loaded) -> int:
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise ValueError(f"{loaded.path}: no tokenizer.json, so text prompts cannot be encoded")
+    vision = getattr(loaded.module, "vision", None)
+    encoded = None
     if args.raw:
+        if args.image:
+            raise ValueError("--image needs the chat template (drop --raw)")
         prompt_ids = tokenizer.encode(args.prompt)
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.prompt})
+        if args.image and vision is None:
+            raise ValueError(f"{loaded.name} takes no images (--image needs a vision model)")
+        parts = vision is not None and reads_content_parts(tokenizer.chat_template or "")
+        content = ([{"type": "image"} for _ in args.image] + [{"type": "text", "text": args.prompt}]) if parts \
+            else args.prompt
+        messages = ([{"role": "system", "content": [{"type": "text", "text": args.system}] if parts
+                      else args.system}] if args.system else [])
+        messages.append({"role": "user", "content": content})
         # The template writes the special tokens itself; encoding must not add a second BOS.
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        if args.image:
+            images = [vision.processor.process(read_image(path)) for path in args.image]
+            prompt_ids = vision.processor.place(prompt_ids, images, vision.image_token_id, tokenizer)
+            encoded = vision.encode(images)
     context = loaded.config.max_position_embeddings
     if len(prompt_ids) + args.max_tokens > context:
         raise ValueError(
@@ -93,7 +111,8 @@ def stream(args: argparse.Namespace, loaded) -> int:
     first_token_at = None
     num_output = 0
     for step in generator.generate(prompt_ids, args.max_tokens, args.temperature, args.seed,
-                                   tokenizer.stop_token_ids):
+                                   tokenizer.stop_token_ids, encoded,
+                                   vision.image_token_id if encoded is not None else None):
         num_output += 1
         first_token_at = first_token_at or time.perf_counter()
         sys.stdout.write(detokenizer.push(step.token_id))
@@ -110,3 +129,10 @@ def stream(args: argparse.Namespace, loaded) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def read_image(path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ValueError(f"--image {path}: {e.strerror or e}") from None

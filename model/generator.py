@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from model.sequences import Sequences
-from model.step import StepModel
+from model.step import InputEmbeds, StepModel
+from model.vision import EncodedImages
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,9 @@ class Generator:
         self.device = module.device
         self.sequence = Sequences(module, 1, max_len)
 
-    def step(self, new_tokens: list[int]) -> torch.Tensor:
+    def step(self, new_tokens: list[int], embeds: InputEmbeds | None = None) -> torch.Tensor:
         """Append `new_tokens` to the sequence; returns the logits of every new token [N, vocab]."""
-        return self.sequence.step([new_tokens], all_rows=True)
+        return self.sequence.step([new_tokens], all_rows=True, embeds=[embeds])
 
     def generate(
         self,
@@ -40,8 +41,11 @@ class Generator:
         temperature: float = 0.0,
         seed: int | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
+        images: EncodedImages | None = None,
+        image_token_id: int | None = None,
     ) -> Iterator[GenerationStep]:
-        """Yield up to `max_tokens` tokens; stops after (and including) a stop token."""
+        """Yield up to `max_tokens` tokens; stops after (and including) a stop token. `images`: the embeddings
+        of the prompt's `image_token_id` tokens, in order (model/vision.py)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + max_tokens > self.max_len:
@@ -50,7 +54,14 @@ class Generator:
             )
         rng = torch.Generator(device=self.device)
         rng.manual_seed(seed if seed is not None else torch.seed())
-        logits = self.step(prompt)[-1]
+        embeds = None
+        if images is not None:
+            rows = [i for i, t in enumerate(prompt) if t == image_token_id]
+            if len(rows) != images.embeds.shape[0]:
+                raise ValueError(f"the prompt has {len(rows)} image tokens and its images {images.embeds.shape[0]} "
+                                 "embeddings")
+            embeds = InputEmbeds(torch.tensor(rows, dtype=torch.long), images.embeds)
+        logits = self.step(prompt, embeds)[-1]
         for i in range(max_tokens):
             if temperature > 0:
                 probs = torch.softmax(logits / temperature, dim=-1)

@@ -14,14 +14,17 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model.errors import ModelLoadError, one_line
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 IMAGE_TOKEN = "<image>"
 FRAME_TOKEN = "<fake_token_around_image>"
@@ -125,6 +128,30 @@ class ImageProcessor:
         grid = "".join("".join(f"{FRAME_TOKEN}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
                        for r in range(rows))
         return f"{grid}\n{global_tile}"
+
+
+    def place(self, ids: list[int], images: Sequence[ProcessedImage], image_token_id: int,
+              tokenizer: Tokenizer) -> list[int]:
+        """A rendered chat's ids with each `<image>` token its template wrote replaced by its image's
+        placeholder ids (frames, tags and one `<image>` token per embedding); ValueError when the template
+        wrote another number of images than there are."""
+        found = ids.count(image_token_id)
+        if found != len(images):
+            raise ValueError(f"the chat template wrote {found} images of the {len(images)} in the messages (this "
+                             "template may not show images in every role)")
+        placeholders: dict[tuple[int, int], list[int]] = {}
+        out: list[int] = []
+        images_left = iter(images)
+        for token in ids:
+            if token != image_token_id:
+                out.append(token)
+                continue
+            image = next(images_left)
+            grid = (image.rows, image.cols)
+            if grid not in placeholders:  # special tokens at both ends: encoded alone, as in the whole text
+                placeholders[grid] = tokenizer.encode(self.placeholder(*grid), add_special_tokens=False)
+            out.extend(placeholders[grid])
+        return out
 
 
 def decode_image(data: bytes):

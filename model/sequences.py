@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_layout import blocks_for_tokens
-from model.step import SeqChunk, StepModel, build_step, run_step
+from model.step import InputEmbeds, SeqChunk, StepModel, build_step, run_step
 
 
 class Sequences:
@@ -28,15 +28,18 @@ class Sequences:
                        for i in range(num_seqs) for start in [i % pools * per_pool + i // pools * blocks_per_seq]]
         self.lengths = [0] * num_seqs
 
-    def step(self, new_tokens: list[list[int]], all_rows: bool = False) -> torch.Tensor:
+    def step(self, new_tokens: list[list[int]], all_rows: bool = False,
+             embeds: list[InputEmbeds | None] | None = None) -> torch.Tensor:
         """Append new_tokens[s] to sequence s (empty: skip it); logits [rows, vocab] float32 of each
-        sequence's last token, or of every new token with all_rows."""
+        sequence's last token, or of every new token with all_rows. `embeds[s]`: rows of sequence s's new
+        tokens that run on these embeddings (an image's)."""
         chunks = []
         for s, tokens in enumerate(new_tokens):
             if self.lengths[s] + len(tokens) > self.max_len:
                 raise ValueError(f"sequence of {self.lengths[s] + len(tokens)} tokens exceeds the reserved "
                                  f"{self.max_len}")
-            chunks.append(SeqChunk(tokens, self.lengths[s], self.tables[s], len(tokens) if all_rows else 1))
+            chunks.append(SeqChunk(tokens, self.lengths[s], self.tables[s], len(tokens) if all_rows else 1,
+                                   embeds=embeds[s] if embeds is not None else None))
             self.lengths[s] += len(tokens)
         inputs = build_step(chunks, self.model.block_size, self.model.device)
         return run_step(self.model, inputs, self.kv_caches).float()

@@ -4,8 +4,8 @@ prompt's token ids.
 An image arrives as an OpenAI `image_url` content part: a `data:` URL (base64) always, an `http(s)` URL
 only from a host the operator allows (`--allowed-image-domains`; a server that fetches any URL a client
 names can be made to reach its own network). The chat template writes one `<image>` token per image; each
-becomes the processor's placeholder ids (model/image_processor.py), whose `<image>` tokens the engine runs
-on the image's embeddings.
+becomes the processor's placeholder ids (model/image_processor.py `ImageProcessor.place`), whose `<image>`
+tokens the engine runs on the image's embeddings.
 """
 
 from __future__ import annotations
@@ -89,29 +89,6 @@ async def load_images(urls: Sequence[str], processor: ImageProcessor, allowed_do
     return images
 
 
-def place_images(ids: list[int], images: Sequence[ProcessedImage], image_token_id: int, tokenizer: Tokenizer,
-                 processor: ImageProcessor) -> list[int]:
-    """The rendered chat's ids with each `<image>` token the chat template wrote replaced by its image's
-    placeholder ids (frames, tags and one `<image>` token per embedding)."""
-    found = ids.count(image_token_id)
-    if found != len(images):
-        raise APIError(400, f"the chat template wrote {found} images of the {len(images)} in the messages "
-                            "(this template may not show images in every role)", param="messages")
-    placeholders: dict[tuple[int, int], list[int]] = {}
-    out: list[int] = []
-    images_left = iter(images)
-    for token in ids:
-        if token != image_token_id:
-            out.append(token)
-            continue
-        image = next(images_left)
-        grid = (image.rows, image.cols)
-        if grid not in placeholders:  # special tokens at both ends: encoded alone, as in the whole text
-            placeholders[grid] = tokenizer.encode(processor.placeholder(*grid), add_special_tokens=False)
-        out.extend(placeholders[grid])
-    return out
-
-
 @dataclass(frozen=True)
 class ImageInputs:
     """How a server takes a chat's images, for a model that reads them."""
@@ -125,4 +102,7 @@ class ImageInputs:
         return await load_images(urls, self.processor, self.allowed_domains, self.max_images)
 
     def place(self, ids: list[int], images: Sequence[ProcessedImage], tokenizer: Tokenizer) -> list[int]:
-        return place_images(ids, images, self.image_token_id, tokenizer, self.processor)
+        try:
+            return self.processor.place(ids, images, self.image_token_id, tokenizer)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None

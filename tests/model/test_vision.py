@@ -62,12 +62,10 @@ def reference(vision_dir):
 
 def prompt_ids(loaded, data: bytes) -> tuple[list[int], object]:
     """The chat's ids with the image's placeholder, as the server builds them (server/images.py)."""
-    from server.images import place_images
-
     vision = loaded.module.vision
     image = vision.processor.process(data)
     _, ids = loaded.tokenizer.encode_chat(MESSAGES)
-    return place_images(ids, [image], vision.image_token_id, loaded.tokenizer, vision.processor), image
+    return vision.processor.place(ids, [image], vision.image_token_id, loaded.tokenizer), image
 
 
 @pytest.mark.parametrize("size", [(90, 150), (150, 40), (64, 64), (20, 30), (300, 200)])
@@ -179,3 +177,43 @@ def test_a_huge_image_is_refused_before_it_is_decoded(loaded, monkeypatch):
     monkeypatch.setattr(image_processor, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ImageError, match="at most 100"):
         loaded.module.vision.processor.process(png(20, 20, seed=0)[0])
+
+
+def test_images_in_w8a8_layers_run_as_one_cpp_call_a_step_as_in_the_eager_layers(vision_dir, loaded):
+    """The CPU default for a float32 directory: W8A8 text layers, which run as one C++ call a step
+    (model/cpu_step.py); an image's rows go in before it, so its results are the eager layers' bits."""
+    quantized = load(vision_dir, quantization="w8a8")
+    ids, image = prompt_ids(quantized, png(90, 150, seed=1)[0])
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0)
+    results = []
+    for use_cpu_step in (True, False):
+        quantized.module.use_cpu_step = use_cpu_step
+        engine = LLMEngine(EngineConfig(model=str(vision_dir), quantization="w8a8", max_model_len=512,
+                                        kv_cache_memory_gib=0.01, enable_prefix_caching=False), loaded=quantized)
+        deltas = run(engine, ids, engine.encode_images([image]), params, "q")
+        scored = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs)
+        results.append(([t for d in deltas for t in d.token_ids], [e.logprob for e in scored if e is not None]))
+        if use_cpu_step:
+            assert quantized.module.cpu_step_reason is None  # the C++ step ran
+    assert results[0] == results[1]
+
+
+def test_ladder_generate_shows_the_model_an_image(vision_dir, loaded, tiny_dir, tmp_path, capsys):
+    from ladder.cli import main
+
+    data, _ = png(90, 150, seed=1)
+    (tmp_path / "pic.png").write_bytes(data)
+    ids, image = prompt_ids(loaded, data)
+    engine = LLMEngine(EngineConfig(model=str(vision_dir), quantization="none", max_model_len=512,
+                                    kv_cache_memory_gib=0.01), loaded=loaded)
+    expected = "".join(d.text for d in run(engine, ids, engine.encode_images([image]),
+                                            SamplingParams(max_tokens=6, temperature=0), "cli"))
+    assert main(["generate", "What is in the picture?", "--model", str(vision_dir), "--image",
+                 str(tmp_path / "pic.png"), "--max-tokens", "6", "--quantization", "none"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected + "\n" and f"prompt {len(ids)} tokens" in err
+    for args, message in ((["--model", str(tiny_dir), "--image", str(tmp_path / "pic.png")], "takes no images"),
+                          (["--model", str(vision_dir), "--image", str(tmp_path / "none.png")], "No such file"),
+                          (["--model", str(vision_dir), "--image", str(tmp_path / "pic.png"), "--raw"], "drop --raw")):
+        assert main(["generate", "Hi", "--quantization", "none", *args]) == 1
+        assert message in capsys.readouterr().err

@@ -17,7 +17,7 @@ from in_process_server import InProcessServer, make_state
 
 from engine.sampling_params import SamplingParams
 from model.vision import EncodedImages
-from server.images import host_allowed, place_images
+from server.images import host_allowed
 
 Image = pytest.importorskip("PIL.Image")
 CHAT = "/v1/chat/completions"
@@ -47,7 +47,7 @@ def image_host():
     directory = {"/cat.png": png(80, 120, seed=7)}
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the base class's name)
+        def do_GET(self):
             body = directory.get(self.path)
             self.send_response(200 if body else 404)
             self.end_headers()
@@ -80,7 +80,7 @@ def engine_tokens(server, data: list[bytes], text: str = "What is in the picture
     images = [vision.processor.process(d) for d in data]
     content = [{"type": "image"} for _ in data] + [{"type": "text", "text": text}]
     _, ids = tokenizer.encode_chat([{"role": "user", "content": content}])
-    ids = place_images(ids, images, vision.image_token_id, tokenizer, vision.processor)
+    ids = vision.processor.place(ids, images, vision.image_token_id, tokenizer)
     encoded: EncodedImages = vision.encode(images)
     # The engine thread owns the engine: a second engine over the same loaded model runs it here.
     from engine.config import EngineConfig

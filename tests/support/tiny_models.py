@@ -389,10 +389,12 @@ VISION_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "
                  *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
 
 
-def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 128, tile: int = 64) -> Path:
+def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 128, tile: int = 64,
+                           text: dict | None = None, vision: dict | None = None, scale_factor: int = 2) -> Path:
     """A tiny random SmolVLM (Idefics3): SmolLM2's vocabulary plus SmolVLM's image tokens (special), a
     2-layer Llama, a 2-layer SigLIP over `tile`-pixel tiles of 8-pixel patches folded 2 x 2 (16 tokens a
-    tile), images resized to `longest_edge` first, and SmolVLM's chat template."""
+    tile), images resized to `longest_edge` first, and SmolVLM's chat template. `text` and `vision` override
+    the two configs' fields (benchmarks/vision_bench.py builds SmolVLM-256M's shapes so)."""
     import json
 
     import tokenizers
@@ -417,17 +419,20 @@ def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 1
         "image_processor_type": "Idefics3ImageProcessor", "max_image_size": {"longest_edge": tile},
         "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": longest_edge},
     }))
-    (directory / "processor_config.json").write_text(json.dumps({"image_seq_len": (tile // 8) ** 2 // 4}))
+    vision_config = {"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "image_size": tile, "patch_size": 8, **(vision or {})}
+    patches = vision_config["image_size"] // vision_config["patch_size"]
+    (directory / "processor_config.json").write_text(json.dumps({"image_seq_len": patches ** 2 // scale_factor ** 2}))
     torch.manual_seed(seed)
     eos = backend.token_to_id("<end_of_utterance>")
     config = transformers.Idefics3Config(
         text_config={"model_type": "llama", "vocab_size": backend.get_vocab_size(), "hidden_size": 32,
                      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                      "num_key_value_heads": 1, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-                     "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos},
-        vision_config={"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2,
-                       "num_attention_heads": 2, "image_size": tile, "patch_size": 8},
-        scale_factor=2, image_token_id=backend.token_to_id("<image>"), tie_word_embeddings=False,
+                     "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos,
+                     **(text or {})},
+        vision_config=vision_config, scale_factor=scale_factor, image_token_id=backend.token_to_id("<image>"),
+        tie_word_embeddings=False,
     )
     model = transformers.Idefics3ForConditionalGeneration(config)
     with torch.no_grad():  # random weights large enough that images change the logits
