@@ -23,7 +23,7 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    running = InProcessServer(make_state(tiny_dir))
+    running = InProcessServer(make_state(tiny_dir, max_body_bytes=4 << 20))
     yield running
     running.stop()
 
