@@ -8,8 +8,9 @@ tokens a tile), in one process, alternated round by round; medians of the rounds
 Each round sends one new random image and the same question. "prep" is the image processor (decode, resize,
 tiles), "vision" the tower over the tiles (ladder's own column; transformers' runs inside its first step),
 TTFT from the image's bytes to the first token, and the decode rate of the tokens after it (greedy, EOS
-ignored). ladder runs its CPU default for a float32 directory (`--quantization auto`: W8A8 text layers, a
-float32 tower) and float32 (`none`); transformers runs float32. The model's weights are random, so the text
+ignored). ladder runs its CPU default for a float32 directory (`--quantization auto`: W8A8 text layers;
+`--vision-dtype auto`: the tower in bfloat16 on a CPU with bfloat16 matmuls in hardware, else float32) and
+float32 throughout (`--quantization none --vision-dtype float32`); transformers runs float32. The model's weights are random, so the text
 is noise; the work per token is the real model's.
 """
 
@@ -112,8 +113,10 @@ def main() -> None:
     directory = make_tiny_vision_model(workdir / "smolvlm-256m-shapes", longest_edge=args.longest_edge, tile=512,
                                        text=TEXT, vision=VISION, scale_factor=4)
     sides = {}
-    for name, quantization in (("ladder (auto)", "auto"), ("ladder fp32", "none")):
-        loaded = load(directory, quantization="w8a8" if quantization == "auto" else "none")
+    for quantization, vision_dtype in (("w8a8", "auto"), ("none", "float32")):
+        loaded = load(directory, quantization=quantization, vision_dtype=vision_dtype)
+        tower = str(loaded.module.vision.encoder.dtype).removeprefix("torch.")
+        name = f"ladder {'w8a8' if quantization == 'w8a8' else 'fp32'}, {tower} tower"
         sides[name] = LLMEngine(EngineConfig(model=str(directory), quantization=loaded.quantization,
                                              max_model_len=4096), loaded=loaded)
     ip = Idefics3ImageProcessorPil(size={"longest_edge": args.longest_edge}, max_image_size={"longest_edge": 512})
@@ -135,14 +138,14 @@ def main() -> None:
     base = results["transformers fp32"]
     base_ttft = statistics.median(x["ttft_ms"] for x in base)
     base_decode = statistics.median(x["decode_tok_s"] for x in base)
-    print(f"{'side':20} {'tiles':>5} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
+    print(f"{'side':30} {'tiles':>5} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
           f"{'decode tok/s':>12} {'x':>5}")
     for name, runs in results.items():
         row = {"side": name, **{k: statistics.median(x[k] for x in runs) for k in runs[0]}}
         row["ttft_x"] = base_ttft / row["ttft_ms"]
         row["decode_x"] = row["decode_tok_s"] / base_decode
         rows.append(row)
-        print(f"{name:20} {row['tiles']:5.0f} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} "
+        print(f"{name:30} {row['tiles']:5.0f} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} "
               f"{row['vision_ms']:9.1f} {row['ttft_ms']:8.1f} {row['ttft_x']:5.2f} {row['decode_tok_s']:12.1f} "
               f"{row['decode_x']:5.2f}")
     write_report(args.out, rows, longest_edge=args.longest_edge, rounds=args.rounds, max_tokens=args.max_tokens)

@@ -4,8 +4,10 @@ A block holds `block_size` consecutive tokens of one sequence. Blocks are refere
 requests with a common prefix share them. A full block whose tokens are computed is registered under a
 chained sha256 of its tokens (the hash of the block before it, then its token ids), so equal hashes mean
 equal whole prefixes. The chain starts from the request's `cache_salt`, its LoRA adapter's, so blocks
-computed with one adapter are never found by a request with another (or with none). When its last reference goes, a registered block stays in the cache, free but
-reusable, until the allocator needs it: free blocks are handed out least recently freed first.
+computed with one adapter are never found by a request with another (or with none); the block that holds
+a prompt's first image token hashes the images' pixels too. When its last reference goes, a registered
+block stays in the cache, free but reusable, until the allocator needs it: free blocks are handed out least
+recently freed first.
 
 The blocks may be split into equal pools (`num_pools`): pool p holds ids [p * n, (p + 1) * n). A request
 takes every block from its own pool (`Request.kv_pool`, chosen when it is admitted), and the prefix cache
@@ -169,7 +171,11 @@ class KVBlockManager:
         if len(hashes) >= request.num_tokens // self.block_size:
             return  # no new full block (and no copy of the whole token list to find that out)
         tokens = request.all_token_ids
+        # The block of the first image token is keyed by the images' pixels too (the chain carries them to
+        # every block after it); the blocks before it are text alone, shared with any request.
+        first_image = request.image_positions[0] // self.block_size if request.image_positions else -1
         for index in range(len(hashes), len(tokens) // self.block_size):
             chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
             parent = hashes[-1] if hashes else request.cache_salt
-            hashes.append(hashlib.sha256(parent + array("q", chunk).tobytes()).digest())
+            images = request.image_digest if index == first_image else b""
+            hashes.append(hashlib.sha256(parent + images + array("q", chunk).tobytes()).digest())

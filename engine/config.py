@@ -13,7 +13,7 @@ from kernels.kv_layout import blocks_for_tokens, kv_cache_shape
 from model.config import ModelConfig
 from model.hub import fetch, is_repo_id
 from model.pooling import POOLING_KINDS
-from model.precision import parse_kv_cache_dtype, resolve_dtype
+from model.precision import parse_dtype, parse_kv_cache_dtype, resolve_dtype
 from model.quantization import resolve_quantization
 from parallel.layout import ATTENTION_SPLITS
 
@@ -41,6 +41,7 @@ class EngineConfig:
     # bfloat16 or float16 (a 16-bit cache halves its memory and what decode attention reads; keys and values
     # are rounded once, as they are written).
     kv_cache_dtype: str = "auto"
+    vision_dtype: str = "auto"  # a vision model's tower (model/precision.py resolve_vision_dtype)
     kv_cache_memory_gib: float | None = None  # default: the device's rule below (plan_kv_cache)
     kv_cache_memory_fraction: float = 0.25  # a CPU: this fraction of available memory, at most CPU_DEFAULT_KV_GIB
     # CUDA: the fraction of the device's memory this engine may fill, vLLM's --gpu-memory-utilization; the
@@ -105,6 +106,8 @@ class EngineConfig:
         object.__setattr__(self, "quantization", resolve_quantization(quantization, self.dtype, self.device,
                                                                      local, self.tensor_parallel_size))
         parse_kv_cache_dtype(self.kv_cache_dtype)  # ValueError for an unknown name
+        if self.vision_dtype != "auto":
+            parse_dtype(self.vision_dtype)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

@@ -8,7 +8,6 @@ both drive this class; nothing in it is thread-safe, so the async engine calls i
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -106,7 +105,8 @@ class LLMEngine:
             loaded = load_artifact(config.artifact, config.device)
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
                                     quantization=config.quantization, block_size=config.block_size,
-                                    revision=config.revision, download_dir=config.download_dir)
+                                    revision=config.revision, download_dir=config.download_dir,
+                                    vision_dtype=config.vision_dtype)
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
         set_kv_cache_dtype(self.model, config.kv_cache_dtype)
@@ -257,8 +257,6 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer, so its output cannot follow a grammar")
             compiled = self.guides.compile(params.guide)  # cached: the server compiled it already
         salt = self.lora.cache_salt(lora) if lora is not None else b""
-        if images is not None:  # blocks after an image are the image's: its pixels key them too
-            salt = hashlib.sha256(salt + images.digest).digest()
         streams = {}
         samples: list[Request] = []
         for index in range(params.n):
@@ -268,7 +266,8 @@ class LLMEngine:
                              parent_id=request_id, index=index,
                              matcher=compiled.matcher() if compiled is not None else None,
                              lora=lora, cache_salt=salt, pooling=pooling, image_positions=image_positions,
-                             image_embeds=images.embeds if images is not None else None)
+                             image_embeds=images.embeds if images is not None else None,
+                             image_digest=images.digest if images is not None else b"")
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples

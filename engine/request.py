@@ -101,6 +101,7 @@ class Request:
     # the embeddings [len(image_positions), hidden] each step puts in their rows instead of the token's.
     image_positions: list[int] = field(default_factory=list)
     image_embeds: Any = None
+    image_digest: bytes = b""  # the images' pixels' sha256: keys the prefix cache's blocks from the first image on
 
     def __post_init__(self) -> None:
         block = self.params.reasoning

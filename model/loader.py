@@ -18,7 +18,7 @@ from model.hf_checkpoint import read_config, read_sampling_defaults, read_tensor
 from model.hub import fetch, is_repo_id
 from model.moe import check_quantization as check_moe_quantization
 from model.pooling import Pooling, gguf_pooling, hf_dir_pooling
-from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype
+from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype, resolve_vision_dtype
 from model.step import StepModel
 from model.vision import VISION_MODEL_TYPES, read_vision
 from model.weights import build_model, shift_norm_weights
@@ -87,12 +87,14 @@ def load(
     quantization: str = "none",
     revision: str | None = None,
     download_dir: str | Path | None = None,
+    vision_dtype: str = "auto",
 ) -> LoadedModel:
     """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model, in `dtype`
     (auto: model/precision.py `resolve_dtype`); `quantization` int8 or w8a8 swaps its linears for int8 ones
     once the float32 weights are in, w4a8 (GGUF files) for layers over the file's own blocks, which are
     then never dequantized. A source `org/name` (or `org/name:file.gguf`) that is not a local path comes
-    from the Hugging Face hub cache (model/hub.py) at `revision`, kept in `download_dir`."""
+    from the Hugging Face hub cache (model/hub.py) at `revision`, kept in `download_dir`. A vision model's
+    tower loads in `vision_dtype` (model/precision.py `resolve_vision_dtype`)."""
     start = time.perf_counter()
     torch_dtype = parse_dtype(resolve_dtype(dtype, device))
     if quantization not in QUANTIZATIONS:
@@ -132,7 +134,8 @@ def load(
         weight_files = [path / "config.json", *safetensors_files(path)]
         pooling = hf_dir_pooling(path)
         if raw_config.get("model_type") in VISION_MODEL_TYPES:
-            module.vision = read_vision(path, raw_config, safetensors_files(path), torch_dtype, device)
+            tower_dtype = resolve_vision_dtype(vision_dtype, torch_dtype, device)
+            module.vision = read_vision(path, raw_config, safetensors_files(path), tower_dtype, device)
     else:  # a .gguf file (check_source)
         from model.gguf_checkpoint import GGUFCheckpoint
 

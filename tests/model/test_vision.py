@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from model.image_processor import ImageError
 from model.loader import load
+from model.precision import cpu_multiplies_bf16, resolve_vision_dtype
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -45,7 +46,7 @@ def vision_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(vision_dir):
-    return load(vision_dir)
+    return load(vision_dir, vision_dtype="float32")  # the checkpoint's own arithmetic, for exact parity
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,11 @@ def reference(vision_dir):
     return processor, Idefics3ForConditionalGeneration.from_pretrained(vision_dir).eval()
 
 
-def prompt_ids(loaded, data: bytes) -> tuple[list[int], object]:
+def prompt_ids(loaded, data: bytes, messages: list[dict] = MESSAGES) -> tuple[list[int], object]:
     """The chat's ids with the image's placeholder, as the server builds them (server/images.py)."""
     vision = loaded.module.vision
     image = vision.processor.process(data)
-    _, ids = loaded.tokenizer.encode_chat(MESSAGES)
+    _, ids = loaded.tokenizer.encode_chat(messages)
     return vision.processor.place(ids, [image], vision.image_token_id, loaded.tokenizer), image
 
 
@@ -126,16 +127,23 @@ def test_prompt_logprobs_and_greedy_tokens_equal_transformers(loaded, reference,
 
 
 def test_the_prefix_cache_tells_images_apart(loaded):
+    """Blocks before the first image token are text, shared by any image; from the block that holds it on,
+    a block is found only by a request with the same images."""
     engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", max_model_len=512,
-                                    kv_cache_memory_gib=0.01), loaded=loaded)
+                                    kv_cache_memory_gib=0.01, block_size=16), loaded=loaded)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
-    first, image_a = prompt_ids(loaded, png(90, 150, seed=1)[0])
-    second, image_b = prompt_ids(loaded, png(90, 150, seed=2)[0])
+    system = {"role": "system", "content": [{"type": "text", "text": "You describe pictures for people who "
+                                                                    "cannot see them, plainly and briefly."}]}
+    first, image_a = prompt_ids(loaded, png(90, 150, seed=1)[0], [system, *MESSAGES])
+    second, image_b = prompt_ids(loaded, png(90, 150, seed=2)[0], [system, *MESSAGES])
     assert first == second  # the same prompt ids: only the pixels differ
+    text_blocks = first.index(loaded.module.vision.image_token_id) // 16
+    assert text_blocks >= 1
     a = run(engine, first, engine.encode_images([image_a]), params, "a")
     again = run(engine, first, engine.encode_images([image_a]), params, "again")
     b = run(engine, second, engine.encode_images([image_b]), params, "b")
-    assert again[0].num_cached_tokens > 0 and b[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == (len(first) - 1) // 16 * 16  # every full block but the last token's
+    assert b[0].num_cached_tokens == text_blocks * 16  # the text before the image only
     assert [t for d in again for t in d.token_ids] == [t for d in a for t in d.token_ids]
     assert a[0].logprobs[0].logprob != b[0].logprobs[0].logprob
 
@@ -182,7 +190,7 @@ def test_a_huge_image_is_refused_before_it_is_decoded(loaded, monkeypatch):
 def test_images_in_w8a8_layers_run_as_one_cpp_call_a_step_as_in_the_eager_layers(vision_dir, loaded):
     """The CPU default for a float32 directory: W8A8 text layers, which run as one C++ call a step
     (model/cpu_step.py); an image's rows go in before it, so its results are the eager layers' bits."""
-    quantized = load(vision_dir, quantization="w8a8")
+    quantized = load(vision_dir, quantization="w8a8", vision_dtype="float32")
     ids, image = prompt_ids(quantized, png(90, 150, seed=1)[0])
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0)
     results = []
@@ -209,7 +217,8 @@ def test_ladder_generate_shows_the_model_an_image(vision_dir, loaded, tiny_dir, 
     expected = "".join(d.text for d in run(engine, ids, engine.encode_images([image]),
                                             SamplingParams(max_tokens=6, temperature=0), "cli"))
     assert main(["generate", "What is in the picture?", "--model", str(vision_dir), "--image",
-                 str(tmp_path / "pic.png"), "--max-tokens", "6", "--quantization", "none"]) == 0
+                 str(tmp_path / "pic.png"), "--max-tokens", "6", "--quantization", "none", "--vision-dtype",
+                 "float32"]) == 0
     out, err = capsys.readouterr()
     assert out == expected + "\n" and f"prompt {len(ids)} tokens" in err
     for args, message in ((["--model", str(tiny_dir), "--image", str(tmp_path / "pic.png")], "takes no images"),
@@ -217,3 +226,27 @@ def test_ladder_generate_shows_the_model_an_image(vision_dir, loaded, tiny_dir, 
                           (["--model", str(vision_dir), "--image", str(tmp_path / "pic.png"), "--raw"], "drop --raw")):
         assert main(["generate", "Hi", "--quantization", "none", *args]) == 1
         assert message in capsys.readouterr().err
+
+
+def test_a_bfloat16_tower_stays_close_to_float32(vision_dir, loaded):
+    """`--vision-dtype auto` runs a float32 model's tower in bfloat16 on a CPU that multiplies bfloat16 in
+    hardware; its embeddings, and the prompt's log-probabilities after them, stay near float32's."""
+    assert resolve_vision_dtype("auto", torch.float32, "cpu") == (torch.bfloat16 if cpu_multiplies_bf16()
+                                                                   else torch.float32)
+    assert resolve_vision_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    assert resolve_vision_dtype("float32", torch.float32, "cpu") == torch.float32
+    half = load(vision_dir, vision_dtype="bfloat16")
+    assert half.module.vision.encoder.dtype == torch.bfloat16
+    image = loaded.module.vision.processor.process(png(90, 150, seed=1)[0])
+    exact, rounded = loaded.module.vision.encode([image]).embeds, half.module.vision.encode([image]).embeds
+    assert rounded.dtype == torch.bfloat16
+    assert (rounded.float() - exact).norm() / exact.norm() < 0.02
+    ids, _ = prompt_ids(loaded, png(90, 150, seed=1)[0])
+    scores = []
+    for model in (loaded, half):
+        engine = LLMEngine(EngineConfig(model=str(vision_dir), quantization="none", max_model_len=512,
+                                        kv_cache_memory_gib=0.01), loaded=model)
+        deltas = run(engine, ids, engine.encode_images([image]), SamplingParams(max_tokens=1, prompt_logprobs=0), "h")
+        scored = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs)
+        scores.append(torch.tensor([e.logprob for e in scored if e is not None]))
+    assert (scores[0] - scores[1]).abs().max() < 0.05
