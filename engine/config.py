@@ -42,6 +42,7 @@ class EngineConfig:
     # are rounded once, as they are written).
     kv_cache_dtype: str = "auto"
     vision_dtype: str = "auto"  # a vision model's tower (model/precision.py resolve_vision_dtype)
+    mmproj: str | None = None  # llama.cpp's projector file for a GGUF text model (model/mmproj.py)
     kv_cache_memory_gib: float | None = None  # default: the device's rule below (plan_kv_cache)
     kv_cache_memory_fraction: float = 0.25  # a CPU: this fraction of available memory, at most CPU_DEFAULT_KV_GIB
     # CUDA: the fraction of the device's memory this engine may fill, vLLM's --gpu-memory-utilization; the

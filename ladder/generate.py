@@ -9,7 +9,12 @@ from pathlib import Path
 
 from engine.config import resolve_device
 from ladder.device import add_device_argument
-from ladder.precision import add_auto_dtype_argument, add_quantization_argument, add_vision_dtype_argument
+from ladder.precision import (
+    add_auto_dtype_argument,
+    add_mmproj_argument,
+    add_quantization_argument,
+    add_vision_dtype_argument,
+)
 from ladder.tensor_parallel import add_tensor_parallel_argument
 from model.chat_template import reads_content_parts
 from model.default import DEFAULT_MODEL_NAME
@@ -35,6 +40,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file shown before the prompt (a vision model; repeat for more)")
     add_vision_dtype_argument(p)
+    add_mmproj_argument(p)
     add_auto_dtype_argument(p)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -55,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     loaded = load(args.model, dtype=dtype, device=device,
                   quantization=resolve_quantization(args.quantization, dtype, device, args.model,
-                                                    args.tensor_parallel_size), vision_dtype=args.vision_dtype)
+                                                    args.tensor_parallel_size), vision_dtype=args.vision_dtype,
+                  mmproj=args.mmproj)
     if args.lora is not None:
         if args.tensor_parallel_size != 1:
             raise ValueError("--lora runs in one process (--tensor-parallel-size 1)")

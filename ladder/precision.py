@@ -31,6 +31,12 @@ def add_quantization_argument(p: argparse.ArgumentParser) -> None:
                         "without AVX-512 VNNI")
 
 
+def add_mmproj_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mmproj", default=None, metavar="GGUF",
+                   help="llama.cpp's multimodal projector file for a GGUF text model (SmolVLM's "
+                        "mmproj-*.gguf): the model then reads images")
+
+
 def add_vision_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-dtype", default="auto", choices=VISION_DTYPE_CHOICES,
                    help="a vision model's image tower: auto (default) runs it in the model's dtype, but in "

@@ -23,6 +23,7 @@ from ladder.lora import add_lora_arguments, lora_config
 from ladder.precision import (
     add_auto_dtype_argument,
     add_kv_cache_dtype_argument,
+    add_mmproj_argument,
     add_quantization_argument,
     add_vision_dtype_argument,
 )
@@ -93,6 +94,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "what is in use once the model is loaded (default 0.9)")
     add_kv_cache_dtype_argument(p)
     add_vision_dtype_argument(p)
+    add_mmproj_argument(p)
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory,
-        vision_dtype=args.vision_dtype,
+        vision_dtype=args.vision_dtype, mmproj=args.mmproj,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,

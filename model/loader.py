@@ -88,13 +88,15 @@ def load(
     revision: str | None = None,
     download_dir: str | Path | None = None,
     vision_dtype: str = "auto",
+    mmproj: str | Path | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model, in `dtype`
     (auto: model/precision.py `resolve_dtype`); `quantization` int8 or w8a8 swaps its linears for int8 ones
     once the float32 weights are in, w4a8 (GGUF files) for layers over the file's own blocks, which are
     then never dequantized. A source `org/name` (or `org/name:file.gguf`) that is not a local path comes
     from the Hugging Face hub cache (model/hub.py) at `revision`, kept in `download_dir`. A vision model's
-    tower loads in `vision_dtype` (model/precision.py `resolve_vision_dtype`)."""
+    tower loads in `vision_dtype` (model/precision.py `resolve_vision_dtype`); a GGUF text model's comes from
+    llama.cpp's projector file `mmproj` (model/mmproj.py)."""
     start = time.perf_counter()
     torch_dtype = parse_dtype(resolve_dtype(dtype, device))
     if quantization not in QUANTIZATIONS:
@@ -111,6 +113,9 @@ def load(
         path = Path(source).expanduser()
         check_source(path)
         name = path.stem if path.is_file() else path.name
+    if mmproj is not None and path.is_dir():
+        raise ValueError(f"{path}: --mmproj goes with a GGUF text model; a Hugging Face directory holds its own "
+                         "vision tower")
     if quantization == "w4a8" and path.is_dir():
         raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "
                          "Face directory (use w8a8)")
@@ -153,6 +158,11 @@ def load(
                              torch_dtype, device, block_size, skip)
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         read_score_rows(module, checkpoint, tokenizer, str(path))
+        if mmproj is not None:
+            from model.mmproj import read_mmproj
+
+            module.vision = read_mmproj(mmproj, tokenizer, config.hidden_size,
+                                        resolve_vision_dtype(vision_dtype, torch_dtype, device), device)
         weight_files = [path]
         pooling = gguf_pooling(checkpoint.metadata)
         if quantization == "w4a8":

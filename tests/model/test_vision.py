@@ -250,3 +250,48 @@ def test_a_bfloat16_tower_stays_close_to_float32(vision_dir, loaded):
         scored = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs)
         scores.append(torch.tensor([e.logprob for e in scored if e is not None]))
     assert (scores[0] - scores[1]).abs().max() < 0.05
+
+
+def test_a_gguf_text_model_with_llama_cpps_projector_file_reads_images_as_the_directory_does(vision_dir, loaded,
+                                                                                            tmp_path):
+    """`--mmproj`: llama.cpp's SmolVLM files (a llama GGUF and a `clip` projector of type idefics3, written
+    here as its converter writes them) give the same prompt ids, tiles, embeddings and tokens as the Hugging
+    Face directory they came from."""
+    from tiny_models import write_vision_gguf
+
+    write_vision_gguf(vision_dir, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    gguf_model = load(tmp_path / "text.gguf", mmproj=tmp_path / "mmproj.gguf", vision_dtype="float32")
+    data = png(90, 150, seed=1)[0]
+    (ids, image), (gguf_ids, gguf_image) = prompt_ids(loaded, data), prompt_ids(gguf_model, data)
+    assert gguf_ids == ids and torch.equal(gguf_image.pixels, image.pixels)
+    encoded = loaded.module.vision.encode([image])
+    assert torch.equal(gguf_model.module.vision.encode([gguf_image]).embeds, encoded.embeds)
+    tokens = []
+    for model in (loaded, gguf_model):
+        engine = LLMEngine(EngineConfig(model=str(model.path), quantization="none", max_model_len=512,
+                                        kv_cache_memory_gib=0.01), loaded=model)
+        tokens.append([t for d in run(engine, ids, engine.vision.encode([image]),
+                                      SamplingParams(max_tokens=6, temperature=0), "g") for t in d.token_ids])
+    assert tokens[0] == tokens[1]
+
+
+def test_projector_files_that_do_not_fit_are_refused(vision_dir, tiny_dir, tmp_path):
+    from model.errors import ModelLoadError
+    from tiny_models import write_vision_gguf
+
+    write_vision_gguf(vision_dir, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    with pytest.raises(ModelLoadError, match="not a multimodal projector file"):
+        load(tmp_path / "text.gguf", mmproj=tmp_path / "text.gguf")  # the text model given as the projector
+    with pytest.raises(ValueError, match="--mmproj goes with a GGUF text model"):
+        load(vision_dir, mmproj=tmp_path / "mmproj.gguf")
+    with pytest.raises(ModelLoadError, match="no <image> token"):
+        load(default_gguf(), mmproj=tmp_path / "mmproj.gguf")  # SmolLM2 alone: no image tokens
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF junk")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load(tmp_path / "text.gguf", mmproj=tmp_path / "junk.gguf")
+
+
+def default_gguf():
+    from model.default import default_model_path
+
+    return default_model_path()

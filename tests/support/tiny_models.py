@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -153,29 +154,34 @@ def random_raw_blocks(qtype, rows: int, cols: int, rng):
     return raw.reshape(rows, -1)
 
 
-def copy_smollm2_tokenizer(writer) -> None:
-    """The embedded model's tokenizer (tokens, merges, chat template) into a GGUF being written."""
+def copy_smollm2_tokenizer(writer, special_tokens: Sequence[str] = (), eos_token: str | None = None,
+                           chat_template: str | None = None) -> None:
+    """The embedded model's tokenizer (tokens, merges, chat template) into a GGUF being written, with
+    `special_tokens` added after its vocabulary as control tokens (as llama.cpp's converter writes a
+    tokenizer's special added tokens), and another EOS token or chat template if given."""
     from model.default import default_model_path
     from model.gguf_checkpoint import GGUFCheckpoint
 
     meta = GGUFCheckpoint(default_model_path()).metadata
+    tokens = [*meta["tokenizer.ggml.tokens"], *special_tokens]
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_list(tokens)
+    writer.add_token_types([*meta["tokenizer.ggml.token_type"], *[3] * len(special_tokens)])
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
     writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    writer.add_chat_template(meta["tokenizer.chat_template"])
+    writer.add_eos_token_id(tokens.index(eos_token) if eos_token else meta["tokenizer.ggml.eos_token_id"])
+    writer.add_chat_template(chat_template or meta["tokenizer.chat_template"])
 
 
 def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
-               qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool = False,
+               qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool | dict = False,
                reranker: tuple[int, int] | None = None) -> dict:
     """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`, or in qtypes[part] for the tensors
     whose GGUF name has that part ("attn_v", "output", ...: a K-quant file's mix of types); norms stay F32.
     The vocabulary is 256 byte tokens and control tokens, or with `smollm2_tokenizer` the embedded model's
-    (its 49,152 tokens, merges and chat template: `hf_model` needs that vocabulary size). `reranker` (the
+    (its 49,152 tokens, merges and chat template: `hf_model` needs that vocabulary size; a dict: the keyword
+    arguments of `copy_smollm2_tokenizer`, for a vocabulary with tokens added). `reranker` (the
     ids of "yes" and "no") writes the file as llama.cpp converts Qwen3-Reranker: pooling type rank, labels
     "yes" and "no", their LM-head rows as `cls.output.weight` in place of the LM head.
 
@@ -214,7 +220,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if smollm2_tokenizer:
-        copy_smollm2_tokenizer(writer)
+        copy_smollm2_tokenizer(writer, **(smollm2_tokenizer if isinstance(smollm2_tokenizer, dict) else {}))
     else:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
@@ -441,3 +447,52 @@ def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 1
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path) -> None:
+    """The tiny SmolVLM of `make_tiny_vision_model` as llama.cpp's converter writes SmolVLM: the text model as
+    a llama GGUF (F32; SmolLM2's tokenizer and the image tokens as control tokens, SmolVLM's template) and
+    the tower as a `clip` projector file of type idefics3, its tensors named by the gguf package's own map
+    (the names llama.cpp reads) and its metadata as llama.cpp's converter writes it."""
+    import json
+
+    import gguf
+    import transformers
+
+    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(vision_dir)
+    config = json.loads((vision_dir / "config.json").read_text())
+    text = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config["text_config"]))
+    text.model.load_state_dict(model.model.text_model.state_dict())
+    text.lm_head.load_state_dict(model.lm_head.state_dict())
+    write_gguf(text, text_path, smollm2_tokenizer={"special_tokens": VISION_TOKENS, "eos_token": "<end_of_utterance>",
+                                                   "chat_template": VISION_TEMPLATE})
+
+    vision = config["vision_config"]
+    preprocessor = json.loads((vision_dir / "preprocessor_config.json").read_text())
+    writer = gguf.GGUFWriter(str(mmproj_path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_array("clip.vision.image_mean", preprocessor["image_mean"])
+    writer.add_array("clip.vision.image_std", preprocessor["image_std"])
+    writer.add_string("clip.projector_type", "idefics3")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    writer.add_uint32("clip.vision.projector.scale_factor", config["scale_factor"])
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.preproc_image_size", preprocessor["size"]["longest_edge"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in model.state_dict().items():
+        if not name.startswith(("model.vision_model.", "model.connector.")):
+            continue
+        stem, kind = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
