@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from model.errors import ModelLoadError, one_line
@@ -106,15 +107,18 @@ class ImageProcessor:
             tiles.append(image)
         else:
             tiles = [resized(image, self.tile_size, self.tile_size)]
-        return ProcessedImage(torch.stack([self.normalize(t) for t in tiles]), rows, cols, digest)
+        return ProcessedImage(torch.from_numpy(np.stack([self.normalize(t) for t in tiles])), rows, cols, digest)
 
-    def normalize(self, image) -> torch.Tensor:
-        """An RGB PIL image -> [3, H, W] float32: x * rescale, then (x - mean) / std per channel."""
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
-        x = pixels.permute(2, 0, 1).double() * self.rescale
-        x = x.float()  # the checkpoint's processor rescales in float64, then normalizes in float32
-        mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
-        std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
+    def normalize(self, image) -> np.ndarray:
+        """An RGB PIL image -> [3, H, W] float32 numpy: x * rescale, then (x - mean) / std per channel.
+
+        In numpy, one thread: the server processes images on worker threads, and torch's parallel ops there
+        would keep an OpenMP team alive beside the engine's, which slows every later step (see
+        `AsyncLLMEngine.encode_images`)."""
+        pixels = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)  # [3, H, W]
+        x = (pixels.astype(np.float64) * self.rescale).astype(np.float32)  # as the checkpoint's processor
+        mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(self.std, dtype=np.float32)[:, None, None]
         return (x - mean) / std
 
     # -- prompt text ----------------------------------------------------------------------------------

@@ -209,3 +209,20 @@ def test_the_responses_api_reads_input_image_parts(server):
     no_url = httpx.post(server.url + "/v1/responses", json={
         "model": NAME, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
     assert no_url.status_code == 400 and "file_id is not supported" in no_url.json()["error"]["message"]
+
+
+def test_the_tower_runs_on_the_engine_thread(server, monkeypatch):
+    """Not on a worker thread: a second thread running torch's parallel ops keeps an OpenMP team alive
+    beside the engine's, and every later step ran 3x slower (AsyncLLMEngine.encode_images)."""
+    engine = server.state.engine.engine
+    threads = []
+    original = engine.encode_images
+
+    def recording(images):
+        threads.append(threading.current_thread())
+        return original(images)
+
+    monkeypatch.setattr(engine, "encode_images", recording)
+    reply = httpx.post(server.url + CHAT, json=chat(data_url(png(64, 64, seed=9))), timeout=60)
+    assert reply.status_code == 200
+    assert threads == [server.state.engine._thread]

@@ -449,11 +449,13 @@ def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 1
     return directory
 
 
-def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path) -> None:
+def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path, text_type: str = "F32",
+                      mmproj_f16: bool = False) -> None:
     """The tiny SmolVLM of `make_tiny_vision_model` as llama.cpp's converter writes SmolVLM: the text model as
-    a llama GGUF (F32; SmolLM2's tokenizer and the image tokens as control tokens, SmolVLM's template) and
-    the tower as a `clip` projector file of type idefics3, its tensors named by the gguf package's own map
-    (the names llama.cpp reads) and its metadata as llama.cpp's converter writes it."""
+    a llama GGUF (`text_type`; SmolLM2's tokenizer and the image tokens as control tokens, SmolVLM's template)
+    and the tower as a `clip` projector file of type idefics3, its tensors named by the gguf package's own map
+    (the names llama.cpp reads), its metadata as llama.cpp's converter writes it, and with `mmproj_f16` its
+    matrices in float16 (the converter's default; the embeddings stay float32)."""
     import json
 
     import gguf
@@ -464,7 +466,7 @@ def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path) -> N
     text = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config["text_config"]))
     text.model.load_state_dict(model.model.text_model.state_dict())
     text.lm_head.load_state_dict(model.lm_head.state_dict())
-    write_gguf(text, text_path, smollm2_tokenizer={"special_tokens": VISION_TOKENS, "eos_token": "<end_of_utterance>",
+    write_gguf(text, text_path, text_type, smollm2_tokenizer={"special_tokens": VISION_TOKENS, "eos_token": "<end_of_utterance>",
                                                    "chat_template": VISION_TEMPLATE})
 
     vision = config["vision_config"]
@@ -491,7 +493,10 @@ def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path) -> N
         if not name.startswith(("model.vision_model.", "model.connector.")):
             continue
         stem, kind = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.float().numpy())
+        array = tensor.float().numpy()
+        if mmproj_f16 and array.ndim >= 2 and ".embeddings." not in name:
+            array = array.astype("float16")
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
