@@ -10,7 +10,8 @@ llama.cpp's converter writes SmolVLM (tests/support/tiny_models.py `write_vision
 --text-type (Q8_0, as llama.cpp's SmolVLM files ship), the projector in float16 with float32 embeddings.
 llama-server comes from `benchmarks/peer_llamacpp.sh --build-only` (cached, or --llama-server) and runs with
 `--mmproj`, all cores. ladder runs its CPU default (`--quantization auto`: W8A8 for a file of 8-bit codes;
-`--vision-dtype auto`). Each round sends one new 800x600 JPEG (resized by both to --longest-edge first: 5
+`--vision-dtype auto`: a bfloat16 tower on a CPU with bfloat16 matmuls in hardware), and again with a float32
+tower (`--vision-dtype float32`). Each round sends one new 800x600 JPEG (resized by both to --longest-edge first: 5
 tiles at 1024) and the same question, greedy, --max-tokens tokens with EOS ignored, after a warm-up chat with
 another image. TTFT is from the request to the first content token; decode the tokens after it per second.
 """
@@ -83,9 +84,11 @@ def main() -> None:
     write_vision_gguf(directory, text, mmproj, args.text_type, mmproj_f16=True)
     url = f"http://127.0.0.1:{args.port}"
     threads = str(os.cpu_count())
+    ladder = [str(ROOT / ".venv/bin/ladder"), "serve", "--model", str(text), "--mmproj", str(mmproj),
+              "--port", str(args.port), "--max-model-len", "4096"]
     sides = {
-        "ladder": ([str(ROOT / ".venv/bin/ladder"), "serve", "--model", str(text), "--mmproj", str(mmproj),
-                    "--port", str(args.port), "--max-model-len", "4096"], "/ready"),
+        "ladder": (ladder, "/ready"),
+        "ladder fp32 tower": ([*ladder, "--vision-dtype", "float32"], "/ready"),
         "llama.cpp": ([str(server_bin), "-m", str(text), "--mmproj", str(mmproj), "--port", str(args.port),
                        "-c", "4096", "-t", threads, "-np", "1"], "/health"),
     }
@@ -93,9 +96,9 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for round_index in range(args.rounds):
         data, _ = image_bytes(100 + round_index, 600, 800)
-        for name in (sides if round_index % 2 == 0 else reversed(list(sides))):
+        for name in (list(sides) if round_index % 2 == 0 else list(reversed(sides))):
             command, ready = sides[name]
-            proc = start(command, url, ready, logs / f"peer_vision_{name.replace('.', '')}.log")
+            proc = start(command, url, ready, logs / f"peer_vision_{name.replace('.', '').replace(' ', '_')}.log")
             try:
                 model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
                 chat(url, model, image_bytes(999, 600, 800)[0], 4)  # warm
@@ -107,12 +110,13 @@ def main() -> None:
                   f"tok/s, prompt {row['prompt_tokens']} tokens", flush=True)
     rows = [{"side": name, **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
              "rounds": runs} for name, runs in results.items()]
-    ladder, peer = rows
+    ladder, _, peer = rows
     print(f"{text.name} + {mmproj.name}, longest edge {args.longest_edge}, {args.rounds} rounds alternated, "
           f"{threads} threads")
-    print(f"{'side':<12}{'TTFT ms':>10}{'decode tok/s':>14}{'prompt tokens':>15}")
+    print(f"{'side':<20}{'TTFT ms':>10}{'vs llama.cpp':>14}{'decode tok/s':>14}{'prompt tokens':>15}")
     for row in rows:
-        print(f"{row['side']:<12}{row['ttft_ms']:>10.0f}{row['decode_tok_s']:>14.1f}{row['prompt_tokens']:>15.0f}")
+        print(f"{row['side']:<20}{row['ttft_ms']:>10.0f}{peer['ttft_ms'] / row['ttft_ms']:>13.2f}x"
+              f"{row['decode_tok_s']:>14.1f}{row['prompt_tokens']:>15.0f}")
     print(f"ladder vs llama.cpp: TTFT {peer['ttft_ms'] / ladder['ttft_ms']:.2f}x faster, decode "
           f"{ladder['decode_tok_s'] / peer['decode_tok_s']:.2f}x")
     write_report(str(args.out), rows, longest_edge=args.longest_edge, text_type=args.text_type,
