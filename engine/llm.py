@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -11,9 +13,11 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from model.chat_template import reads_content_parts
 from model.loader import LoadedModel
 from model.lora import adapter_name
 from model.pooling import finish_embedding
+from model.vision import EncodedImages
 
 
 class LLM:
@@ -37,12 +41,14 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora: str | Sequence[str | None] | None = None,
+        images: Sequence[EncodedImages | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the prompts' order.
 
         A prompt is text (encoded as is, BOS added if the model wants it) or a list of token ids. `lora`: an
         adapter's name for every prompt, or one per prompt (None: the base model); by default the `lora`
-        the LLM was made with.
+        the LLM was made with. `images`: per prompt, the embeddings of its `<image>` tokens (`chat` makes
+        them from a conversation's images), or None.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -54,12 +60,15 @@ class LLM:
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA adapters")
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} image entries")
         results: dict[str, RequestOutput] = {}
-        for prompt, p, adapter in zip(prompts, params_list, loras):
+        for prompt, p, adapter, encoded in zip(prompts, params_list, loras, images):
             token_ids = self._encode(prompt)
             request_id = str(next(self._ids))
             results[request_id] = RequestOutput(request_id, token_ids, [CompletionOutput(i) for i in range(p.n)])
-            self.engine.add_request(request_id, token_ids, p, lora=adapter)
+            self.engine.add_request(request_id, token_ids, p, lora=adapter, images=encoded)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 result = results[delta.request_id]
@@ -118,12 +127,25 @@ class LLM:
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              chat_template_kwargs: dict | None = None) -> RequestOutput:
         """One conversation through the model's chat template; `chat_template_kwargs` become template
-        variables (Qwen3's `enable_thinking`)."""
+        variables (Qwen3's `enable_thinking`). A vision model's messages may hold images among their content
+        parts: `{"type": "image", "image": bytes | path}` or OpenAI's `{"type": "image_url", "image_url":
+        {"url": "data:...;base64,..."}}`."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        text = self.tokenizer.apply_chat_template(messages, **(chat_template_kwargs or {}))
+        vision = self.engine.vision
+        parts = vision is not None and reads_content_parts(self.tokenizer.chat_template or "")
+        sources: list = []
+        rendered = [template_message(m, parts, sources) for m in messages]
+        if sources and vision is None:
+            raise ValueError(f"{self.engine.model.name} takes no images")
+        text = self.tokenizer.apply_chat_template(rendered, **(chat_template_kwargs or {}))
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate([ids], sampling_params)[0]
+        encoded = None
+        if sources:
+            processed = [vision.processor.process(image_bytes(source)) for source in sources]
+            ids = vision.processor.place(ids, processed, vision.image_token_id, self.tokenizer)
+            encoded = self.engine.encode_images(processed)
+        return self.generate([ids], sampling_params, images=[encoded])[0]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -131,3 +153,40 @@ class LLM:
                 raise ValueError("this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
         return list(prompt)
+
+
+def template_message(message: dict, parts: bool, images: list) -> dict:
+    """A message as the chat template reads it: its image parts collected into `images` (in order) and
+    written `{"type": "image"}`; with `parts`, text content as a list of parts too (a vision model's
+    template reads content only so); else parts' texts joined."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        return {**message, "content": [{"type": "text", "text": content}]} if parts and content is not None \
+            else message
+    out = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("image", "image_url"):
+            images.append(part.get("image") if kind == "image" else (part.get("image_url") or {}).get("url"))
+            out.append({"type": "image"})
+        elif kind == "text":
+            out.append({"type": "text", "text": part.get("text", "")})
+        else:
+            raise ValueError(f"content parts of type {kind!r} are not supported (text, image, image_url)")
+    if parts or any(p["type"] == "image" for p in out):  # images without parts: the caller refuses them
+        return {**message, "content": out}
+    return {**message, "content": "".join(p["text"] for p in out)}
+
+
+def image_bytes(source) -> bytes:
+    """An image given to `LLM.chat`: bytes, a `data:...;base64,` URL, or a file's path."""
+    if isinstance(source, bytes | bytearray):
+        return bytes(source)
+    if isinstance(source, str) and source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64"):
+            raise ValueError("an image data URL must be data:<type>;base64,<data>")
+        return base64.b64decode(payload, validate=True)
+    if isinstance(source, str | Path):
+        return Path(source).expanduser().read_bytes()
+    raise ValueError(f"an image must be bytes, a data: URL or a path, not {type(source).__name__}")

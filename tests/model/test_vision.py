@@ -295,3 +295,25 @@ def default_gguf():
     from model.default import default_model_path
 
     return default_model_path()
+
+
+def test_llm_chat_takes_images_as_bytes_paths_or_data_urls(vision_dir, loaded, tiny_dir, tmp_path):
+    import base64
+
+    from engine.llm import LLM
+
+    data = png(90, 150, seed=1)[0]
+    (tmp_path / "pic.png").write_bytes(data)
+    ids, image = prompt_ids(loaded, data)
+    llm = LLM(loaded=loaded, quantization="none", max_model_len=512, kv_cache_memory_gib=0.01)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    expected = [t for d in run(llm.engine, ids, llm.engine.encode_images([image]), params, "x") for t in d.token_ids]
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for source in ({"type": "image", "image": data}, {"type": "image", "image": str(tmp_path / "pic.png")},
+                   {"type": "image_url", "image_url": {"url": url}}):
+        messages = [{"role": "user", "content": [source, {"type": "text", "text": "What is in the picture?"}]}]
+        output = llm.chat(messages, params)
+        assert output.prompt_token_ids == ids and output.outputs[0].token_ids == expected
+    text_model = LLM(model=str(tiny_dir), max_model_len=128, kv_cache_memory_gib=0.01)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_model.chat([{"role": "user", "content": [{"type": "image", "image": data}]}], params)
