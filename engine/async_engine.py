@@ -29,9 +29,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.guide import GuideCompiler
@@ -48,6 +49,7 @@ from model.tokenizer import Tokenizer
 from model.vision import EncodedImages
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # The errors in-flight requests get when a step fails; the cause goes to the log only.
@@ -126,6 +128,20 @@ class EngineInfo:
     # tower runs through `AsyncLLMEngine.encode_images`.
     image_processor: ImageProcessor | None = None
     image_token_id: int | None = None
+
+
+async def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread of its own that ends when it returns, for torch work beside the engine (an
+    adapter's tensors read and reshaped). A thread that lives on, as `asyncio.to_thread`'s do, keeps the
+    OpenMP team its first parallel op made; with more OpenMP threads than cores libgomp stops spinning
+    between parallel regions and every later engine step runs ~3x slower (measured: one 1M-element op on a
+    pool thread took a decode from 159 to 55 tok/s for good; see `AsyncLLMEngine.encode_images`)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ladder-passing")
+    try:
+        future = pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # its thread ends once `fn` returns
+    return await asyncio.wrap_future(future)
 
 
 def weight_precision(engine: LLMEngine) -> str:
