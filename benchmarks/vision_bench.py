@@ -5,7 +5,9 @@ tokens a tile), in one process, alternated round by round; medians of the rounds
     .venv/bin/python benchmarks/vision_bench.py [--longest-edge 1024] [--rounds 3] [--max-tokens 32]
         [--out benchmarks/results/vision.json]
 
-Each round sends one new random image and the same question. "prep" is the image processor (decode, resize,
+Each round sends one new random image and the same question, then a second turn of that chat (the image
+sent again with the first answer and a new question, as chat clients send it; ladder finds the image's
+embeddings in its image cache and the conversation's blocks in its prefix cache). "prep" is the image processor (decode, resize,
 tiles), "vision" the tower over the tiles (ladder's own column; transformers' runs inside its first step),
 TTFT from the image's bytes to the first token, and the decode rate of the tokens after it (greedy, EOS
 ignored). ladder runs its CPU default for a float32 directory (`--quantization auto`: W8A8 text layers;
@@ -37,6 +39,14 @@ from engine.sampling_params import SamplingParams
 from model.loader import load
 
 QUESTION = "Describe this image in detail."
+# A second turn about the same image: the chat is sent again, image and all, as clients send it.
+SECOND_TURN = [{"role": "assistant", "content": [{"type": "text", "text": "A street with trees and a red car."}]},
+               {"role": "user", "content": [{"type": "text", "text": "What color are the trees?"}]}]
+
+
+def conversation(turn: int) -> list[dict]:
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    return first if turn == 1 else first + SECOND_TURN
 # SmolVLM-256M-Instruct's shapes.
 TEXT = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "rope_theta": 100000.0, "max_position_embeddings": 8192}
@@ -56,12 +66,12 @@ def image_bytes(seed: int, height: int, width: int) -> tuple[bytes, object]:
     return buffer.getvalue(), image
 
 
-def ladder_round(engine: LLMEngine, data: bytes, max_tokens: int, request_id: str) -> dict[str, float]:
+def ladder_round(engine: LLMEngine, data: bytes, max_tokens: int, request_id: str, turn: int = 1
+                 ) -> dict[str, float]:
     vision, tokenizer = engine.vision, engine.tokenizer
     start = time.perf_counter()
     image = vision.processor.process(data)
-    _, ids = tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"},
-                                                                 {"type": "text", "text": QUESTION}]}])
+    _, ids = tokenizer.encode_chat(conversation(turn))
     ids = vision.processor.place(ids, [image], vision.image_token_id, tokenizer)
     prepared = time.perf_counter()
     encoded = engine.encode_images([image])
@@ -81,8 +91,7 @@ def ladder_round(engine: LLMEngine, data: bytes, max_tokens: int, request_id: st
             "prompt_tokens": len(ids), "tiles": image.pixels.shape[0]}
 
 
-def transformers_round(model, processor, image, max_tokens: int) -> dict[str, float]:
-    text = f"<|im_start|>User:<image>{QUESTION}<end_of_utterance>\nAssistant:"
+def transformers_round(model, processor, image, max_tokens: int, text: str) -> dict[str, float]:
     start = time.perf_counter()
     inputs = processor(images=[image], text=text, return_tensors="pt")
     prepared = time.perf_counter()
@@ -127,25 +136,27 @@ def main() -> None:
     warm, warm_image = image_bytes(0, 600, 800)
     for engine in sides.values():
         ladder_round(engine, warm, 2, "warm")
-    transformers_round(reference, processor, warm_image, 2)
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in (*sides, "transformers fp32")}
+    texts = {turn: next(iter(sides.values())).tokenizer.apply_chat_template(conversation(turn)) for turn in (1, 2)}
+    transformers_round(reference, processor, warm_image, 2, texts[1])
+    names = [f"{name}{suffix}" for suffix in ("", ", turn 2") for name in (*sides, "transformers fp32")]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for r in range(args.rounds):
         data, image = image_bytes(r + 1, 600, 800)
-        for name, engine in sides.items():
-            results[name].append(ladder_round(engine, data, args.max_tokens, f"r{r}"))
-        results["transformers fp32"].append(transformers_round(reference, processor, image, args.max_tokens))
+        for turn, suffix in ((1, ""), (2, ", turn 2")):  # turn 2: the same image again, the chat one turn on
+            for name, engine in sides.items():
+                results[name + suffix].append(ladder_round(engine, data, args.max_tokens, f"r{r}t{turn}", turn))
+            results["transformers fp32" + suffix].append(
+                transformers_round(reference, processor, image, args.max_tokens, texts[turn]))
     rows = []
-    base = results["transformers fp32"]
-    base_ttft = statistics.median(x["ttft_ms"] for x in base)
-    base_decode = statistics.median(x["decode_tok_s"] for x in base)
-    print(f"{'side':30} {'tiles':>5} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
+    print(f"{'side':38} {'tiles':>5} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
           f"{'decode tok/s':>12} {'x':>5}")
     for name, runs in results.items():
+        base = results["transformers fp32" + (", turn 2" if name.endswith("turn 2") else "")]
         row = {"side": name, **{k: statistics.median(x[k] for x in runs) for k in runs[0]}}
-        row["ttft_x"] = base_ttft / row["ttft_ms"]
-        row["decode_x"] = row["decode_tok_s"] / base_decode
+        row["ttft_x"] = statistics.median(x["ttft_ms"] for x in base) / row["ttft_ms"]
+        row["decode_x"] = row["decode_tok_s"] / statistics.median(x["decode_tok_s"] for x in base)
         rows.append(row)
-        print(f"{name:30} {row['tiles']:5.0f} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} "
+        print(f"{name:38} {row['tiles']:5.0f} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} "
               f"{row['vision_ms']:9.1f} {row['ttft_ms']:8.1f} {row['ttft_x']:5.2f} {row['decode_tok_s']:12.1f} "
               f"{row['decode_x']:5.2f}")
     write_report(args.out, rows, longest_edge=args.longest_edge, rounds=args.rounds, max_tokens=args.max_tokens)

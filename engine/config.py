@@ -43,6 +43,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     vision_dtype: str = "auto"  # a vision model's tower (model/precision.py resolve_vision_dtype)
     mmproj: str | None = None  # llama.cpp's projector file for a GGUF text model (model/mmproj.py)
+    image_cache_mib: int = 256  # the vision tower's outputs kept by image (engine/image_cache.py); 0: none
     kv_cache_memory_gib: float | None = None  # default: the device's rule below (plan_kv_cache)
     kv_cache_memory_fraction: float = 0.25  # a CPU: this fraction of available memory, at most CPU_DEFAULT_KV_GIB
     # CUDA: the fraction of the device's memory this engine may fill, vLLM's --gpu-memory-utilization; the
@@ -107,6 +108,8 @@ class EngineConfig:
         object.__setattr__(self, "quantization", resolve_quantization(quantization, self.dtype, self.device,
                                                                      local, self.tensor_parallel_size))
         parse_kv_cache_dtype(self.kv_cache_dtype)  # ValueError for an unknown name
+        if self.image_cache_mib < 0:
+            raise ValueError(f"image_cache_mib must be at least 0, got {self.image_cache_mib}")
         if self.vision_dtype != "auto":
             parse_dtype(self.vision_dtype)
         if self.block_size < 1:

@@ -22,6 +22,7 @@ from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache, plan_win
 from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
+from engine.image_cache import ImageCache
 from engine.lora_manager import LoRAInUseError, LoRAManager
 from engine.model_runner import ModelInputs, ModelRunner, PooledRows, ScoredRows
 from engine.outputs import SampleDelta
@@ -42,7 +43,7 @@ from model.pooling import POOLING_KINDS, Pooling
 from model.precision import parse_kv_cache_dtype
 from model.quantization import resolve_quantization
 from model.step import returns_hidden
-from model.vision import EncodedImages, Vision
+from model.vision import EncodedImages, Vision, joined
 from parallel import tensor_parallel_model
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ class LLMEngine:
             raise ValueError(f"the model was built for block size {self.model.module.block_size}, "
                              f"the engine asks for {config.block_size}")
         self.tokenizer = self.model.tokenizer
+        # A vision model's tower outputs by image: a chat sends its image again every turn.
+        self.image_cache = ImageCache(config.image_cache_mib << 20)
         if config.chat_template is not None:
             if self.tokenizer is None:
                 raise ValueError("--chat-template: this model has no tokenizer")
@@ -285,11 +288,11 @@ class LLMEngine:
         return getattr(self.runner.module, "vision", None)
 
     def encode_images(self, images: Sequence[ProcessedImage]) -> EncodedImages:
-        """The embeddings `add_request` takes for a prompt's images. Safe to call from another thread while
-        steps run (the tower is apart from the decoder); ValueError when the model takes no images."""
+        """The embeddings `add_request` takes for a prompt's images: the tower's, or those kept from an earlier
+        request with the same image (`image_cache`). ValueError when the model takes no images."""
         if self.vision is None:
             raise ValueError(f"{self.model.name} takes no images")
-        return self.vision.encode(images)
+        return joined(images, self.image_cache.embeddings(images, self.vision.encode_each))
 
     def _image_positions(self, prompt_token_ids: list[int], images: EncodedImages | None) -> list[int]:
         """Where the prompt's `<image>` tokens are, checked against the images' embeddings."""

@@ -221,10 +221,19 @@ class Vision:
     def encode(self, images: Sequence[ProcessedImage]) -> EncodedImages:
         """The images' embeddings, each image's tiles in order: [sum of tiles * tokens_per_tile, text hidden].
         CPU-heavy (a vision transformer over every tile): run it off an event loop."""
+        return joined(images, self.encode_each(images))
+
+    def encode_each(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
+        """Each image's embeddings [tiles * tokens_per_tile, text hidden], all tiles in one run of the tower."""
         if not images:
             raise ValueError("no images to encode")
         embeds = self.encoder(torch.cat([image.pixels for image in images]))
-        return EncodedImages(embeds, hashlib.sha256(b"".join(image.digest for image in images)).digest())
+        return list(embeds.split([image.pixels.shape[0] * self.encoder.config.tokens_per_tile for image in images]))
+
+
+def joined(images: Sequence[ProcessedImage], embeds: Sequence[torch.Tensor]) -> EncodedImages:
+    """A prompt's images' embeddings as the engine takes them: one tensor, one digest."""
+    return EncodedImages(torch.cat(list(embeds)), hashlib.sha256(b"".join(image.digest for image in images)).digest())
 
 
 def read_vision(directory: Path, raw_config: Mapping[str, Any], files: Sequence[Path], dtype: torch.dtype,

@@ -317,3 +317,30 @@ def test_llm_chat_takes_images_as_bytes_paths_or_data_urls(vision_dir, loaded, t
     text_model = LLM(model=str(tiny_dir), max_model_len=128, kv_cache_memory_gib=0.01)
     with pytest.raises(ValueError, match="takes no images"):
         text_model.chat([{"role": "user", "content": [{"type": "image", "image": data}]}], params)
+
+
+def test_an_image_sent_again_skips_the_tower(loaded, monkeypatch):
+    """Every turn of a chat about a picture sends it again: its embeddings come from the engine's image cache
+    (least recently used out, within its bytes), equal to the tower's."""
+    from engine.image_cache import ImageCache
+
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", max_model_len=512,
+                                    kv_cache_memory_gib=0.01), loaded=loaded)
+    processor = loaded.module.vision.processor
+    a, b = processor.process(png(90, 150, seed=1)[0]), processor.process(png(64, 64, seed=2)[0])
+    runs = []
+    encode_each = loaded.module.vision.encode_each
+    monkeypatch.setattr(loaded.module.vision, "encode_each", lambda images: runs.append(len(images)) or
+                        encode_each(images))
+    first = engine.encode_images([a, b])
+    again = engine.encode_images([b, a, a])
+    assert runs == [2]  # the second request ran no tower
+    assert torch.equal(again.embeds, torch.cat([first.embeds[80:], first.embeds[:80], first.embeds[:80]]))
+    assert (engine.image_cache.hits, engine.image_cache.misses) == (3, 2)
+    one_image = first.embeds[:80].numel() * 4  # each image here is 5 tiles, 80 rows of 32 floats
+    small = ImageCache(max_bytes=one_image + one_image // 2)
+    small.embeddings([a], encode_each)
+    small.embeddings([b], encode_each)  # over the budget with both: a, the least recently used, goes
+    assert list(small.entries) == [b.digest] and small.num_bytes == one_image
+    tiny = ImageCache(max_bytes=one_image - 1)  # no image fits: none is kept, each is still encoded
+    assert torch.equal(tiny.embeddings([a], encode_each)[0], first.embeds[:80]) and not tiny.entries
