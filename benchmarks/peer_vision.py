@@ -39,6 +39,16 @@ from tiny_models import make_tiny_vision_model, write_vision_gguf  # the tests' 
 QUESTION = "Describe this image in detail."
 
 
+def write_files(longest_edge: int, text_type: str) -> tuple[Path, Path]:
+    """SmolVLM-256M-shaped random weights as llama.cpp's files: (text GGUF, projector GGUF), in a new temp dir."""
+    work = Path(tempfile.mkdtemp(prefix="ladder-peer-vision-"))
+    directory = make_tiny_vision_model(work / "smolvlm-256m-shapes", longest_edge=longest_edge, tile=512,
+                                       text=TEXT, vision=VISION, scale_factor=4)
+    text, mmproj = work / f"text-{text_type}.gguf", work / "mmproj-f16.gguf"
+    write_vision_gguf(directory, text, mmproj, text_type, mmproj_f16=True)
+    return text, mmproj
+
+
 def chat(url: str, model: str, data: bytes, max_tokens: int) -> dict[str, float]:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True},
@@ -77,11 +87,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peer_vision.json"))
     args = parser.parse_args()
     server_bin = llama_server(args.llama_server, "peer_vision")
-    work = Path(tempfile.mkdtemp(prefix="ladder-peer-vision-"))
-    directory = make_tiny_vision_model(work / "smolvlm-256m-shapes", longest_edge=args.longest_edge, tile=512,
-                                       text=TEXT, vision=VISION, scale_factor=4)
-    text, mmproj = work / f"text-{args.text_type}.gguf", work / "mmproj-f16.gguf"
-    write_vision_gguf(directory, text, mmproj, args.text_type, mmproj_f16=True)
+    text, mmproj = write_files(args.longest_edge, args.text_type)
     url = f"http://127.0.0.1:{args.port}"
     threads = str(os.cpu_count())
     ladder = [str(ROOT / ".venv/bin/ladder"), "serve", "--model", str(text), "--mmproj", str(mmproj),

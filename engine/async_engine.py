@@ -23,6 +23,7 @@ Faults, as designed:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.guide import GuideCompiler
+from engine.image_cache import ImageEncoding
 from engine.llm_engine import LLMEngine
 from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
@@ -46,7 +48,7 @@ from model.lora import LoRAAdapter
 from model.pooling import Pooling
 from model.precision import precision_of_dtype
 from model.tokenizer import Tokenizer
-from model.vision import EncodedImages
+from model.vision import EncodedImages, joined
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -174,6 +176,8 @@ class AsyncLLMEngine:
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()
         self.commands: queue.SimpleQueue[_Add | _Abort | _ChangeLoRA | _Encode | None] = queue.SimpleQueue()
+        # Images going through the vision tower a few tiles between steps, oldest first (engine thread).
+        self._encoding: collections.deque[tuple[_Encode, ImageEncoding]] = collections.deque()
         # request id -> (the caller's loop, its queue, n)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self.dead_reason: str | None = None
@@ -244,14 +248,14 @@ class AsyncLLMEngine:
         self.commands.put(_Abort(request_id))
 
     async def encode_images(self, images: list[ProcessedImage]) -> EncodedImages:
-        """Run the vision tower over a prompt's images on the engine thread, between two steps; ValueError
-        when the model takes no images.
+        """Run the vision tower over a prompt's images on the engine thread, `vision_tiles_per_step` tiles
+        (EngineConfig) between two steps, so the requests running meanwhile wait for a tile at a time, not a
+        whole image; ValueError when the model takes no images.
 
         Not on a worker thread beside the steps: a second thread running torch's parallel ops keeps an
         OpenMP team of its own alive, and with more OpenMP threads than cores libgomp stops spinning between
         parallel regions, so every later decode step of the engine thread ran 3x slower (measured: 190 tok/s
-        before a worker thread's first tower run, 62 after, for good). Between steps the tower has the
-        cores to itself; the other requests wait for it, as for a long prefill."""
+        before a worker thread's first tower run, 62 after, for good)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is stopped")
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -294,7 +298,9 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stop.is_set() and self.dead_reason is None:
             try:
-                self._apply_commands(block=not self.engine.has_unfinished())
+                self._apply_commands(block=not self.engine.has_unfinished() and not self._encoding)
+                if self._encoding:
+                    self._advance_encoding()
                 if self.engine.has_unfinished():
                     self._step_started = time.monotonic()
                     deltas = self.engine.step()
@@ -377,7 +383,7 @@ class AsyncLLMEngine:
             elif isinstance(command, _ChangeLoRA):
                 self._change_lora_now(command)
             elif isinstance(command, _Encode):
-                self._encode_now(command)
+                self._start_encoding(command)
             else:
                 self.engine.abort(command.request_id)
             try:
@@ -385,10 +391,23 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
 
-    def _encode_now(self, command: _Encode) -> None:
+    def _start_encoding(self, command: _Encode) -> None:
         try:
-            command.done.set_result(self.engine.encode_images(command.images))
-        except Exception as error:  # a caller's error (ValueError) or the tower's: the caller raises it
+            self._encoding.append((command, self.engine.start_encoding(command.images)))
+        except ValueError as error:
+            command.done.set_exception(error)
+
+    def _advance_encoding(self) -> None:
+        """The oldest pending encoding's next tiles; its result to its caller once all are through."""
+        command, encoding = self._encoding[0]
+        try:
+            encoding.advance(self.engine.config.vision_tiles_per_step or encoding.tiles.shape[0])
+            if encoding.done:
+                self._encoding.popleft()
+                command.done.set_result(joined(command.images, encoding.result()))
+        except Exception as error:  # the tower failed: this caller's request fails, the engine serves on
+            self._encoding.popleft()
+            log.exception("the vision tower failed")
             command.done.set_exception(error)
 
     def _change_lora_now(self, command: _ChangeLoRA) -> None:
@@ -425,7 +444,11 @@ class AsyncLLMEngine:
 
     def _drain_waiting(self) -> None:
         """A dead or stopped engine applies no more commands: the adapter changes and image encodings
-        waiting in the queue fail (the requests waiting there were failed through their streams)."""
+        waiting in the queue, or begun, fail (the requests waiting there were failed through their streams)."""
+        while self._encoding:
+            command, _ = self._encoding.popleft()
+            if not command.done.done():
+                command.done.set_exception(EngineDeadError(self.dead_reason or "the engine is stopped"))
         while True:
             try:
                 command = self.commands.get_nowait()

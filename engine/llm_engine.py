@@ -22,7 +22,7 @@ from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache, plan_win
 from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
-from engine.image_cache import ImageCache
+from engine.image_cache import ImageCache, ImageEncoding
 from engine.lora_manager import LoRAInUseError, LoRAManager
 from engine.model_runner import ModelInputs, ModelRunner, PooledRows, ScoredRows
 from engine.outputs import SampleDelta
@@ -290,9 +290,18 @@ class LLMEngine:
     def encode_images(self, images: Sequence[ProcessedImage]) -> EncodedImages:
         """The embeddings `add_request` takes for a prompt's images: the tower's, or those kept from an earlier
         request with the same image (`image_cache`). ValueError when the model takes no images."""
+        encoding = self.start_encoding(images)
+        while not encoding.done:
+            encoding.advance(encoding.tiles.shape[0])
+        return joined(images, encoding.result())
+
+    def start_encoding(self, images: Sequence[ProcessedImage]) -> ImageEncoding:
+        """`encode_images` in pieces (`ImageEncoding.advance`), for a caller that runs steps between them."""
         if self.vision is None:
             raise ValueError(f"{self.model.name} takes no images")
-        return joined(images, self.image_cache.embeddings(images, self.vision.encode_each))
+        if not images:
+            raise ValueError("no images to encode")
+        return self.image_cache.start(images, self.vision.encoder, self.vision.encoder.config.tokens_per_tile)
 
     def _image_positions(self, prompt_token_ids: list[int], images: EncodedImages | None) -> list[int]:
         """Where the prompt's `<image>` tokens are, checked against the images' embeddings."""

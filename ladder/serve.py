@@ -95,6 +95,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_kv_cache_dtype_argument(p)
     add_vision_dtype_argument(p)
     add_mmproj_argument(p)
+    p.add_argument("--vision-tiles-per-step", type=int, default=1,
+                   help="image tiles the vision tower runs between two engine steps, so running requests wait "
+                        "a tile at a time (0: each prompt's images whole)")
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory,
-        vision_dtype=args.vision_dtype, mmproj=args.mmproj,
+        vision_dtype=args.vision_dtype, mmproj=args.mmproj, vision_tiles_per_step=args.vision_tiles_per_step,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,

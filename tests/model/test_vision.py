@@ -326,21 +326,28 @@ def test_an_image_sent_again_skips_the_tower(loaded, monkeypatch):
 
     engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", max_model_len=512,
                                     kv_cache_memory_gib=0.01), loaded=loaded)
-    processor = loaded.module.vision.processor
-    a, b = processor.process(png(90, 150, seed=1)[0]), processor.process(png(64, 64, seed=2)[0])
-    runs = []
-    encode_each = loaded.module.vision.encode_each
-    monkeypatch.setattr(loaded.module.vision, "encode_each", lambda images: runs.append(len(images)) or
-                        encode_each(images))
+    vision = loaded.module.vision
+    a, b = vision.processor.process(png(90, 150, seed=1)[0]), vision.processor.process(png(64, 64, seed=2)[0])
+    tiles = []
+    forward = vision.encoder.forward
+    monkeypatch.setattr(vision.encoder, "forward", lambda pixels: tiles.append(pixels.shape[0]) or forward(pixels))
     first = engine.encode_images([a, b])
     again = engine.encode_images([b, a, a])
-    assert runs == [2]  # the second request ran no tower
+    assert tiles == [10]  # 5 tiles each, in one run; the second request ran no tower
+    assert torch.equal(first.embeds, vision.encode([a, b]).embeds)
     assert torch.equal(again.embeds, torch.cat([first.embeds[80:], first.embeds[:80], first.embeds[:80]]))
     assert (engine.image_cache.hits, engine.image_cache.misses) == (3, 2)
+
+    def encoded(cache: ImageCache, images: list, tiles_per_piece: int) -> list[torch.Tensor]:
+        encoding = cache.start(images, forward, 16)
+        while not encoding.done:
+            encoding.advance(tiles_per_piece)
+        return encoding.result()
+
     one_image = first.embeds[:80].numel() * 4  # each image here is 5 tiles, 80 rows of 32 floats
     small = ImageCache(max_bytes=one_image + one_image // 2)
-    small.embeddings([a], encode_each)
-    small.embeddings([b], encode_each)  # over the budget with both: a, the least recently used, goes
-    assert list(small.entries) == [b.digest] and small.num_bytes == one_image
-    tiny = ImageCache(max_bytes=one_image - 1)  # no image fits: none is kept, each is still encoded
-    assert torch.equal(tiny.embeddings([a], encode_each)[0], first.embeds[:80]) and not tiny.entries
+    pieces = encoded(small, [a, b], 3)  # 3 tiles a piece: pieces cut across the two images
+    assert torch.equal(torch.cat(pieces), first.embeds)  # the same as one run over every tile
+    assert list(small.entries) == [b.digest] and small.num_bytes == one_image  # a, the least recent, went
+    none_fit = ImageCache(max_bytes=one_image - 1)  # no image fits: none is kept, each is still encoded
+    assert torch.equal(encoded(none_fit, [a], 1)[0], first.embeds[:80]) and not none_fit.entries

@@ -211,18 +211,41 @@ def test_the_responses_api_reads_input_image_parts(server):
     assert no_url.status_code == 400 and "file_id is not supported" in no_url.json()["error"]["message"]
 
 
-def test_the_tower_runs_on_the_engine_thread(server, monkeypatch):
+def test_the_tower_runs_on_the_engine_thread_a_tile_between_steps(server, monkeypatch):
     """Not on a worker thread: a second thread running torch's parallel ops keeps an OpenMP team alive
-    beside the engine's, and every later step ran 3x slower (AsyncLLMEngine.encode_images)."""
-    engine = server.state.engine.engine
-    threads = []
-    original = engine.encode_images
-
-    def recording(images):
-        threads.append(threading.current_thread())
-        return original(images)
-
-    monkeypatch.setattr(engine, "encode_images", recording)
+    beside the engine's, and every later step ran 3x slower (AsyncLLMEngine.encode_images). One tile at a
+    time (EngineConfig.vision_tiles_per_step), so requests running meanwhile take steps between the tiles."""
+    encoder = server.state.engine.engine.vision.encoder
+    calls = []
+    forward = encoder.forward
+    monkeypatch.setattr(encoder, "forward", lambda pixels: calls.append((threading.current_thread(),
+                                                                         pixels.shape[0])) or forward(pixels))
     reply = httpx.post(server.url + CHAT, json=chat(data_url(png(64, 64, seed=9))), timeout=60)
     assert reply.status_code == 200
-    assert threads == [server.state.engine._thread]
+    assert calls == [(server.state.engine._thread, 1)] * 5  # 5 tiles (a 2 x 2 grid and the global one)
+
+
+def test_a_running_stream_takes_steps_between_an_images_tiles(server, monkeypatch):
+    engine = server.state.engine.engine
+    events = []
+    forward, step = engine.vision.encoder.forward, engine.step
+    monkeypatch.setattr(engine.vision.encoder, "forward", lambda pixels: events.append("tile") or forward(pixels))
+    monkeypatch.setattr(engine, "step", lambda: events.append("step") or step())
+    text = {"model": NAME, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+
+    def stream_text():
+        with httpx.stream("POST", server.url + CHAT, json=text, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and not started.is_set():
+                    started.set()
+
+    started = threading.Event()
+    streaming = threading.Thread(target=stream_text)
+    streaming.start()
+    assert started.wait(60)
+    reply = httpx.post(server.url + CHAT, json=chat(data_url(png(90, 150, seed=11))), timeout=60)
+    streaming.join(120)
+    assert reply.status_code == 200
+    tiles = [i for i, event in enumerate(events) if event == "tile"]
+    assert len(tiles) == 5 and all("step" in events[a:b] for a, b in zip(tiles, tiles[1:]))
