@@ -13,6 +13,7 @@ first token; medians of the rounds, one server at a time, the two settings alter
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -51,8 +52,9 @@ def round_of(url: str, data: bytes) -> dict[str, float]:
     image = chat(url, model, data, 8)
     first = sent + image["ttft_ms"] / 1e3
     text.join()
-    during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= sent and a <= first]
-    before = [b - a for a, b in zip(stamps, stamps[1:]) if b < sent]
+    gaps = list(itertools.pairwise(stamps))
+    during = [b - a for a, b in gaps if b >= sent and a <= first]
+    before = [b - a for a, b in gaps if b < sent]
     return {"max_gap_ms": 1e3 * max(during), "text_tpot_ms": 1e3 * statistics.median(before),
             "image_ttft_ms": image["ttft_ms"]}
 

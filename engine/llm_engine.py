@@ -292,8 +292,15 @@ class LLMEngine:
         request with the same image (`image_cache`). ValueError when the model takes no images."""
         encoding = self.start_encoding(images)
         while not encoding.done:
-            encoding.advance(encoding.tiles.shape[0])
+            self.advance_encoding(encoding, encoding.tiles.shape[0])
+        self.stats.record_vision(self.image_cache, 0, 0.0)  # the cache's counts, when no tile ran
         return joined(images, encoding.result())
+
+    def advance_encoding(self, encoding: ImageEncoding, max_tiles: int) -> None:
+        """`encoding.advance(max_tiles)`, counted in the engine's stats (tiles, seconds, images)."""
+        started, before = time.perf_counter(), encoding.next_tile
+        encoding.advance(max_tiles)
+        self.stats.record_vision(self.image_cache, encoding.next_tile - before, time.perf_counter() - started)
 
     def start_encoding(self, images: Sequence[ProcessedImage]) -> ImageEncoding:
         """`encode_images` in pieces (`ImageEncoding.advance`), for a caller that runs steps between them."""

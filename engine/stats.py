@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.block_manager import KVBlockManager
+from engine.image_cache import ImageCache
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -55,6 +56,12 @@ class EngineStats:
     # output token beyond the one a step gives anyway).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A vision model's images (engine/image_cache.py): those run through the tower and those found in the
+    # image cache, the tiles run and the tower's seconds, since start.
+    num_images_encoded: int = 0
+    num_images_cached: int = 0
+    num_vision_tiles: int = 0
+    vision_seconds: float = 0.0
     # Tensor parallelism: seconds rank 0 spent in each collective since start (broadcast, all_reduce,
     # gather), all inside the forward phase; empty for one process.
     communication: dict[str, float] = field(default_factory=dict)
@@ -98,6 +105,12 @@ class EngineStats:
             if scheduler.adapters is not None:
                 self.num_lora_loads = scheduler.adapters.num_loads
                 self.num_loras_resident = sum(name is not None for name in scheduler.adapters.resident)
+
+    def record_vision(self, cache: ImageCache, tiles: int, seconds: float) -> None:
+        with self.lock:
+            self.num_images_encoded, self.num_images_cached = cache.misses, cache.hits
+            self.num_vision_tiles += tiles
+            self.vision_seconds += seconds
 
     def record_finished(self, request: Request) -> None:
         now = time.monotonic()

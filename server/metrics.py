@@ -52,6 +52,10 @@ class EngineCollector(Collector):
             "ladder_lora_adapter_loads": ("LoRA adapters copied into a slot", s["num_lora_loads"]),
             "ladder_spec_decode_draft_tokens": ("Speculative draft tokens verified", s["num_draft_tokens"]),
             "ladder_spec_decode_accepted_tokens": ("Speculative draft tokens accepted", s["num_accepted_tokens"]),
+            "ladder_vision_images_encoded": ("Images run through the vision tower", s["num_images_encoded"]),
+            "ladder_vision_images_cached": ("Images whose embeddings the image cache held", s["num_images_cached"]),
+            "ladder_vision_tiles": ("Image tiles run through the vision tower", s["num_vision_tiles"]),
+            "ladder_vision_seconds": ("Seconds the vision tower ran", s["vision_seconds"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

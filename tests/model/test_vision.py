@@ -276,8 +276,9 @@ def test_a_gguf_text_model_with_llama_cpps_projector_file_reads_images_as_the_di
 
 
 def test_projector_files_that_do_not_fit_are_refused(vision_dir, tiny_dir, tmp_path):
-    from model.errors import ModelLoadError
     from tiny_models import write_vision_gguf
+
+    from model.errors import ModelLoadError
 
     write_vision_gguf(vision_dir, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
     with pytest.raises(ModelLoadError, match="not a multimodal projector file"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import itertools
 import json
 import threading
 
@@ -248,4 +249,21 @@ def test_a_running_stream_takes_steps_between_an_images_tiles(server, monkeypatc
     streaming.join(120)
     assert reply.status_code == 200
     tiles = [i for i, event in enumerate(events) if event == "tile"]
-    assert len(tiles) == 5 and all("step" in events[a:b] for a, b in zip(tiles, tiles[1:]))
+    assert len(tiles) == 5 and all("step" in events[a:b] for a, b in itertools.pairwise(tiles))
+
+
+def test_metrics_count_the_towers_work_and_the_image_cache(server):
+    def counters() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("ladder_vision_")}
+
+    before = counters()
+    data = data_url(png(50, 70, seed=21))  # a new image: 5 tiles
+    for _ in range(2):
+        assert httpx.post(server.url + CHAT, json=chat(data), timeout=60).status_code == 200
+    after = counters()
+    assert after["ladder_vision_images_encoded_total"] - before["ladder_vision_images_encoded_total"] == 1
+    assert after["ladder_vision_images_cached_total"] - before["ladder_vision_images_cached_total"] == 1
+    assert after["ladder_vision_tiles_total"] - before["ladder_vision_tiles_total"] == 5
+    assert after["ladder_vision_seconds_total"] > before["ladder_vision_seconds_total"]
