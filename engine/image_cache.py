@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from model.image_processor import ProcessedImage
+from model.vision import per_image
 
 
 class ImageCache:
@@ -74,8 +75,8 @@ class ImageEncoding:
         """Each image's embeddings, in order, once `done`; the new ones join the cache."""
         fresh: dict[bytes, torch.Tensor] = {}
         if self.missing:
-            rows = [image.pixels.shape[0] * self.tokens_per_tile for image in self.missing.values()]
-            fresh = dict(zip(self.missing, torch.cat(self.outputs).split(rows), strict=True))
+            embeds = per_image(torch.cat(self.outputs), list(self.missing.values()), self.tokens_per_tile)
+            fresh = dict(zip(self.missing, embeds, strict=True))
         out = []
         for image in self.images:
             found = self.cache.entries.get(image.digest)

@@ -228,7 +228,12 @@ class Vision:
         if not images:
             raise ValueError("no images to encode")
         embeds = self.encoder(torch.cat([image.pixels for image in images]))
-        return list(embeds.split([image.pixels.shape[0] * self.encoder.config.tokens_per_tile for image in images]))
+        return per_image(embeds, images, self.encoder.config.tokens_per_tile)
+
+
+def per_image(embeds: torch.Tensor, images: Sequence[ProcessedImage], tokens_per_tile: int) -> list[torch.Tensor]:
+    """The tower's output over the images' tiles, in order, cut into each image's embeddings."""
+    return list(embeds.split([image.pixels.shape[0] * tokens_per_tile for image in images]))
 
 
 def joined(images: Sequence[ProcessedImage], embeds: Sequence[torch.Tensor]) -> EncodedImages:
