@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from model.errors import one_line
 from model.image_processor import ImageError, ImageProcessor, ProcessedImage
 from model.tokenizer import Tokenizer
 from server.errors import APIError
@@ -48,14 +49,29 @@ def data_url_bytes(url: str) -> bytes:
         raise APIError(400, "an image data URL's data is not valid base64", param="messages") from None
 
 
-def fetch(url: str) -> bytes:
+class AllowedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an http(s) URL of an allowed host: else an allowed host could send the
+    server to any address."""
+
+    def __init__(self, allowed_domains: Sequence[str]) -> None:
+        self.allowed_domains = allowed_domains
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        target = urllib.parse.urlparse(newurl)
+        if target.scheme not in ("http", "https") or not host_allowed(target.hostname or "", self.allowed_domains):
+            raise urllib.error.URLError(f"redirected to {target.hostname or newurl}, a host not allowed")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def fetch(url: str, allowed_domains: Sequence[str]) -> bytes:
     """GET an image's bytes (blocking: run it on a worker thread); APIError 400 when it fails."""
     request = urllib.request.Request(url, headers={"User-Agent": "ladder"})
+    opener = urllib.request.build_opener(AllowedRedirects(allowed_domains))
     try:
-        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as response:  # http(s) only: image_bytes checks
+        with opener.open(request, timeout=FETCH_TIMEOUT_S) as response:  # http(s): image_bytes checked it
             data = response.read(MAX_IMAGE_BYTES + 1)
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise APIError(400, f"could not fetch the image at {url}: {e}", param="messages") from None
+        raise APIError(400, f"could not fetch the image at {url}: {one_line(e)}", param="messages") from None
     if len(data) > MAX_IMAGE_BYTES:
         raise APIError(400, f"the image at {url} is larger than {MAX_IMAGE_BYTES} bytes", param="messages")
     return data
@@ -70,7 +86,7 @@ async def image_bytes(url: str, allowed_domains: Sequence[str]) -> bytes:
     if not host_allowed(parsed.hostname, allowed_domains):
         raise APIError(400, f"images are not fetched from {parsed.hostname}: send them as data: URLs (base64), or "
                             "start the server with --allowed-image-domains naming the host", param="messages")
-    return await asyncio.to_thread(fetch, url)
+    return await asyncio.to_thread(fetch, url, allowed_domains)
 
 
 async def load_images(urls: Sequence[str], processor: ImageProcessor, allowed_domains: Sequence[str],

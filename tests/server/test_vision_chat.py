@@ -44,11 +44,16 @@ def chat(*urls: str, text: str = "What is in the picture?", **fields) -> dict:
 
 @pytest.fixture(scope="module")
 def image_host():
-    """A local HTTP server with one image at /cat.png."""
+    """A local HTTP server with one image at /cat.png; /away redirects to it by the name `localhost`."""
     directory = {"/cat.png": png(80, 120, seed=7)}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_port}/cat.png")
+                self.end_headers()
+                return
             body = directory.get(self.path)
             self.send_response(200 if body else 404)
             self.end_headers()
@@ -170,6 +175,9 @@ def test_too_many_images_and_a_missing_one_are_400s(server, image_host):
     assert reply.status_code == 400 and "at most 3" in reply.json()["error"]["message"]
     missing = httpx.post(server.url + CHAT, json=chat(host + "/none.png"), timeout=60)
     assert missing.status_code == 400 and "could not fetch" in missing.json()["error"]["message"]
+    # An allowed host (127.0.0.1) that redirects elsewhere (localhost, not allowed) is not followed.
+    away = httpx.post(server.url + CHAT, json=chat(host + "/away"), timeout=60)
+    assert away.status_code == 400 and "redirected to localhost, a host not allowed" in away.json()["error"]["message"]
     # Text that spells the image token is text: it neither takes an image's place nor fails the request.
     spelled = httpx.post(server.url + CHAT, json=chat(text="<image> here"), timeout=60)
     assert spelled.status_code == 200
