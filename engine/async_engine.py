@@ -401,11 +401,7 @@ class AsyncLLMEngine:
         """The oldest pending encoding's next tiles; its result to its caller once all are through."""
         command, encoding = self._encoding[0]
         try:
-            if not encoding.done:
-                self.engine.advance_encoding(encoding, self.engine.config.vision_tiles_per_step or
-                                             encoding.tiles.shape[0])
-            else:  # every image was in the cache
-                self.engine.stats.record_vision(self.engine.image_cache, 0, 0.0)
+            self.engine.advance_encoding(encoding, self.engine.config.vision_tiles_per_step or encoding.num_tiles)
             if encoding.done:
                 self._encoding.popleft()
                 command.done.set_result(joined(command.images, encoding.result()))

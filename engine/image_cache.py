@@ -61,8 +61,13 @@ class ImageEncoding:
         self.outputs: list[torch.Tensor] = []
 
     @property
+    def num_tiles(self) -> int:
+        """Tiles to run: those of the images the cache lacks."""
+        return 0 if self.tiles is None else self.tiles.shape[0]
+
+    @property
     def done(self) -> bool:
-        return self.tiles is None or self.next_tile == self.tiles.shape[0]
+        return self.next_tile == self.num_tiles
 
     def advance(self, max_tiles: int) -> None:
         """Run the tower over up to `max_tiles` more tiles."""

@@ -291,13 +291,12 @@ class LLMEngine:
         """The embeddings `add_request` takes for a prompt's images: the tower's, or those kept from an earlier
         request with the same image (`image_cache`). ValueError when the model takes no images."""
         encoding = self.start_encoding(images)
-        while not encoding.done:
-            self.advance_encoding(encoding, encoding.tiles.shape[0])
-        self.stats.record_vision(self.image_cache, 0, 0.0)  # the cache's counts, when no tile ran
+        self.advance_encoding(encoding, encoding.num_tiles)  # every tile at once
         return joined(images, encoding.result())
 
     def advance_encoding(self, encoding: ImageEncoding, max_tiles: int) -> None:
-        """`encoding.advance(max_tiles)`, counted in the engine's stats (tiles, seconds, images)."""
+        """`encoding.advance(max_tiles)`, counted in the engine's stats (tiles, seconds, and the image cache's
+        counts, also for an encoding the cache answered whole)."""
         started, before = time.perf_counter(), encoding.next_tile
         encoding.advance(max_tiles)
         self.stats.record_vision(self.image_cache, encoding.next_tile - before, time.perf_counter() - started)

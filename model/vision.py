@@ -221,14 +221,9 @@ class Vision:
     def encode(self, images: Sequence[ProcessedImage]) -> EncodedImages:
         """The images' embeddings, each image's tiles in order: [sum of tiles * tokens_per_tile, text hidden].
         CPU-heavy (a vision transformer over every tile): run it off an event loop."""
-        return joined(images, self.encode_each(images))
-
-    def encode_each(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
-        """Each image's embeddings [tiles * tokens_per_tile, text hidden], all tiles in one run of the tower."""
         if not images:
             raise ValueError("no images to encode")
-        embeds = self.encoder(torch.cat([image.pixels for image in images]))
-        return per_image(embeds, images, self.encoder.config.tokens_per_tile)
+        return EncodedImages(self.encoder(torch.cat([image.pixels for image in images])), images_digest(images))
 
 
 def per_image(embeds: torch.Tensor, images: Sequence[ProcessedImage], tokens_per_tile: int) -> list[torch.Tensor]:
@@ -236,9 +231,14 @@ def per_image(embeds: torch.Tensor, images: Sequence[ProcessedImage], tokens_per
     return list(embeds.split([image.pixels.shape[0] * tokens_per_tile for image in images]))
 
 
+def images_digest(images: Sequence[ProcessedImage]) -> bytes:
+    """One sha256 over a prompt's images' digests, in order."""
+    return hashlib.sha256(b"".join(image.digest for image in images)).digest()
+
+
 def joined(images: Sequence[ProcessedImage], embeds: Sequence[torch.Tensor]) -> EncodedImages:
     """A prompt's images' embeddings as the engine takes them: one tensor, one digest."""
-    return EncodedImages(torch.cat(list(embeds)), hashlib.sha256(b"".join(image.digest for image in images)).digest())
+    return EncodedImages(torch.cat(list(embeds)), images_digest(images))
 
 
 def read_vision(directory: Path, raw_config: Mapping[str, Any], files: Sequence[Path], dtype: torch.dtype,
