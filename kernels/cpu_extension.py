@@ -42,6 +42,7 @@ module with its reference, its fake and one `cpu_op` line.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -80,24 +81,43 @@ def cpu_kernels_enabled() -> bool:
     return ENABLED
 
 
-def cpu_features(cpuinfo: str, machine: str) -> str:
-    """What `-march=native` compiles for, as one string: the machine and the sorted feature flags of the
-    first CPU in /proc/cpuinfo text ("flags" on x86, "Features" on Arm)."""
+def flags_of(cpuinfo: str) -> frozenset[str] | None:
+    """The feature flags of the first CPU in /proc/cpuinfo text ("flags" on x86, "Features" on Arm); None
+    for text without them."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return f"{machine}: {' '.join(sorted(set(value.split())))}"
-    return f"{machine}: {platform.processor()}"  # no /proc/cpuinfo flags (macOS, say): the processor name
+            return frozenset(value.split())
+    return None
+
+
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo has none)."""
+    return flags_of(read_cpuinfo()) or frozenset()
+
+
+def cpu_features(cpuinfo: str, machine: str) -> str:
+    """What `-march=native` compiles for, as one string: the machine and the sorted feature flags of the
+    first CPU in /proc/cpuinfo text."""
+    flags = flags_of(cpuinfo)
+    if flags is None:  # no /proc/cpuinfo flags (macOS, say): the processor name
+        return f"{machine}: {platform.processor()}"
+    return f"{machine}: {' '.join(sorted(flags))}"
 
 
 def cpu_build_key() -> str:
     """A short digest of this CPU's features, for the build cache's name."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpuinfo = f.read()
-    except OSError:
-        cpuinfo = ""
-    return hashlib.sha256(cpu_features(cpuinfo, platform.machine()).encode()).hexdigest()[:12]
+    return hashlib.sha256(cpu_features(read_cpuinfo(), platform.machine()).encode()).hexdigest()[:12]
 
 
 def build_name(name: str, source: str) -> str:

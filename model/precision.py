@@ -13,10 +13,11 @@ Every part names a precision from this table and reads its facts here: `ladder c
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from kernels.cpu_extension import cpu_flags
 
 
 @dataclass(frozen=True)
@@ -83,20 +84,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> str |
     return "float32"
 
 
-@functools.cache
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (x86 AMX or AVX-512 BF16, Arm's BF16 extension):
     there bfloat16 matmuls run several times faster than float32 ones (a vision tower's, 3.3x on 2 vCPUs of
     a Xeon with AMX), elsewhere at about half their rate."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return bool({"amx_bf16", "avx512_bf16", "bf16"} & set(value.split()))
-    except OSError:
-        pass
-    return False
+    return bool({"amx_bf16", "avx512_bf16", "bf16"} & cpu_flags())
 
 
 # `--vision-dtype`: the vision tower's float type (model/vision.py), `auto` or a float dtype by either name.

@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.backends.manifest import ArtifactError
 from kernels import cpu_int8_linear, cpu_w8a8_linear  # noqa: F401  registers ladder::int8_linear, w8a8_linear
+from kernels.cpu_extension import cpu_flags
 from model.attention import OpaquePagedAttention, TorchAttentionPlan, install
 from model.llama import LlamaForCausalLM
 from model.quantization import activation_dtype
@@ -59,17 +60,7 @@ class PackagedStep(nn.Module):
 
 def cpu_vector_flags() -> list[str]:
     """This CPU's vector extensions among VECTOR_FLAGS (empty where /proc/cpuinfo is not readable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            have = set(value.split())
-            return [flag for flag in VECTOR_FLAGS if flag in have]
-    return []
+    return [flag for flag in VECTOR_FLAGS if flag in cpu_flags()]
 
 
 def package_record() -> dict[str, Any]:
