@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import itertools
 from pathlib import Path
 from typing import Sequence
@@ -14,6 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from model.chat_template import reads_content_parts
+from model.image_processor import data_url_bytes
 from model.loader import LoadedModel
 from model.lora import adapter_name
 from model.pooling import finish_embedding
@@ -183,10 +183,7 @@ def image_bytes(source) -> bytes:
     if isinstance(source, bytes | bytearray):
         return bytes(source)
     if isinstance(source, str) and source.startswith("data:"):
-        header, _, payload = source.partition(",")
-        if not header.endswith(";base64"):
-            raise ValueError("an image data URL must be data:<type>;base64,<data>")
-        return base64.b64decode(payload, validate=True)
+        return data_url_bytes(source)
     if isinstance(source, str | Path):
         return Path(source).expanduser().read_bytes()
     raise ValueError(f"an image must be bytes, a data: URL or a path, not {type(source).__name__}")

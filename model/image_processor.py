@@ -10,6 +10,8 @@ as the checkpoint's processor does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import json
@@ -156,6 +158,17 @@ class ImageProcessor:
                 placeholders[grid] = tokenizer.encode(self.placeholder(*grid), add_special_tokens=False)
             out.extend(placeholders[grid])
         return out
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of a `data:[<type>];base64,<data>` URL; ImageError for another form."""
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ImageError("an image data URL must be data:<type>;base64,<data>")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("an image data URL's data is not valid base64") from None
 
 
 def decode_image(data: bytes):

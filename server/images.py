@@ -11,8 +11,6 @@ tokens the engine runs on the image's embeddings.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model.errors import one_line
-from model.image_processor import ImageError, ImageProcessor, ProcessedImage
+from model.image_processor import ImageError, ImageProcessor, ProcessedImage, data_url_bytes
 from model.tokenizer import Tokenizer
 from server.errors import APIError
 
@@ -36,17 +34,6 @@ def host_allowed(host: str, allowed: Sequence[str]) -> bool:
         if rule == "*" or host == rule or (rule.startswith("*.") and host.endswith(rule[1:])):
             return True
     return False
-
-
-def data_url_bytes(url: str) -> bytes:
-    """The bytes of a `data:[<type>];base64,<data>` URL; APIError 400 for another form."""
-    header, sep, payload = url.partition(",")
-    if not sep or not header.endswith(";base64"):
-        raise APIError(400, "an image data URL must be data:<type>;base64,<data>", param="messages")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise APIError(400, "an image data URL's data is not valid base64", param="messages") from None
 
 
 class AllowedRedirects(urllib.request.HTTPRedirectHandler):
@@ -79,7 +66,10 @@ def fetch(url: str, allowed_domains: Sequence[str]) -> bytes:
 
 async def image_bytes(url: str, allowed_domains: Sequence[str]) -> bytes:
     if url.startswith("data:"):
-        return data_url_bytes(url)
+        try:
+            return data_url_bytes(url)
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages") from None
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise APIError(400, "an image URL must be a data: URL (base64) or an http(s) URL", param="messages")
