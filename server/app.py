@@ -368,14 +368,11 @@ def create_app(state: ServerState) -> FastAPI:
             requested = body.max_completion_tokens or body.max_tokens
             max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
             check_length(len(ids), max_tokens, info.max_model_len, "messages")
-            encoded = await engine.encode_images(images) if images else None
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
             params = sampling_params(body, max_tokens, num_top, guide, info.sampling_defaults)
-            job = Job(new_id("chatcmpl"), [Prompt(ids, "", encoded)], params, lora or state.model_name, num_top, lora,
-                      num_prompt_logprobs=body.prompt_logprobs)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             reasoning = None
             if state.reasoning is not None:
@@ -384,10 +381,14 @@ def create_app(state: ServerState) -> FastAPI:
                 budget = body.reasoning_budget if body.reasoning_budget is not None \
                     else state.settings.reasoning_budget
                 block = ThinkBlock(reasoning.fmt.start_id, reasoning.fmt.end_id, reasoning.opened)
-                job.params = params.replace(reasoning=block, reasoning_budget=budget)
+                params = params.replace(reasoning=block, reasoning_budget=budget)
             elif body.reasoning_budget is not None:
                 raise APIError(400, "reasoning_budget needs a reasoning model (<think> and </think> tokens) "
                                     "served with its reasoning parser", param="reasoning_budget")
+            # The tower last, once every check that can refuse the request has passed: seconds of CPU.
+            encoded = await engine.encode_images(images) if images else None
+            job = Job(new_id("chatcmpl"), [Prompt(ids, "", encoded)], params, lora or state.model_name, num_top, lora,
+                      num_prompt_logprobs=body.prompt_logprobs)
             return engine, job, parsed, reasoning, reservation
         except BaseException:
             reservation.release()

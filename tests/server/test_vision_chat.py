@@ -275,3 +275,13 @@ def test_metrics_count_the_towers_work_and_the_image_cache(server):
     assert after["ladder_vision_images_cached_total"] - before["ladder_vision_images_cached_total"] == 1
     assert after["ladder_vision_tiles_total"] - before["ladder_vision_tiles_total"] == 5
     assert after["ladder_vision_seconds_total"] > before["ladder_vision_seconds_total"]
+
+
+def test_a_request_refused_for_another_reason_runs_no_tower(server, monkeypatch):
+    encoder = server.state.engine.engine.vision.encoder
+    calls = []
+    forward = encoder.forward
+    monkeypatch.setattr(encoder, "forward", lambda pixels: calls.append(pixels.shape[0]) or forward(pixels))
+    bad_grammar = chat(data_url(png(40, 40, seed=31)), guided_regex="(unclosed")
+    reply = httpx.post(server.url + CHAT, json=bad_grammar, timeout=60)
+    assert reply.status_code == 400 and calls == []
