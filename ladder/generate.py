@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from engine.config import resolve_device
+from engine.llm import template_message
 from ladder.device import add_device_argument
 from ladder.precision import (
     add_auto_dtype_argument,
@@ -96,15 +97,15 @@ def stream(args: argparse.Namespace, loaded) -> int:
         if args.image and vision is None:
             raise ValueError(f"{loaded.name} takes no images (--image needs a vision model)")
         parts = vision is not None and reads_content_parts(tokenizer.chat_template or "")
-        content = ([{"type": "image"} for _ in args.image] + [{"type": "text", "text": args.prompt}]) if parts \
-            else args.prompt
-        messages = ([{"role": "system", "content": [{"type": "text", "text": args.system}] if parts
-                      else args.system}] if args.system else [])
-        messages.append({"role": "user", "content": content})
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": [*({"type": "image", "image": read_image(path)}
+                                                       for path in args.image), {"type": "text", "text": args.prompt}]})
+        sources: list[bytes] = []
+        messages = [template_message(m, parts, sources) for m in messages]  # as LLM.chat shows them
         # The template writes the special tokens itself; encoding must not add a second BOS.
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         if args.image:
-            images = [vision.processor.process(read_image(path)) for path in args.image]
+            images = [vision.processor.process(data) for data in sources]
             prompt_ids = vision.processor.place(prompt_ids, images, vision.image_token_id, tokenizer)
             encoded = vision.encode(images)
     context = loaded.config.max_position_embeddings
