@@ -79,22 +79,6 @@ async def image_bytes(url: str, allowed_domains: Sequence[str]) -> bytes:
     return await asyncio.to_thread(fetch, url, allowed_domains)
 
 
-async def load_images(urls: Sequence[str], processor: ImageProcessor, allowed_domains: Sequence[str],
-                      max_images: int) -> list[ProcessedImage]:
-    """The chat's images, read and cut into tiles, in order; APIError 400 for anything unreadable."""
-    if len(urls) > max_images:
-        raise APIError(400, f"{len(urls)} images in one request; at most {max_images} (--max-images-per-prompt)",
-                       param="messages")
-    images = []
-    for url in urls:
-        data = await image_bytes(url, allowed_domains)
-        try:
-            images.append(await asyncio.to_thread(processor.process, data))
-        except ImageError as e:
-            raise APIError(400, f"image {len(images) + 1}: {e}", param="messages") from None
-    return images
-
-
 @dataclass(frozen=True)
 class ImageInputs:
     """How a server takes a chat's images, for a model that reads them."""
@@ -105,7 +89,18 @@ class ImageInputs:
     max_images: int = 8
 
     async def load(self, urls: Sequence[str]) -> list[ProcessedImage]:
-        return await load_images(urls, self.processor, self.allowed_domains, self.max_images)
+        """The chat's images, read and cut into tiles, in order; APIError 400 for anything unreadable."""
+        if len(urls) > self.max_images:
+            raise APIError(400, f"{len(urls)} images in one request; at most {self.max_images} "
+                                "(--max-images-per-prompt)", param="messages")
+        images = []
+        for url in urls:
+            data = await image_bytes(url, self.allowed_domains)
+            try:
+                images.append(await asyncio.to_thread(self.processor.process, data))
+            except ImageError as e:
+                raise APIError(400, f"image {len(images) + 1}: {e}", param="messages") from None
+        return images
 
     def place(self, ids: list[int], images: Sequence[ProcessedImage], tokenizer: Tokenizer) -> list[int]:
         try:
