@@ -72,7 +72,7 @@ def ladder_round(engine: LLMEngine, data: bytes, max_tokens: int, request_id: st
     start = time.perf_counter()
     image = vision.processor.process(data)
     _, ids = tokenizer.encode_chat(conversation(turn))
-    ids = vision.processor.place(ids, [image], vision.image_token_id, tokenizer)
+    ids = vision.processor.place(ids, [image], tokenizer)
     prepared = time.perf_counter()
     encoded = engine.encode_images([image])
     encoded_at = time.perf_counter()

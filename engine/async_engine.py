@@ -43,7 +43,7 @@ from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from model.config import ModelConfig
-from model.image_processor import ImageProcessor, ProcessedImage
+from model.image_processor import Gemma3ImageProcessor, ImageProcessor, ProcessedImage
 from model.lora import LoRAAdapter
 from model.pooling import Pooling
 from model.precision import precision_of_dtype
@@ -128,8 +128,7 @@ class EngineInfo:
     reranker_file: bool = False
     # The image processor of a model that reads images (model/image_processor.py), else None; its vision
     # tower runs through `AsyncLLMEngine.encode_images`.
-    image_processor: ImageProcessor | None = None
-    image_token_id: int | None = None
+    image_processor: ImageProcessor | Gemma3ImageProcessor | None = None
 
 
 async def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -170,8 +169,7 @@ class AsyncLLMEngine:
                                kv_cache_dtype=str(engine.runner.kv_caches[0].dtype).removeprefix("torch."),
                                pooling=engine.pooling, embeddings_unavailable=engine.embeddings_unavailable,
                                reranker_file=bool(getattr(engine.model.module, "score_rows", None)),
-                               image_processor=engine.vision.processor if engine.vision else None,
-                               image_token_id=engine.vision.image_token_id if engine.vision else None)
+                               image_processor=engine.vision.processor if engine.vision else None)
         self.stats: EngineStats = engine.stats  # thread-safe: it takes its own lock
         # The adapters served, name -> where it was read from; replaced whole by the engine thread.
         self.loras: dict[str, Path] = self._lora_paths()

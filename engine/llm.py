@@ -143,7 +143,7 @@ class LLM:
         encoded = None
         if sources:
             processed = [vision.processor.process(image_bytes(source)) for source in sources]
-            ids = vision.processor.place(ids, processed, vision.image_token_id, self.tokenizer)
+            ids = vision.processor.place(ids, processed, self.tokenizer)
             encoded = self.engine.encode_images(processed)
         return self.generate([ids], sampling_params, images=[encoded])[0]
 

@@ -43,7 +43,7 @@ from model.pooling import POOLING_KINDS, Pooling
 from model.precision import parse_kv_cache_dtype
 from model.quantization import resolve_quantization
 from model.step import returns_hidden
-from model.vision import EncodedImages, Vision, joined
+from model.vision import EncodedImages, Vision, image_spans, joined
 from parallel import tensor_parallel_model
 
 if TYPE_CHECKING:
@@ -254,6 +254,7 @@ class LLMEngine:
         if not all(0 <= t < vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         image_positions = self._image_positions(prompt_token_ids, images)
+        spans = image_spans(image_positions) if self.vision is not None and self.vision.bidirectional else []
         compiled = None
         if params.guide is not None:
             if self.guides is None:
@@ -270,7 +271,8 @@ class LLMEngine:
                              matcher=compiled.matcher() if compiled is not None else None,
                              lora=lora, cache_salt=salt, pooling=pooling, image_positions=image_positions,
                              image_embeds=images.embeds if images is not None else None,
-                             image_digest=images.digest if images is not None else b"")
+                             image_digest=images.digest if images is not None else b"",
+                             image_spans=spans)
             streams[sample] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
             samples.append(sample)
         self.requests[request_id] = samples

@@ -146,7 +146,7 @@ def image_rows(request: Request, start: int, end: int) -> InputEmbeds | None:
     if first == last:
         return None
     rows = torch.tensor(positions[first:last], dtype=torch.long) - start
-    return InputEmbeds(rows, request.image_embeds[first:last])
+    return InputEmbeds(rows, request.image_embeds[first:last], bidirectional=bool(request.image_spans))
 
 
 def pooled_rows(kind: str, start: int, end: int, num_prompt_tokens: int) -> range:

@@ -102,6 +102,9 @@ class Request:
     image_positions: list[int] = field(default_factory=list)
     image_embeds: Any = None
     image_digest: bytes = b""  # the images' pixels' sha256: keys the prefix cache's blocks from the first image on
+    # A model whose image tokens see each other both ways (Gemma 3): each image's run of positions [start,
+    # end), which one chunk computes to its end (`chunk_end`). Empty for any other model.
+    image_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         block = self.params.reasoning
@@ -184,6 +187,15 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a chunk of positions start .. end - 1 must end instead so it cuts no image span: before a span
+        it would enter, or after one it starts inside (over the step's budget, by less than a span: a span's
+        tokens attend to all of it, so its last token must be computed with the rest)."""
+        for first, last in self.image_spans:
+            if first < end < last:
+                return first if first > start else last
+        return end
 
     def preempt(self) -> None:
         """Drop everything in the cache; the request recomputes its prompt and outputs later."""

@@ -13,6 +13,9 @@ bounded delay per step instead of one long stall, and a burst is admitted a few 
 first tokens come out in turn instead of all at the end, and the requests do not all finish (and come
 back) together. With nothing decoding, prompts get the whole step budget.
 
+A prompt whose images attend to themselves both ways (Gemma 3, `Request.image_spans`) is chunked so no
+chunk ends inside an image: a chunk that would stops before it, or runs to its end when it starts inside.
+
 A request with a LoRA adapter takes a slot of the adapter manager (engine/lora_manager.py) when it is
 admitted and gives it back when it finishes or is preempted; one whose adapter finds no free slot stays
 waiting, and the waiting requests behind it are considered in turn.
@@ -129,6 +132,9 @@ class Scheduler:
                     continue
                 remaining = min(remaining, prefill_budget, self._prompt_chunk_limit(request))
             num_new = min(remaining, budget)
+            if is_prompt:
+                start = request.num_computed_tokens
+                num_new = request.chunk_end(start, start + num_new) - start
             draft = tuple(drafts.get(request, ()))[:budget - 1] if not is_prompt else ()
             if draft and self.blocks.allocate(request, num_new + len(draft)):
                 out.scheduled.append(ScheduledRequest(request, num_new + len(draft), draft))
@@ -211,6 +217,7 @@ class Scheduler:
         for pool, prefix in self._pool_order(request):
             request.kv_pool = pool
             num_new = min(request.num_tokens - prefix.num_tokens, limit)
+            num_new = request.chunk_end(prefix.num_tokens, prefix.num_tokens + num_new) - prefix.num_tokens
             if self.blocks.allocate(request, num_new, prefix):
                 self.blocks.count_lookup(request, prefix)
                 return prefix, num_new

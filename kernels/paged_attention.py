@@ -5,7 +5,9 @@ query_start_loc[s]:query_start_loc[s+1]. Its seq_lens[s] tokens (cached context,
 already written to the cache) sit at positions 0..seq_len-1, token p in block
 block_tables[s, p // block_size] at row p % block_size. New token i of sequence s is at position
 seq_lens[s] - num_new[s] + i and attends causally to positions <= its own, and with a sliding window w
-only to positions > its own - w. Queries may have more heads than the cache (grouped-query attention:
+only to positions > its own - w. With `key_ends` [T], new token t attends to positions < key_ends[t] instead
+of <= its own (an image's tokens see the whole image: Gemma 3); a window still counts back from its own
+position. Queries may have more heads than the cache (grouped-query attention:
 query head h reads KV head h // (num_heads / num_kv_heads)).
 
 Decode (one new token per sequence) and prefill chunks compute the same function; their kernels live
@@ -44,6 +46,7 @@ def plan_gather(
     max_seq_len: int,
     block_size: int,
     sliding_window: int | None = None,
+    key_ends: torch.Tensor | None = None,  # [T] keys each new token sees; None: causal
 ) -> GatherPlan:
     device = seq_lens.device
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
@@ -56,7 +59,8 @@ def plan_gather(
     keys = torch.arange(num_blocks * block_size, device=device)  # [L]
     # Absolute position of each padded query; causality then also hides slots past seq_len.
     query_pos = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, max_q]
-    mask = keys[None, None, :] <= query_pos[:, :, None]
+    key_end = query_pos + 1 if key_ends is None else torch.where(query_valid, key_ends[query_index], query_pos + 1)
+    mask = keys[None, None, :] < key_end[:, :, None]
     if sliding_window is not None:
         mask &= keys[None, None, :] > query_pos[:, :, None] - sliding_window
     # An index, not a boolean mask, so the output's shape [T] is known without reading the data
@@ -113,10 +117,11 @@ def paged_attention_ref(
     max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    key_ends: torch.Tensor | None = None,  # [T]; None: causal
 ) -> torch.Tensor:  # [T, num_heads, head_dim] of q's dtype, computed in float32
     """What every paged attention kernel must compute (the cache already holds this step's tokens)."""
     plan = plan_gather(query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, kv_cache.shape[2],
-                       sliding_window)
+                       sliding_window, key_ends)
     return gathered_attention(q.float(), kv_cache.float(), plan, scale).to(q.dtype)
 
 

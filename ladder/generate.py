@@ -106,7 +106,7 @@ def stream(args: argparse.Namespace, loaded) -> int:
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         if args.image:
             images = [vision.processor.process(data) for data in sources]
-            prompt_ids = vision.processor.place(prompt_ids, images, vision.image_token_id, tokenizer)
+            prompt_ids = vision.processor.place(prompt_ids, images, tokenizer)
             encoded = vision.encode(images)
     context = loaded.config.max_position_embeddings
     if len(prompt_ids) + args.max_tokens > context:
@@ -121,7 +121,7 @@ def stream(args: argparse.Namespace, loaded) -> int:
     num_output = 0
     for step in generator.generate(prompt_ids, args.max_tokens, args.temperature, args.seed,
                                    tokenizer.stop_token_ids, encoded,
-                                   vision.image_token_id if encoded is not None else None):
+                                   vision if encoded is not None else None):
         num_output += 1
         first_token_at = first_token_at or time.perf_counter()
         sys.stdout.write(detokenizer.push(step.token_id))

@@ -31,6 +31,9 @@ class AttentionMetadata:
     max_query_len, max_seq_len: Python ints, so shapes are known without a device sync.
     window: the same step in the sliding-window layers' own cache, when they have one
         (engine/window_blocks.py): other block tables and slots, the same tokens; None: they share these.
+    key_ends: [T] int64 or None, the keys (positions 0 .. key_ends[t] - 1) each new token sees where some
+        token sees past its own position: an image's tokens see the whole image (Gemma 3). A sliding window
+        still counts back from the token's own position. None: every token is causal (position + 1).
     """
 
     query_start_loc: torch.Tensor
@@ -40,6 +43,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     window: AttentionMetadata | None = None
+    key_ends: torch.Tensor | None = None
 
     @classmethod
     def build(

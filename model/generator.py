@@ -14,7 +14,7 @@ import torch
 
 from model.sequences import Sequences
 from model.step import InputEmbeds, StepModel
-from model.vision import EncodedImages
+from model.vision import EncodedImages, Vision
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,10 @@ class Generator:
         seed: int | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
         images: EncodedImages | None = None,
-        image_token_id: int | None = None,
+        vision: Vision | None = None,
     ) -> Iterator[GenerationStep]:
         """Yield up to `max_tokens` tokens; stops after (and including) a stop token. `images`: the embeddings
-        of the prompt's `image_token_id` tokens, in order (model/vision.py)."""
+        of the prompt's image tokens (`vision`'s), in order (model/vision.py)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + max_tokens > self.max_len:
@@ -56,11 +56,13 @@ class Generator:
         rng.manual_seed(seed if seed is not None else torch.seed())
         embeds = None
         if images is not None:
-            rows = [i for i, t in enumerate(prompt) if t == image_token_id]
+            if vision is None:
+                raise ValueError("images need the model's vision")
+            rows = [i for i, t in enumerate(prompt) if t == vision.image_token_id]
             if len(rows) != images.embeds.shape[0]:
                 raise ValueError(f"the prompt has {len(rows)} image tokens and its images {images.embeds.shape[0]} "
                                  "embeddings")
-            embeds = InputEmbeds(torch.tensor(rows, dtype=torch.long), images.embeds)
+            embeds = InputEmbeds(torch.tensor(rows, dtype=torch.long), images.embeds, vision.bidirectional)
         logits = self.step(prompt, embeds)[-1]
         for i in range(max_tokens):
             if temperature > 0:

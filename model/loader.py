@@ -138,7 +138,7 @@ def load(
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
         pooling = hf_dir_pooling(path)
-        if raw_config.get("model_type") in VISION_MODEL_TYPES:
+        if raw_config.get("model_type") in VISION_MODEL_TYPES and "vision_config" in raw_config:
             tower_dtype = resolve_vision_dtype(vision_dtype, torch_dtype, device)
             module.vision = read_vision(path, raw_config, safetensors_files(path), tower_dtype, device)
     else:  # a .gguf file (check_source)

@@ -87,7 +87,8 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
                              f"{text_hidden_size} (a projector made for another model)")
     mean, std = meta.get("clip.vision.image_mean", [0.5] * 3), meta.get("clip.vision.image_std", [0.5] * 3)
     longest = meta.get("clip.vision.preproc_image_size")
-    processor = ImageProcessor(config.image_size, config.tokens_per_tile, int(longest) if longest else None, True,
+    processor = ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
+                               int(longest) if longest else None, True,
                                tuple(float(m) for m in mean), tuple(float(s) for s in std))
     with torch.device("meta"):
         encoder = ImageEncoder(config)

@@ -96,6 +96,9 @@ class InputEmbeds:
 
     rows: torch.Tensor  # [E] int64: a chunk's rows (SeqChunk), or the flat batch's (StepInputs)
     values: torch.Tensor  # [E, hidden]
+    # Each run of consecutive rows is one image whose tokens attend to each other both ways (Gemma 3): the
+    # chunk holds every run to its end (engine/scheduler.py), so each row sees the keys up to its run's end.
+    bidirectional: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     window_tables: list[list[int]] = []
     adapters: list[int] = []
     embeds: list[InputEmbeds] = []
+    key_ends: dict[int, int] = {}  # flat row -> the keys it sees, where more than its position + 1
     for chunk in chunks:
         if not chunk.token_ids:
             continue
@@ -143,14 +147,19 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
         if chunk.embeds is not None:
             first = len(input_ids) - len(chunk.token_ids)
             embeds.append(InputEmbeds(chunk.embeds.rows + first, chunk.embeds.values))
+            if chunk.embeds.bidirectional:
+                key_ends.update(run_key_ends(chunk.embeds.rows.tolist(), first, chunk.num_cached))
         adapters.extend([chunk.adapter] * len(chunk.token_ids))
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    as_long = {"dtype": torch.long, "device": device}
+    if key_ends:
+        ends = [key_ends.get(row, position + 1) for row, position in enumerate(positions)]
+        meta = dataclasses.replace(meta, key_ends=torch.tensor(ends, **as_long))
     if window_tables:
         if len(window_tables) != len(tables):
             raise ValueError("either every chunk of a step has a window block table or none has")
         window = AttentionMetadata.build(query_lens, seq_lens, window_tables, block_size, device)
-        meta = dataclasses.replace(meta, window=window)
-    as_long = {"dtype": torch.long, "device": device}
+        meta = dataclasses.replace(meta, window=dataclasses.replace(window, key_ends=meta.key_ends))
     rows = torch.tensor(adapters, **as_long) if any(a >= 0 for a in adapters) else None
     given = None
     if embeds:
@@ -158,6 +167,19 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
                             torch.cat([e.values for e in embeds]).to(device))
     return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
                       torch.tensor(sample_rows, **as_long), rows, input_embeds=given)
+
+
+def run_key_ends(rows: Sequence[int], first: int, num_cached: int) -> dict[int, int]:
+    """For a chunk's bidirectional image rows (ascending, counted from the chunk's first), each flat row
+    (`first` + row) -> the number of keys it sees: up to its run's last position, inclusive."""
+    out: dict[int, int] = {}
+    start = 0
+    for k in range(1, len(rows) + 1):
+        if k == len(rows) or rows[k] != rows[k - 1] + 1:  # rows[start:k] is one run
+            end = num_cached + rows[k - 1] + 1
+            out.update((first + r, end) for r in rows[start:k])
+            start = k
+    return out
 
 
 @torch.inference_mode()

@@ -326,7 +326,7 @@ class Tokenizer:
         token = self.backend.id_to_token(token_id)
         if token is None:
             return b""
-        if token_id in self._added_ids:
+        if token_id in self.added_ids:
             return token.encode()
         if self._byte_level:
             try:
@@ -338,7 +338,9 @@ class Tokenizer:
         return token.replace("\u2581", " ").encode()
 
     @functools.cached_property
-    def _added_ids(self) -> frozenset[int]:
+    def added_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (special or not): whole text splits at them before the model's own
+        tokenization."""
         return frozenset(self.backend.get_added_tokens_decoder())
 
     @functools.cached_property

@@ -142,7 +142,7 @@ class ServerState:
                                       engine.info.reranker_file)
         info = engine.info
         self.vision = None if info.image_processor is None else ImageInputs(
-            info.image_processor, info.image_token_id, self.settings.allowed_image_domains,
+            info.image_processor, self.settings.allowed_image_domains,
             self.settings.max_images_per_prompt)
         engine.stats.observers.append(self.metrics.observe_finished)
         self.engine = engine

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model.errors import one_line
-from model.image_processor import ImageError, ImageProcessor, ProcessedImage, data_url_bytes
+from model.image_processor import Gemma3ImageProcessor, ImageError, ImageProcessor, ProcessedImage, data_url_bytes
 from model.tokenizer import Tokenizer
 from server.errors import APIError
 
@@ -83,8 +83,7 @@ async def image_bytes(url: str, allowed_domains: Sequence[str]) -> bytes:
 class ImageInputs:
     """How a server takes a chat's images, for a model that reads them."""
 
-    processor: ImageProcessor
-    image_token_id: int
+    processor: ImageProcessor | Gemma3ImageProcessor
     allowed_domains: tuple[str, ...] = ()
     max_images: int = 8
 
@@ -104,6 +103,6 @@ class ImageInputs:
 
     def place(self, ids: list[int], images: Sequence[ProcessedImage], tokenizer: Tokenizer) -> list[int]:
         try:
-            return self.processor.place(ids, images, self.image_token_id, tokenizer)
+            return self.processor.place(ids, images, tokenizer)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None

@@ -60,25 +60,32 @@ class CpuPagedAttention(TorchPagedAttention):
             return CpuAttentionPlan(meta.slot_mapping, meta.block_tables, meta.seq_lens)
         starts = meta.query_start_loc
         query_lens = starts[1:] - starts[:-1]  # [S]
-        short = query_lens <= SHORT_QUERY  # [S]
-        if not bool(short.any()):
-            return super().plan(meta)
         num_tokens = int(starts[-1])
         sequence = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens, output_size=num_tokens)  # [T]
         token = torch.arange(num_tokens)
+        # Token t of sequence s sits at position seq_lens[s] - (starts[s + 1] - t) and sees one more key.
+        token_lens = meta.seq_lens[sequence] - starts[1:][sequence] + token + 1  # [T]
+        short = query_lens <= SHORT_QUERY  # [S]
+        if meta.key_ends is not None:
+            # A chunk whose image tokens see past themselves runs gathered, under the reference's mask (a row
+            # of the kernel sees a prefix of its context, and a window counts back from the row's end).
+            widened = meta.key_ends != token_lens  # [T]
+            short[sequence[widened]] = False
+        if not bool(short.any()):
+            return super().plan(meta)
         is_row = short[sequence]  # [T]
         rows = token[is_row]
         row_seq = sequence[is_row]
-        # Token t of sequence s sits at position seq_lens[s] - (starts[s + 1] - t) and sees one more key.
-        row_lens = meta.seq_lens[row_seq] - starts[1:][row_seq] + rows + 1
+        row_lens = token_lens[is_row]
         if bool(short.all()):
             return CpuAttentionPlan(meta.slot_mapping, meta.block_tables[row_seq], row_lens)
         long = ~short
         long_lens = query_lens[long]
         long_starts = torch.zeros(len(long_lens) + 1, dtype=torch.long)
         torch.cumsum(long_lens, 0, out=long_starts[1:])
+        key_ends = meta.key_ends[~is_row] if meta.key_ends is not None else None
         sub = AttentionMetadata(long_starts, meta.seq_lens[long], meta.block_tables[long], meta.slot_mapping,
-                                int(long_lens.max()), int(meta.seq_lens[long].max()))
+                                int(long_lens.max()), int(meta.seq_lens[long].max()), key_ends=key_ends)
         return CpuAttentionPlan(meta.slot_mapping, meta.block_tables[row_seq], row_lens, rows, token[~is_row],
                                 super().plan(sub))
 

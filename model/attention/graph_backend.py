@@ -76,6 +76,8 @@ class GraphPagedAttention(BaseAttention):
         self.table_width = table_width
 
     def plan(self, meta: AttentionMetadata) -> GraphAttentionPlan:
+        if meta.key_ends is not None:
+            raise ValueError("images whose tokens see each other both ways (Gemma 3) need the eager model")
         tables = meta.block_tables
         if self.table_width is not None:
             if tables.shape[1] > self.table_width:

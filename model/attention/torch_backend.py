@@ -41,7 +41,7 @@ class TorchPagedAttention(BaseAttention):
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         gather = plan_gather(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len,
-                             meta.max_seq_len, self.block_size, self.sliding_window)
+                             meta.max_seq_len, self.block_size, self.sliding_window, meta.key_ends)
         return TorchAttentionPlan(*gather, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens)
 
     def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache import write_kv_cache
+from kernels.paged_attention import paged_attention_ref
 from kernels.prefill_attention import paged_prefill_attention
 from model.attention.base import BaseAttention
 from model.attention_metadata import AttentionMetadata
@@ -22,6 +23,10 @@ class TritonPagedAttention(BaseAttention):
         if kv_cache.shape[2] != self.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} differs from the model's {self.block_size}")
         write_kv_cache(k, v, kv_cache, plan.slot_mapping)
+        if plan.key_ends is not None:  # images that see themselves both ways (a prefill): the reference's mask
+            return paged_attention_ref(q, kv_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
+                                       plan.max_query_len, plan.max_seq_len, scale, self.sliding_window,
+                                       plan.key_ends)
         if plan.max_query_len == 1:  # every sequence brings one token: pure decode
             return paged_decode_attention(q, kv_cache, plan.seq_lens, plan.block_tables, plan.max_seq_len, scale,
                                           self.sliding_window)

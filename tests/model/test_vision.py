@@ -66,7 +66,7 @@ def prompt_ids(loaded, data: bytes, messages: list[dict] = MESSAGES) -> tuple[li
     vision = loaded.module.vision
     image = vision.processor.process(data)
     _, ids = loaded.tokenizer.encode_chat(messages)
-    return vision.processor.place(ids, [image], vision.image_token_id, loaded.tokenizer), image
+    return vision.processor.place(ids, [image], loaded.tokenizer), image
 
 
 @pytest.mark.parametrize("size", [(90, 150), (150, 40), (64, 64), (20, 30), (300, 200)])

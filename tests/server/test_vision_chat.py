@@ -86,7 +86,7 @@ def engine_tokens(server, data: list[bytes], text: str = "What is in the picture
     images = [vision.processor.process(d) for d in data]
     content = [{"type": "image"} for _ in data] + [{"type": "text", "text": text}]
     _, ids = tokenizer.encode_chat([{"role": "user", "content": content}])
-    ids = vision.processor.place(ids, images, vision.image_token_id, tokenizer)
+    ids = vision.processor.place(ids, images, tokenizer)
     encoded: EncodedImages = vision.encode(images)
     # The engine thread owns the engine: a second engine over the same loaded model runs it here.
     from engine.config import EngineConfig

@@ -501,3 +501,84 @@ def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path, text
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Gemma 3's chat template in the shape of the released one: a system message folded into the first user
+# turn, "model" for the assistant's role, an image part written as <start_of_image>.
+GEMMA3_VISION_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA3_VISION_TOKENS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                        "<image_soft_token>")
+
+
+def make_tiny_gemma3_vision_model(directory: Path, seed: int = 0, image_size: int = 64, tokens_per_image: int = 16,
+                                  sliding_window: int = 12) -> Path:
+    """A tiny random Gemma 3 that reads images: SmolLM2's vocabulary plus Gemma's turn and image tokens
+    (special), a 2-layer Gemma 3 decoder (a sliding-window layer, `sliding_window` tokens, shorter than an
+    image's run, then a full one), a 2-layer SigLIP over `image_size`-pixel images of 8-pixel patches pooled
+    to `tokens_per_image` tokens, and a Gemma 3-style chat template."""
+    import json
+
+    import tokenizers
+    import transformers
+
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    backend = tokenizer.backend
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                for t in GEMMA3_VISION_TOKENS])
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": "<end_of_turn>", "add_bos_token": False,
+        "chat_template": GEMMA3_VISION_TEMPLATE,
+    }))
+    (directory / "preprocessor_config.json").write_text(json.dumps({
+        "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
+        "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": tokens_per_image, "resample": 2,
+        "rescale_factor": 1 / 255, "size": {"height": image_size, "width": image_size},
+    }))
+    torch.manual_seed(seed)
+    ids = {t: backend.token_to_id(t) for t in GEMMA3_VISION_TOKENS}
+    config = transformers.Gemma3Config(
+        text_config={"vocab_size": backend.get_vocab_size(), "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                     "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": sliding_window,
+                     "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16,
+                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": ids["<end_of_turn>"],
+                     "initializer_range": 0.2},
+        vision_config={"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": image_size, "patch_size": 8, "vision_use_head": False},
+        mm_tokens_per_image=tokens_per_image, image_token_index=ids["<image_soft_token>"],
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"], initializer_range=0.2,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # random weights large enough that images change the logits; Gemma's norms offset
+        for name, p in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+            elif name.endswith("norm.weight"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
