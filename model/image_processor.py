@@ -21,6 +21,7 @@ import binascii
 import hashlib
 import io
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from model.errors import ModelLoadError, one_line
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from model.vision import VisionConfig
+
+log = logging.getLogger(__name__)
 
 IMAGE_TOKEN = "<image>"
 FRAME_TOKEN = "<fake_token_around_image>"
@@ -226,7 +229,12 @@ def processor_from_hf_dir(directory: Path, config: VisionConfig) -> ImageProcess
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelLoadError(f"{path}: missing (a vision model needs its image processor's config)") from None
+        if config.family != "gemma3":
+            raise ModelLoadError(f"{path}: missing (a vision model needs its image processor's config)") from None
+        # Gemma 3's processor has one setting that matters, the tile's size, which the tower's config gives.
+        log.info("%s: missing; Gemma 3's defaults (%d-pixel bilinear tiles, mean and std 0.5)", path,
+                 config.image_size)
+        raw = {}
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({one_line(e)})") from None
     kind = Gemma3ImageProcessor if config.family == "gemma3" else ImageProcessor

@@ -256,7 +256,8 @@ def vision_tensor_name(key: str) -> str | None:
     `[model.]vision_tower.[vision_model.]*` and `[model.]multi_modal_projector.*`."""
     key = key.removeprefix("model.")
     if key.startswith("vision_tower."):
-        return "vision_model." + key.removeprefix("vision_tower.").removeprefix("vision_model.")
+        name = key.removeprefix("vision_tower.").removeprefix("vision_model.")
+        return None if name.startswith("head.") else "vision_model." + name  # a pooling head Gemma never reads
     if key.startswith("multi_modal_projector."):
         return "connector." + key.removeprefix("multi_modal_projector.")
     return key if key.startswith(("vision_model.", "connector.")) else None

@@ -1,6 +1,8 @@
 """A multimodal Gemma 3 checkpoint (model_type gemma3: a SigLIP vision tower, a projector and a Gemma 3
-language model, as the 4B, 12B and 27B ship) is served as its language model: the same text logits as
-transformers' Gemma3ForConditionalGeneration on a text-only prompt, and the vision tensors never read."""
+language model, as the 4B, 12B and 27B ship) serves the same text logits as transformers'
+Gemma3ForConditionalGeneration on a text-only prompt, the decoder never reading the vision tensors (the tower
+reads them: tests/model/test_gemma3_vision.py); without a preprocessor_config.json its images take Gemma 3's
+processor defaults."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ def multimodal(tmp_path_factory):
 def test_the_language_model_is_served(multimodal):
     hf, ours = multimodal
     assert ours.config.architecture == "gemma3" and ours.config.layer_types == ("sliding_attention", "full_attention")
+    processor = ours.module.vision.processor
+    assert (processor.tile_size, processor.tokens_per_tile, processor.mean) == (28, 4, (0.5, 0.5, 0.5))
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()  # no image tokens
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
