@@ -5,7 +5,10 @@ metadata and its tensors renamed from llama.cpp's names.
 llama.cpp's converter writes SmolVLM's (Idefics3's) tower as projector type `idefics3`: SigLIP blocks
 `v.blk.N.*`, the patch and position embeddings, `v.post_ln`, and the connector's projection `mm.model.fc`;
 `clip.vision.preproc_image_size` is the processor's longest edge, and the image tokens come from the text
-model's vocabulary (`<image>`). Other projector types are refused by name.
+model's vocabulary (`<image>`). Gemma 3's is type `gemma3`: the same SigLIP, then `mm.soft_emb_norm` (stored
+as 1 + w, Gemma's scale) and `mm.input_projection`; its average pool is 4 x 4 unless
+`clip.vision.projector.scale_factor` says otherwise, and its tokens are `<start_of_image>`,
+`<image_soft_token>` and `<end_of_image>`. Other projector types are refused by name.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import numpy as np
 import torch
 
 from model.errors import ModelLoadError, one_line
-from model.image_processor import IMAGE_TOKEN, ImageProcessor
+from model.image_processor import IMAGE_TOKEN, Gemma3ImageProcessor, ImageProcessor
 from model.tokenizer import Tokenizer
 from model.vision import ImageEncoder, Vision, VisionConfig
 
-SUPPORTED_PROJECTORS = ("idefics3",)
+SUPPORTED_PROJECTORS = ("idefics3", "gemma3")
+# Gemma 3's image tokens, by their text in its vocabulary: begin, each embedding's, end.
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 # llama.cpp's name (without .weight/.bias) -> ImageEncoder's; `{i}` is a block's index.
 _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2",
@@ -30,12 +35,15 @@ _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 _NAMES = {"v.patch_embd": "vision_model.embeddings.patch_embedding",
           "v.position_embd": "vision_model.embeddings.position_embedding",
           "v.post_ln": "vision_model.post_layernorm",
-          "mm.model.fc": "connector.modality_projection.proj"}
+          "mm.model.fc": "connector.modality_projection.proj",
+          "mm.soft_emb_norm": "connector.mm_soft_emb_norm"}
 
 
 def encoder_name(name: str) -> str | None:
     """An mmproj tensor's name in ImageEncoder's state dict (None: not one of this tower's)."""
     stem, _, kind = name.rpartition(".")
+    if stem == "mm.input_projection":  # a bare parameter of the connector, not a module's weight
+        return "connector.mm_input_projection_weight"
     if stem in _NAMES:
         return f"{_NAMES[stem]}.{kind}"
     parts = stem.split(".")
@@ -62,10 +70,15 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
     projector = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
     if projector not in SUPPORTED_PROJECTORS:
         raise ModelLoadError(f"{path}: projector type {projector!r} is not supported "
-                             f"({', '.join(SUPPORTED_PROJECTORS)}: SmolVLM and Idefics3)")
-    image_token_id = tokenizer.token_to_id(IMAGE_TOKEN)
-    if image_token_id is None:
-        raise ModelLoadError(f"{path}: the text model's vocabulary has no {IMAGE_TOKEN} token for its images")
+                             f"({', '.join(SUPPORTED_PROJECTORS)}: SmolVLM and Idefics3, Gemma 3)")
+    gemma3 = projector == "gemma3"
+    names = GEMMA3_IMAGE_TOKENS if gemma3 else (IMAGE_TOKEN,)
+    ids = [tokenizer.token_to_id(name) for name in names]
+    if None in ids:
+        missing = names[ids.index(None)]
+        raise ModelLoadError(f"{path}: the text model's vocabulary has no {missing} token for its images")
+    token_ids = ({"begin_token_id": ids[0], "image_token_id": ids[1], "end_token_id": ids[2], "family": "gemma3"}
+                 if gemma3 else {"image_token_id": ids[0]})
     try:
         config = VisionConfig(
             hidden_size=int(meta["clip.vision.embedding_length"]),
@@ -75,9 +88,9 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
             image_size=int(meta["clip.vision.image_size"]),
             patch_size=int(meta["clip.vision.patch_size"]),
             layer_norm_eps=float(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
-            scale_factor=int(meta.get("clip.vision.projector.scale_factor", 2)),
+            scale_factor=int(meta.get("clip.vision.projector.scale_factor", 4 if gemma3 else 2)),
             text_hidden_size=text_hidden_size,
-            image_token_id=image_token_id,
+            **token_ids,
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing metadata {e}") from None
@@ -86,10 +99,12 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
         raise ModelLoadError(f"{path}: projects images to {projection} dimensions; the text model's are "
                              f"{text_hidden_size} (a projector made for another model)")
     mean, std = meta.get("clip.vision.image_mean", [0.5] * 3), meta.get("clip.vision.image_std", [0.5] * 3)
+    mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
     longest = meta.get("clip.vision.preproc_image_size")
-    processor = ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
-                               int(longest) if longest else None, True,
-                               tuple(float(m) for m in mean), tuple(float(s) for s in std))
+    processor = (Gemma3ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
+                                      ids[0], ids[2], mean, std) if gemma3 else
+                 ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
+                                int(longest) if longest else None, True, mean, std))
     with torch.device("meta"):
         encoder = ImageEncoder(config)
     expected = encoder.state_dict()
@@ -107,7 +122,10 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
         if array.size != shape.numel():
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} holds {array.size} values; the file's config "
                                  f"says {tuple(shape)}")
-        state[name] = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape).to(device, dtype)
+        value = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+        if name == "connector.mm_soft_emb_norm.weight":  # the file holds Gemma's scale 1 + w; the connector w
+            value = value - 1.0
+        state[name] = value.to(device, dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"{path}: missing tensors for {missing[:3]}")

@@ -6,7 +6,8 @@ The tile equals transformers' image processor's, the prompt ids its processor's 
 with the text beside each image), the tower's embeddings its own; and the engine's log-probabilities of
 every prompt token and its greedy tokens equal Gemma3ForConditionalGeneration's, whose image tokens attend
 to their whole image (both ways) under both kinds of layer: in one prefill, in chunks smaller than an image
-(the scheduler keeps each image in one chunk), and after a prefix-cache hit that ends inside an image."""
+(the scheduler keeps each image in one chunk), and after a prefix-cache hit that ends inside an image. The
+same model as llama.cpp's GGUF and mmproj files reads images alike."""
 
 from __future__ import annotations
 
@@ -220,3 +221,27 @@ def test_a_prefix_cache_hit_inside_an_image_gives_the_same_answer(loaded, refere
     assert (tokens, num_cached) == (generated, hit)
     torch.testing.assert_close(first, sampled, atol=2e-5, rtol=0)
     torch.testing.assert_close(repeat, sampled, atol=2e-5, rtol=0)
+
+
+def test_the_gguf_and_mmproj_files_read_images_as_the_directory_does(model_dir, loaded, reference, tmp_path):
+    from tiny_models import write_gemma3_vision_gguf
+
+    write_gemma3_vision_gguf(model_dir, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    files = load(tmp_path / "text.gguf", mmproj=tmp_path / "mmproj.gguf", vision_dtype="float32")
+    vision, expected_vision = files.module.vision, loaded.module.vision
+    assert vision.processor == expected_vision.processor  # the same tile, tokens and normalization
+    data, image = png(50, 70, seed=1)
+    ids, images = prompt_ids(files, [data], MESSAGES)
+    assert ids == prompt_ids(loaded, [data], MESSAGES)[0]
+    image_processor, _, model = reference
+    with torch.no_grad():
+        features = model.model.get_image_features(image_processor(images=[image], return_tensors="pt")
+                                                  ["pixel_values"]).pooler_output[0]
+    # The file's projection is float16, as llama.cpp's converter writes it.
+    embeds = vision.encode(images).embeds
+    assert ((embeds - features).norm() / features.norm()).item() < 1e-3
+    engines = [LLMEngine(EngineConfig(model=str(m.path), quantization="none", max_model_len=512,
+                                      kv_cache_memory_gib=0.01), loaded=m) for m in (files, loaded)]
+    (got, tokens, _), (expected, expected_tokens, _) = [engine_run(e, "g", ids, images, 6) for e in engines]
+    assert tokens == expected_tokens
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)

@@ -582,3 +582,60 @@ def make_tiny_gemma3_vision_model(directory: Path, seed: int = 0, image_size: in
                 p.normal_(0, 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def write_gemma3_vision_gguf(model_dir: Path, text_path: Path, mmproj_path: Path, text_type: str = "F32") -> None:
+    """The tiny Gemma 3 of `make_tiny_gemma3_vision_model` as llama.cpp's converter writes Gemma 3: the text model
+    as a gemma3 GGUF (`text_type`; SmolLM2's tokenizer with Gemma's turn and image tokens as control tokens, the
+    Gemma 3-style template) and the tower as a `clip` projector file of type gemma3, its tensors named by the gguf
+    package's own map, the soft-embedding norm stored as 1 + w, the projection in float16 and the pool's scale
+    written (not 4): the tensors and metadata llama.cpp's converter writes for this checkpoint (checked with
+    its convert_hf_to_gguf.py --mmproj --outtype f32)."""
+    import json
+
+    import gguf
+    import transformers
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    text = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**config["text_config"]))
+    text.model.load_state_dict(model.model.language_model.state_dict())
+    text.lm_head.weight = text.model.embed_tokens.weight
+    write_gguf(text, text_path, text_type, arch="gemma3",
+               smollm2_tokenizer={"special_tokens": GEMMA3_VISION_TOKENS, "eos_token": "<end_of_turn>",
+                                  "chat_template": GEMMA3_VISION_TEMPLATE})
+
+    vision = config["vision_config"]
+    writer = gguf.GGUFWriter(str(mmproj_path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_array("clip.vision.image_mean", [0.5] * 3)
+    writer.add_array("clip.vision.image_std", [0.5] * 3)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    patches = vision["image_size"] // vision["patch_size"]
+    writer.add_uint32("clip.vision.projector.scale_factor", patches // int(config["mm_tokens_per_image"] ** 0.5))
+    writer.add_bool("clip.use_gelu", True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    tower = {f"vision_tower.vision_model.{k}": v for k, v in model.model.vision_tower.state_dict().items()}
+    projector = {f"multi_modal_projector.{k.replace('_weight', '.weight')}": v
+                 for k, v in model.model.multi_modal_projector.state_dict().items()}
+    for name, tensor in {**tower, **projector}.items():
+        stem, kind = name.rsplit(".", 1)
+        array = tensor.float().numpy()
+        if stem.endswith("soft_emb_norm"):
+            array = array + 1.0
+        if stem.endswith("input_projection"):  # the converter's one forced float16 tensor
+            array = array.astype("float16")
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
