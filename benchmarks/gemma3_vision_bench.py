@@ -1,0 +1,148 @@
+"""Gemma 3 with images: ladder's engine against transformers' Gemma3ForConditionalGeneration on the same random
+weights, in one process, alternated round by round; medians of the rounds.
+
+    .venv/bin/python benchmarks/gemma3_vision_bench.py [--vision-layers 8] [--rounds 3] [--max-tokens 32]
+        [--out benchmarks/results/gemma3_vision.json]
+
+Shapes: Gemma 3 1B's decoder (26 layers, 1152 wide, sliding-window layers five to one full) with SmolLM2's
+49k vocabulary (the tests' tokenizer, not Gemma's 262k), and Gemma 3's SigLIP tower at its own width over its
+896-pixel image (4,096 patches pooled to 256 tokens) but `--vision-layers` of its 27 layers, so that
+transformers' float32 rounds end in minutes on two cores (the tower's time scales with its layers).
+
+Each round sends one new random image and the same question, then a second turn of that chat (the image sent
+again with the first answer and a new question; ladder finds its embeddings in the image cache and the
+conversation's blocks in the prefix cache). "prep" is the image processor and the prompt's ids, "vision"
+the tower (ladder's own column; transformers' runs inside its first step), TTFT from the image's bytes to the
+first token, decode the rate of the tokens after it (greedy, EOS ignored). ladder runs its CPU default for a
+float32 directory (W8A8 text layers, `--vision-dtype auto`) and float32 throughout; transformers float32, its
+image tokens marked (`token_type_ids`) as its processor marks them. The text is noise; the work is the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_report import write_report  # benchmarks/, this script's directory
+from vision_bench import conversation, image_bytes, ladder_round
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+import tiny_models  # the tests' model builder, here at larger shapes
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from model.loader import load
+
+# Gemma 3 1B's decoder.
+TEXT = {"hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "max_position_embeddings": 32_768,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2}
+# Gemma 3's SigLIP (so400m at 896 pixels), layers set by --vision-layers.
+VISION = {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16, "image_size": 896,
+          "patch_size": 14}
+
+
+def build(directory: Path, vision_layers: int) -> Path:
+    """The tests' tiny Gemma 3 builder at these shapes."""
+    import json
+
+    import transformers
+
+    tiny_models.make_tiny_gemma3_vision_model(directory, image_size=896, tokens_per_image=256)
+    config = json.loads((directory / "config.json").read_text())
+    config["text_config"].update(TEXT)
+    config["vision_config"].update({**VISION, "num_hidden_layers": vision_layers, "patch_size": 14})
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def reference_inputs(engine: LLMEngine, image_processor, tokenizer, image, turn: int) -> dict:
+    """transformers' inputs: its processor's pixels, the rendered chat with each <start_of_image> replaced in the
+    text, and the image tokens marked."""
+    text = engine.tokenizer.apply_chat_template(conversation(turn))
+    full = f"\n\n<start_of_image>{'<image_soft_token>' * 256}<end_of_image>\n\n"
+    ids = torch.tensor([tokenizer(text.replace("<start_of_image>", full), add_special_tokens=False)["input_ids"]])
+    pixels = image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    return {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids),
+            "token_type_ids": (ids == engine.vision.image_token_id).long()}
+
+
+def transformers_round(model, engine, image_processor, tokenizer, image, max_tokens: int, turn: int) -> dict:
+    start = time.perf_counter()
+    inputs = reference_inputs(engine, image_processor, tokenizer, image, turn)
+    prepared = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        first = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    end = time.perf_counter()
+    # The second call prefills again: its decode time is its whole time less the first call's.
+    return {"prep_ms": 1e3 * (prepared - start), "vision_ms": float("nan"), "ttft_ms": 1e3 * (first - start),
+            "decode_tok_s": (max_tokens - 1) / ((end - first) - (first - prepared)),
+            "prompt_tokens": int(inputs["input_ids"].shape[1]), "tiles": 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vision-layers", type=int, default=8, help="of Gemma 3's 27 SigLIP layers")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", default="benchmarks/results/gemma3_vision.json")
+    args = parser.parse_args()
+    from transformers import Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    directory = build(Path(tempfile.mkdtemp(prefix="ladder-gemma3-vision-")) / "gemma3", args.vision_layers)
+    sides = {}
+    for quantization, vision_dtype in (("w8a8", "auto"), ("none", "float32")):
+        loaded = load(directory, quantization=quantization, vision_dtype=vision_dtype)
+        tower = str(loaded.module.vision.encoder.dtype).removeprefix("torch.")
+        name = f"ladder {'w8a8' if quantization == 'w8a8' else 'fp32'}, {tower} tower"
+        sides[name] = LLMEngine(EngineConfig(model=str(directory), quantization=loaded.quantization,
+                                             max_model_len=2048), loaded=loaded)
+    any_engine = next(iter(sides.values()))
+    image_processor = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, do_convert_rgb=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    reference = Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    warm, warm_image = image_bytes(0, 600, 800)  # the first image pays one-time costs on every side
+    for engine in sides.values():
+        ladder_round(engine, warm, 2, "warm")
+    transformers_round(reference, any_engine, image_processor, tokenizer, warm_image, 2, 1)
+    names = [f"{name}{suffix}" for suffix in ("", ", turn 2") for name in (*sides, "transformers fp32")]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        data, image = image_bytes(r + 1, 600, 800)
+        for turn, suffix in ((1, ""), (2, ", turn 2")):
+            for name, engine in sides.items():
+                results[name + suffix].append(ladder_round(engine, data, args.max_tokens, f"r{r}t{turn}", turn))
+            results["transformers fp32" + suffix].append(
+                transformers_round(reference, any_engine, image_processor, tokenizer, image, args.max_tokens, turn))
+    rows = []
+    print(f"{'side':38} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
+          f"{'decode tok/s':>12} {'x':>5}")
+    for name, runs in results.items():
+        base = results["transformers fp32" + (", turn 2" if name.endswith("turn 2") else "")]
+        row = {"side": name, **{k: statistics.median(x[k] for x in runs) for k in runs[0]}}
+        row["ttft_x"] = statistics.median(x["ttft_ms"] for x in base) / row["ttft_ms"]
+        row["decode_x"] = row["decode_tok_s"] / statistics.median(x["decode_tok_s"] for x in base)
+        rows.append(row)
+        print(f"{name:38} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} {row['vision_ms']:9.1f} "
+              f"{row['ttft_ms']:8.1f} {row['ttft_x']:5.2f} {row['decode_tok_s']:12.1f} {row['decode_x']:5.2f}")
+    write_report(args.out, rows, vision_layers=args.vision_layers, rounds=args.rounds, max_tokens=args.max_tokens,
+                 text_shapes="Gemma 3 1B decoder, SmolLM2 vocabulary")
+
+
+if __name__ == "__main__":
+    main()
