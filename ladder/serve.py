@@ -98,6 +98,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--vision-tiles-per-step", type=int, default=1,
                    help="image tiles the vision tower runs between two engine steps, so running requests wait "
                         "a tile at a time (0: each prompt's images whole)")
+    p.add_argument("--image-cache-mib", type=int, default=256,
+                   help="MiB of the vision tower's outputs kept by image, so a chat that sends its image again "
+                        "skips the tower (least recently used out; 0: none)")
     p.add_argument("--block-size", type=int, default=16)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -161,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory,
         vision_dtype=args.vision_dtype, mmproj=args.mmproj, vision_tiles_per_step=args.vision_tiles_per_step,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
+        image_cache_mib=args.image_cache_mib, kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
         **lora_config(args), **speculative_config(args), chat_template=args.chat_template,

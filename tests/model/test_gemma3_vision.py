@@ -6,8 +6,9 @@ The tile equals transformers' image processor's, the prompt ids its processor's 
 with the text beside each image), the tower's embeddings its own; and the engine's log-probabilities of
 every prompt token and its greedy tokens equal Gemma3ForConditionalGeneration's, whose image tokens attend
 to their whole image (both ways) under both kinds of layer: in one prefill, in chunks smaller than an image
-(the scheduler keeps each image in one chunk), and after a prefix-cache hit that ends inside an image. The
-same model as llama.cpp's GGUF and mmproj files reads images alike."""
+(the scheduler keeps each image in one chunk), and after a prefix-cache hit that ends inside an image. Image
+chats preempted and computed again give their solo tokens. The same model as llama.cpp's GGUF and mmproj
+files reads images alike."""
 
 from __future__ import annotations
 
@@ -245,3 +246,45 @@ def test_the_gguf_and_mmproj_files_read_images_as_the_directory_does(model_dir, 
     (got, tokens, _), (expected, expected_tokens, _) = [engine_run(e, "g", ids, images, 6) for e in engines]
     assert tokens == expected_tokens
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
+
+
+def test_image_chats_under_preemption_give_their_solo_tokens(loaded):
+    """Image and text chats at once through a cache too small for all of them: requests are preempted and
+    their prompts, images and all, computed again; each gives the tokens it gives alone."""
+    from engine.config import bytes_per_block
+
+    chats = [[user(None, f"What is in picture {k}?")] for k in range(4)]
+    chats += [[user("Compare", None, "and", None, "please.")], [user("Say hello to me.")]]
+    requests = []
+    for k, messages in enumerate(chats):
+        count = sum(part.get("type") == "image" for m in messages for part in m["content"])
+        requests.append(prompt_ids(loaded, [png(40 + 10 * k, 50, seed=10 + k + j)[0] for j in range(count)], messages))
+
+    def run_all(engine: LLMEngine) -> dict[str, list[int]]:
+        for k, (ids, images) in enumerate(requests):
+            engine.add_request(str(k), ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                               images=engine.encode_images(images) if images else None)
+        out: dict[str, list[int]] = {str(k): [] for k in range(len(requests))}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                out[delta.request_id].extend(delta.token_ids)
+        return out
+
+    def config(**overrides) -> EngineConfig:
+        return EngineConfig(model=str(loaded.path), quantization="none", enable_prefix_caching=False,
+                            max_model_len=96, **{"kv_cache_memory_gib": 0.01, **overrides})
+
+    solo = {}
+    for k, (ids, images) in enumerate(requests):
+        engine = LLMEngine(config(), loaded=loaded)
+        engine.add_request("s", ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                           images=engine.encode_images(images) if images else None)
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for d in engine.step() for t in d.token_ids]
+        solo[str(k)] = tokens
+    per_block = bytes_per_block(loaded.config, 16, torch.float32)
+    tight = LLMEngine(config(kv_cache_memory_gib=6 * per_block / 2**30), loaded=loaded)
+    together = run_all(tight)
+    assert tight.stats.num_preemptions > 0
+    assert together == solo
