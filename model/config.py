@@ -15,9 +15,10 @@ from typing import Any
 #   llama, mistral: plain;  qwen2: q/k/v biases;  qwen3: per-head RMSNorm on q and k;
 #   gemma3: q/k norms, GeGLU, norms before and after attention and the MLP, a scaled embedding, and
 #   sliding-window layers (their own RoPE base) between full-attention ones;
+#   smollm3: layers without rotary embeddings (NoPE) among the rotary ones;
 #   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py).
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 # A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
@@ -89,6 +90,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_layers: tuple[int, ...] = ()
+    # Layers whose attention rotates neither queries nor keys (NoPE: SmolLM3's every fourth).
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -128,6 +131,10 @@ class ModelConfig:
                              f"positive, got {self.num_experts_per_tok} and {self.moe_intermediate_size}")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ValueError(f"dense_layers {list(self.dense_layers)} outside 0..{self.num_layers - 1}")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)} outside 0..{self.num_layers - 1}")
+        if self.nope_layers and (self.layer_types is not None or self.sliding_window):
+            raise ValueError("layers without rotary embeddings beside sliding-window ones are not supported")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (the keys a query sees, counted back from its own position); None:
@@ -169,7 +176,7 @@ class ModelConfig:
         fields = dict(data)
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        for name in ("rope_freq_factors", "layer_types", "dense_layers"):
+        for name in ("rope_freq_factors", "layer_types", "dense_layers", "nope_layers"):
             if fields.get(name) is not None:
                 fields[name] = tuple(fields[name])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
@@ -228,6 +235,11 @@ class ModelConfig:
             sliding_window = None
         if arch in MOE_ARCHITECTURES:
             extra |= _moe_fields(cfg, arch)
+        if arch == "smollm3":
+            extra["nope_layers"] = _smollm3_nope_layers(cfg)
+            if cfg.get("use_sliding_window"):
+                raise ValueError("SmolLM3 with use_sliding_window is not supported")
+            sliding_window = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -290,6 +302,19 @@ def _gemma3_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
         "final_logit_softcapping": float(softcap) if softcap else None,
     }
+
+
+def _smollm3_nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """The layers of a SmolLM3 config.json without rotary embeddings: `no_rope_layers` holds 1 for a layer
+    that rotates, 0 for one that does not; without it, every `no_rope_layer_interval`-th layer (4) does not."""
+    num_layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
 def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:

@@ -150,15 +150,18 @@ class CpuDecoderStep:
         empty = torch.empty(0)
         loras: list[tuple[int, int, LoRALinear]] = []  # (layer, linear 0-3, wrapper)
         # Every layer reads the windowed tables in a model whose layers are all windowed (a Mistral with
-        # sliding_window: its one backend plans them); in a mixed one, the layers the model marks.
+        # sliding_window: its one backend plans them); in a mixed one, the layers the model marks. A layer so
+        # marked takes the step's second rotation too: in a model with NoPE layers (SmolLM3, which has no
+        # windows: both plans are one) the second rotation is none (cos 1, sin 0; LlamaForCausalLM.run).
         mixed = model.local_attention is not None
         uniform_window = not mixed and bool(model.attention.sliding_window)
+        nope = set(config.nope_layers)
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
             tensors += [empty if n is None else n.weight.detach() for n in norms]
-            ints.append(int(model.windowed[i] if mixed else uniform_window))
+            ints.append(int(model.windowed[i] if mixed else (uniform_window or i in nope)))
             moe = isinstance(mlp, W4A8SparseMoeBlock)
             dense = () if moe else (mlp.gate_up_proj, mlp.down_proj)
             for which, wrapped in enumerate((attn.qkv_proj, attn.o_proj, *dense)):

@@ -34,7 +34,12 @@ from model.weights import LazyTensors
 log = logging.getLogger(__name__)
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe",
+                 "smollm3": "smollm3"}
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")
+# llama.cpp's SmolLM3: every fourth layer without rotary embeddings (a fixed step, not in the file).
+SMOLLM3_NOPE_STEP = 4
 # Mixtral checkpoints are written as "llama" too, with {arch}.expert_count > 0.
 
 GLOBAL_NAMES = {
@@ -167,6 +172,9 @@ class GGUFCheckpoint:
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         extra = self._gemma3_fields(hidden, num_heads) if self.gguf_arch == "gemma3" else {}
         extra |= self._moe_fields()
+        if self.gguf_arch == "smollm3":
+            num_layers = int(self._require("block_count"))
+            extra["nope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
         try:
             return ModelConfig(
                 architecture="mixtral" if self.gguf_arch == "llama" and extra.get("num_experts")
@@ -279,9 +287,9 @@ class GGUFCheckpoint:
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
         weight = torch.from_numpy(array)
-        if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if self.gguf_arch in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rotary(weight, self.config.num_heads)
-        elif self.gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif self.gguf_arch in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rotary(weight, self.config.num_kv_heads)
         return weight
 
@@ -314,7 +322,7 @@ class GGUFCheckpoint:
         # GGUF lists the fastest dimension first: [K, N], or [K, N, E] for stacked experts, read as E * N rows.
         k, n = int(tensor.shape[0]), int(np.prod(tensor.shape[1:]))
         weight = block_weight(tensor.data, tensor.tensor_type.name, (n, k))
-        if self.gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.gguf_arch in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
             weight = weight.rows(unpermute_rotary(torch.arange(n), heads))  # the rows' new order
         return weight

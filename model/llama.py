@@ -48,8 +48,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, rotates: bool = True) -> None:
+        """`rotates` False: a NoPE layer (SmolLM3's), whose queries and keys carry no position."""
         super().__init__()
+        self.rotates = rotates
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -77,7 +79,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3 and Gemma 3 normalise each head before the rotation
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = self.ops.apply_rotary(q, k, cos, sin)
+        if self.rotates:
+            q, k = self.ops.apply_rotary(q, k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -104,7 +107,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, backend, ops)
+        self.self_attn = Attention(config, backend, ops, rotates=layer_index not in config.nope_layers)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = SparseMoeBlock(config, ops) if config.is_sparse_layer(layer_index) else MLP(config, ops)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
@@ -246,7 +249,12 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         if input_embeds is not None:  # an image's embeddings in its tokens' places (unscaled, as trained)
             x = x.index_copy(0, input_embeds.rows, input_embeds.values.to(x.dtype))
         if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self.decoder_step() is not None:
-            local = (cos, sin) if self.local_attention is None else rotary_cos_sin_ref(positions, self.local_inv_freq)
+            if self.config.nope_layers:  # the step's second rotation is the NoPE layers': none (model/cpu_step.py)
+                local = torch.ones_like(cos), torch.zeros_like(sin)
+            elif self.local_attention is None:
+                local = cos, sin
+            else:
+                local = rotary_cos_sin_ref(positions, self.local_inv_freq)
             return self.cpu_step(x, cos, sin, *local, kv_caches, plan)
         residual = None
         if self.local_attention is None:

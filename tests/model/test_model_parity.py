@@ -35,7 +35,8 @@ def test_config_maps_from_hf_fields(family_models):
     assert (cfg.rope_scaling is not None) == (family == "llama3")
     assert cfg.attention_bias == (family == "qwen2")
     assert cfg.qk_norm == (family in ("qwen3", "gemma3", "qwen3_moe"))
-    assert cfg.tie_word_embeddings == (family in ("qwen2", "gemma3"))
+    assert cfg.tie_word_embeddings == (family in ("qwen2", "gemma3", "smollm3"))
+    assert cfg.nope_layers == ((3,) if family == "smollm3" else ())
     if family == "gemma3":
         assert cfg.layer_types == ("sliding_attention", "full_attention")
         assert [cfg.layer_window(i) for i in range(2)] == [16, None]
@@ -94,7 +95,7 @@ def test_mixed_flat_batch_equals_each_alone(family_models):
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                         ("gemma3", "gemma3")])
+                                         ("gemma3", "gemma3"), ("smollm3", "smollm3")])
 def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
     """A GGUF of each tensor type loads to the same logits as transformers with the weights the file
     holds (K-quant blocks are random; the others are quantized from a random model)."""
@@ -123,4 +124,5 @@ def test_bf16_logits_stay_close_to_fp32(family, tiny_hf_dir):
     low = model.load(directory, dtype="bf16")
     assert low.module.embed_tokens.weight.dtype == torch.bfloat16
     ref = Generator(ours.module, 64).step(ids)
-    assert relative_error(Generator(low.module, 64).step(ids), ref) < 3e-2
+    # bfloat16's rounding grows with depth: SmolLM3's tiny model has 4 layers, the others 2.
+    assert relative_error(Generator(low.module, 64).step(ids), ref) < (4e-2 if family == "smollm3" else 3e-2)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3", "smollm3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixture-of-experts decoders (tests/model/test_moe.py)
 
 
@@ -41,6 +41,9 @@ def hf_config(family: str, vocab_size: int = 320):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         )
+    if family == "smollm3":  # four layers, so llama.cpp's fixed NoPE step (every fourth layer) meets one
+        return transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4, "tie_word_embeddings": True},
+                                          rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if family == "qwen3_moe":
         # Three layers, the middle one dense (mlp_only_layers), so both MLP kinds run; weights not renormalised.
         return transformers.Qwen3MoeConfig(
@@ -280,7 +283,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         held[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
         if arch == "gemma3" and name.endswith("norm.weight"):
             raw = raw + 1.0  # llama.cpp's files store Gemma's norm scale (1 + w)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             raw = llama_cpp_permute(raw, heads)
         raw = np.ascontiguousarray(raw)
