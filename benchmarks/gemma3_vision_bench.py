@@ -21,7 +21,6 @@ image tokens marked (`token_type_ids`) as its processor marks them. The text is 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 from bench_report import write_report  # benchmarks/, this script's directory
-from vision_bench import conversation, image_bytes, ladder_round
+from vision_bench import conversation, image_bytes, ladder_round, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import tiny_models  # the tests' model builder, here at larger shapes
@@ -129,19 +128,8 @@ def main() -> None:
                 results[name + suffix].append(ladder_round(engine, data, args.max_tokens, f"r{r}t{turn}", turn))
             results["transformers fp32" + suffix].append(
                 transformers_round(reference, any_engine, image_processor, tokenizer, image, args.max_tokens, turn))
-    rows = []
-    print(f"{'side':38} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
-          f"{'decode tok/s':>12} {'x':>5}")
-    for name, runs in results.items():
-        base = results["transformers fp32" + (", turn 2" if name.endswith("turn 2") else "")]
-        row = {"side": name, **{k: statistics.median(x[k] for x in runs) for k in runs[0]}}
-        row["ttft_x"] = statistics.median(x["ttft_ms"] for x in base) / row["ttft_ms"]
-        row["decode_x"] = row["decode_tok_s"] / statistics.median(x["decode_tok_s"] for x in base)
-        rows.append(row)
-        print(f"{name:38} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} {row['vision_ms']:9.1f} "
-              f"{row['ttft_ms']:8.1f} {row['ttft_x']:5.2f} {row['decode_tok_s']:12.1f} {row['decode_x']:5.2f}")
-    write_report(args.out, rows, vision_layers=args.vision_layers, rounds=args.rounds, max_tokens=args.max_tokens,
-                 text_shapes="Gemma 3 1B decoder, SmolLM2 vocabulary")
+    write_report(args.out, table(results), vision_layers=args.vision_layers, rounds=args.rounds,
+                 max_tokens=args.max_tokens, text_shapes="Gemma 3 1B decoder, SmolLM2 vocabulary")
 
 
 if __name__ == "__main__":

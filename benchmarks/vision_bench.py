@@ -147,6 +147,13 @@ def main() -> None:
                 results[name + suffix].append(ladder_round(engine, data, args.max_tokens, f"r{r}t{turn}", turn))
             results["transformers fp32" + suffix].append(
                 transformers_round(reference, processor, image, args.max_tokens, texts[turn]))
+    write_report(args.out, table(results), longest_edge=args.longest_edge, rounds=args.rounds,
+                 max_tokens=args.max_tokens)
+
+
+def table(results: dict[str, list[dict[str, float]]]) -> list[dict]:
+    """Each side's medians over its rounds and its ratios to transformers' in the same turn, printed as a table;
+    the rows. Sides are named "<side>" for a first turn and "<side>, turn 2" for a second."""
     rows = []
     print(f"{'side':38} {'tiles':>5} {'prompt':>6} {'prep ms':>8} {'vision ms':>9} {'TTFT ms':>8} {'x':>5} "
           f"{'decode tok/s':>12} {'x':>5}")
@@ -159,7 +166,7 @@ def main() -> None:
         print(f"{name:38} {row['tiles']:5.0f} {row['prompt_tokens']:6.0f} {row['prep_ms']:8.1f} "
               f"{row['vision_ms']:9.1f} {row['ttft_ms']:8.1f} {row['ttft_x']:5.2f} {row['decode_tok_s']:12.1f} "
               f"{row['decode_x']:5.2f}")
-    write_report(args.out, rows, longest_edge=args.longest_edge, rounds=args.rounds, max_tokens=args.max_tokens)
+    return rows
 
 
 if __name__ == "__main__":

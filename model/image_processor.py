@@ -1,11 +1,11 @@
 """Images into the tiles a vision tower reads (model/vision.py), and the prompt tokens that hold their places.
 
-Idefics3 (SmolVLM), `ImageProcessor`: an image is resized so its longest edge is `longest_edge` (the checkpoint's preprocessor_config.json), then
-up to whole tiles of `tile_size`, cut into rows x cols tiles, and followed by the whole image at one tile's
-size (the "global" tile); an image of one tile is that tile alone. Each tile becomes `tokens_per_tile`
-`<image>` tokens, framed by `<fake_token_around_image>` and a `<row_r_col_c>` or `<global-img>` tag, the
-layout the model was trained on. Resizing is PIL's Lanczos on 8-bit pixels, then x/255 and (x - mean) / std,
-as the checkpoint's processor does.
+Idefics3 (SmolVLM), `ImageProcessor`: an image is resized so its longest edge is `longest_edge` (the
+checkpoint's preprocessor_config.json), then up to whole tiles of `tile_size`, cut into rows x cols tiles, and
+followed by the whole image at one tile's size (the "global" tile); an image of one tile is that tile alone.
+Each tile becomes `tokens_per_tile` `<image>` tokens, framed by `<fake_token_around_image>` and a
+`<row_r_col_c>` or `<global-img>` tag, the layout the model was trained on. Resizing is PIL's Lanczos on 8-bit
+pixels, then x/255 and (x - mean) / std, as the checkpoint's processor does.
 
 Gemma 3, `Gemma3ImageProcessor`: an image is resized to one square tile (bilinear), and the template's
 `<start_of_image>` becomes "\n\n", begin, 256 image tokens, end, "\n\n", as its processor writes it.

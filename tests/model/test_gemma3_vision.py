@@ -12,12 +12,11 @@ files reads images alike."""
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 import pytest
 import torch
+from random_images import png
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -31,15 +30,6 @@ transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
 BOI = "<start_of_image>"
-
-
-def png(height: int, width: int, seed: int, mode: str = "RGB") -> tuple[bytes, object]:
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
-    image = Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode)
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue(), image
 
 
 def user(*parts) -> dict:

@@ -7,12 +7,11 @@ one prefill or in chunks that cut the image's tokens anywhere; the prefix cache 
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 import pytest
 import torch
+from random_images import png
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -26,15 +25,6 @@ Image = pytest.importorskip("PIL.Image")
 
 TEXT = "<|im_start|>User:<image>What is in the picture?<end_of_utterance>\nAssistant:"
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
-
-
-def png(height: int, width: int, seed: int, mode: str = "RGB") -> tuple[bytes, object]:
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
-    image = Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode)
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue(), image
 
 
 @pytest.fixture(scope="module")

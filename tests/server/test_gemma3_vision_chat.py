@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import io
 import json
 
 import httpx
-import numpy as np
 import pytest
 from in_process_server import InProcessServer, make_state
+from random_images import png_bytes
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -21,13 +20,6 @@ from engine.sampling_params import SamplingParams
 Image = pytest.importorskip("PIL.Image")
 CHAT = "/v1/chat/completions"
 NAME = "tiny-gemma3-vision"
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def chat(*images: bytes, text: str = "What is in the picture?", **fields) -> dict:
@@ -65,7 +57,7 @@ def engine_answer(server, images: list[bytes], text: str) -> tuple[str, int]:
 
 
 def test_an_image_chat_answers_as_the_engine_does_streamed_or_not(server):
-    a, b = png(50, 70, seed=1), png(90, 40, seed=2)
+    a, b = png_bytes(50, 70, seed=1), png_bytes(90, 40, seed=2)
     body = chat(a, b, text="Compare them.")
     whole = httpx.post(server.url + CHAT, json=body, timeout=60).json()
     text, num_prompt = engine_answer(server, [a, b], "Compare them.")
@@ -82,7 +74,7 @@ def test_an_image_chat_answers_as_the_engine_does_streamed_or_not(server):
 
 
 def test_image_and_text_chats_run_side_by_side(server):
-    bodies = [chat(png(60, 60, seed=k), text=f"Describe picture {k}.") for k in range(3)]
+    bodies = [chat(png_bytes(60, 60, seed=k), text=f"Describe picture {k}.") for k in range(3)]
     bodies += [{"model": NAME, "messages": [{"role": "user", "content": f"Say {k}."}], "max_tokens": 6}
                for k in range(3)]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
@@ -90,6 +82,6 @@ def test_image_and_text_chats_run_side_by_side(server):
     assert [r.status_code for r in replies] == [200] * len(bodies)
     assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in replies)
     # The engine is whole afterwards: a chat alone still answers as the engine does.
-    data = png(50, 70, seed=1)
+    data = png_bytes(50, 70, seed=1)
     reply = httpx.post(server.url + CHAT, json=chat(data), timeout=60).json()
     assert reply["choices"][0]["message"]["content"] == engine_answer(server, [data], "What is in the picture?")[0]

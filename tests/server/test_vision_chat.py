@@ -4,17 +4,15 @@ counted by /tokenize; and each way a request's images can be wrong refused with 
 
 from __future__ import annotations
 
-import base64
 import http.server
-import io
 import itertools
 import json
 import threading
 
 import httpx
-import numpy as np
 import pytest
 from in_process_server import InProcessServer, make_state
+from random_images import data_url, png_bytes
 
 from engine.sampling_params import SamplingParams
 from model.vision import EncodedImages
@@ -23,17 +21,6 @@ from server.images import host_allowed
 Image = pytest.importorskip("PIL.Image")
 CHAT = "/v1/chat/completions"
 NAME = "tiny-smolvlm"
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def chat(*urls: str, text: str = "What is in the picture?", **fields) -> dict:
@@ -45,7 +32,7 @@ def chat(*urls: str, text: str = "What is in the picture?", **fields) -> dict:
 @pytest.fixture(scope="module")
 def image_host():
     """A local HTTP server with one image at /cat.png; /away redirects to it by the name `localhost`."""
-    directory = {"/cat.png": png(80, 120, seed=7)}
+    directory = {"/cat.png": png_bytes(80, 120, seed=7)}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -102,21 +89,21 @@ def engine_tokens(server, data: list[bytes], text: str = "What is in the picture
 
 
 def test_a_chat_with_an_image_answers_as_the_engine_does(server):
-    data = png(90, 150, seed=1)
+    data = png_bytes(90, 150, seed=1)
     reply = httpx.post(server.url + CHAT, json=chat(data_url(data), logprobs=True), timeout=60).json()
     tokens, num_prompt = engine_tokens(server, [data])
     assert reply["usage"]["prompt_tokens"] == num_prompt  # the image's tokens counted, as the engine saw them
     text = server.state.engine.info.tokenizer.decode(tokens)
     assert reply["choices"][0]["message"]["content"] == text
     # The image changes the answer's odds: another image, other log-probabilities.
-    other = httpx.post(server.url + CHAT, json=chat(data_url(png(90, 150, seed=2)), logprobs=True), timeout=60)
+    other = httpx.post(server.url + CHAT, json=chat(data_url(png_bytes(90, 150, seed=2)), logprobs=True), timeout=60)
     first = reply["choices"][0]["logprobs"]["content"][0]["logprob"]
     assert other.json()["choices"][0]["logprobs"]["content"][0]["logprob"] != first
 
 
 def test_streamed_and_two_images_and_the_url_form(server, image_host):
     host, cat = image_host
-    a, b = png(64, 64, seed=3), png(40, 200, seed=4)
+    a, b = png_bytes(64, 64, seed=3), png_bytes(40, 200, seed=4)
     body = chat(data_url(a), data_url(b), text="Compare them.")
     whole = httpx.post(server.url + CHAT, json=body, timeout=60).json()
     tokens, num_prompt = engine_tokens(server, [a, b], text="Compare them.")
@@ -138,7 +125,7 @@ def test_streamed_and_two_images_and_the_url_form(server, image_host):
 
 
 def test_tokenize_counts_what_the_completion_sees(server):
-    data = png(90, 150, seed=1)
+    data = png_bytes(90, 150, seed=1)
     body = chat(data_url(data))
     counted = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": body["messages"]}).json()
     reply = httpx.post(server.url + CHAT, json=body, timeout=60).json()
@@ -170,7 +157,7 @@ def test_bad_images_are_400s(server, url, message):
 
 def test_too_many_images_and_a_missing_one_are_400s(server, image_host):
     host, _ = image_host
-    data = data_url(png(30, 30, seed=5))
+    data = data_url(png_bytes(30, 30, seed=5))
     reply = httpx.post(server.url + CHAT, json=chat(data, data, data, data), timeout=60)
     assert reply.status_code == 400 and "at most 3" in reply.json()["error"]["message"]
     missing = httpx.post(server.url + CHAT, json=chat(host + "/none.png"), timeout=60)
@@ -184,7 +171,7 @@ def test_too_many_images_and_a_missing_one_are_400s(server, image_host):
 
 
 def test_a_model_without_vision_refuses_images(tiny_server_url):
-    body = chat(data_url(png(8, 8, seed=0)))
+    body = chat(data_url(png_bytes(8, 8, seed=0)))
     del body["model"]
     reply = httpx.post(tiny_server_url + CHAT, json=body, timeout=60)
     assert reply.status_code == 400 and "takes no images" in reply.json()["error"]["message"]
@@ -205,7 +192,7 @@ def test_image_hosts_match_by_name():
 
 
 def test_the_responses_api_reads_input_image_parts(server):
-    data = png(90, 150, seed=1)
+    data = png_bytes(90, 150, seed=1)
     chat_reply = httpx.post(server.url + CHAT, json=chat(data_url(data)), timeout=60).json()
     reply = httpx.post(server.url + "/v1/responses", json={
         "model": NAME, "max_output_tokens": 5, "temperature": 0, "store": False,
@@ -229,7 +216,7 @@ def test_the_tower_runs_on_the_engine_thread_a_tile_between_steps(server, monkey
     forward = encoder.forward
     monkeypatch.setattr(encoder, "forward", lambda pixels: calls.append((threading.current_thread(),
                                                                          pixels.shape[0])) or forward(pixels))
-    reply = httpx.post(server.url + CHAT, json=chat(data_url(png(64, 64, seed=9))), timeout=60)
+    reply = httpx.post(server.url + CHAT, json=chat(data_url(png_bytes(64, 64, seed=9))), timeout=60)
     assert reply.status_code == 200
     assert calls == [(server.state.engine._thread, 1)] * 5  # 5 tiles (a 2 x 2 grid and the global one)
 
@@ -253,7 +240,7 @@ def test_a_running_stream_takes_steps_between_an_images_tiles(server, monkeypatc
     streaming = threading.Thread(target=stream_text)
     streaming.start()
     assert started.wait(60)
-    reply = httpx.post(server.url + CHAT, json=chat(data_url(png(90, 150, seed=11))), timeout=60)
+    reply = httpx.post(server.url + CHAT, json=chat(data_url(png_bytes(90, 150, seed=11))), timeout=60)
     streaming.join(120)
     assert reply.status_code == 200
     tiles = [i for i, event in enumerate(events) if event == "tile"]
@@ -267,7 +254,7 @@ def test_metrics_count_the_towers_work_and_the_image_cache(server):
                 if line.startswith("ladder_vision_")}
 
     before = counters()
-    data = data_url(png(50, 70, seed=21))  # a new image: 5 tiles
+    data = data_url(png_bytes(50, 70, seed=21))  # a new image: 5 tiles
     for _ in range(2):
         assert httpx.post(server.url + CHAT, json=chat(data), timeout=60).status_code == 200
     after = counters()
@@ -282,6 +269,6 @@ def test_a_request_refused_for_another_reason_runs_no_tower(server, monkeypatch)
     calls = []
     forward = encoder.forward
     monkeypatch.setattr(encoder, "forward", lambda pixels: calls.append(pixels.shape[0]) or forward(pixels))
-    bad_grammar = chat(data_url(png(40, 40, seed=31)), guided_regex="(unclosed")
+    bad_grammar = chat(data_url(png_bytes(40, 40, seed=31)), guided_regex="(unclosed")
     reply = httpx.post(server.url + CHAT, json=bad_grammar, timeout=60)
     assert reply.status_code == 400 and calls == []

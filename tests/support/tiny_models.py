@@ -452,6 +452,31 @@ def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 1
     return directory
 
 
+def clip_writer(path: Path, config: dict, projector: str, scale_factor: int, preprocessor: dict):
+    """A GGUF writer of llama.cpp's `clip` projector file with the metadata its converter writes for a vision
+    model's config.json (`config`) and preprocessor_config.json; the caller adds its tensors and closes it."""
+    import gguf
+
+    vision = config["vision_config"]
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_array("clip.vision.image_mean", preprocessor["image_mean"])
+    writer.add_array("clip.vision.image_std", preprocessor["image_std"])
+    writer.add_string("clip.projector_type", projector)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
+    writer.add_bool("clip.use_gelu", True)
+    return writer
+
+
 def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path, text_type: str = "F32",
                       mmproj_f16: bool = False) -> None:
     """The tiny SmolVLM of `make_tiny_vision_model` as llama.cpp's converter writes SmolVLM: the text model as
@@ -469,27 +494,12 @@ def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path, text
     text = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config["text_config"]))
     text.model.load_state_dict(model.model.text_model.state_dict())
     text.lm_head.load_state_dict(model.lm_head.state_dict())
-    write_gguf(text, text_path, text_type, smollm2_tokenizer={"special_tokens": VISION_TOKENS, "eos_token": "<end_of_utterance>",
-                                                   "chat_template": VISION_TEMPLATE})
+    write_gguf(text, text_path, text_type, smollm2_tokenizer={
+        "special_tokens": VISION_TOKENS, "eos_token": "<end_of_utterance>", "chat_template": VISION_TEMPLATE})
 
     vision = config["vision_config"]
     preprocessor = json.loads((vision_dir / "preprocessor_config.json").read_text())
-    writer = gguf.GGUFWriter(str(mmproj_path), "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
-    writer.add_uint32("clip.vision.image_size", vision["image_size"])
-    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
-    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
-    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
-    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
-    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
-    writer.add_array("clip.vision.image_mean", preprocessor["image_mean"])
-    writer.add_array("clip.vision.image_std", preprocessor["image_std"])
-    writer.add_string("clip.projector_type", "idefics3")
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
-    writer.add_uint32("clip.vision.projector.scale_factor", config["scale_factor"])
-    writer.add_bool("clip.use_gelu", True)
+    writer = clip_writer(mmproj_path, config, "idefics3", config["scale_factor"], preprocessor)
     writer.add_uint32("clip.vision.preproc_image_size", preprocessor["size"]["longest_edge"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
     for name, tensor in model.state_dict().items():
@@ -609,23 +619,10 @@ def write_gemma3_vision_gguf(model_dir: Path, text_path: Path, mmproj_path: Path
                                   "chat_template": GEMMA3_VISION_TEMPLATE})
 
     vision = config["vision_config"]
-    writer = gguf.GGUFWriter(str(mmproj_path), "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_uint32("clip.vision.projection_dim", config["text_config"]["hidden_size"])
-    writer.add_uint32("clip.vision.image_size", vision["image_size"])
-    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
-    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
-    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
-    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
-    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
-    writer.add_array("clip.vision.image_mean", [0.5] * 3)
-    writer.add_array("clip.vision.image_std", [0.5] * 3)
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    preprocessor = json.loads((model_dir / "preprocessor_config.json").read_text())
     patches = vision["image_size"] // vision["patch_size"]
-    writer.add_uint32("clip.vision.projector.scale_factor", patches // int(config["mm_tokens_per_image"] ** 0.5))
-    writer.add_bool("clip.use_gelu", True)
+    writer = clip_writer(mmproj_path, config, "gemma3", patches // int(config["mm_tokens_per_image"] ** 0.5),
+                         preprocessor)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
     tower = {f"vision_tower.vision_model.{k}": v for k, v in model.model.vision_tower.state_dict().items()}
     projector = {f"multi_modal_projector.{k.replace('_weight', '.weight')}": v
