@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 from bench_report import write_report  # benchmarks/, this script's directory
-from vision_bench import conversation, image_bytes, ladder_round, table
+from vision_bench import conversation, image_bytes, ladder_round, ladder_sides, table, timed_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import tiny_models  # the tests' model builder, here at larger shapes
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from model.loader import load
 
 # Gemma 3 1B's decoder.
 TEXT = {"hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
@@ -81,16 +79,7 @@ def reference_inputs(engine: LLMEngine, image_processor, tokenizer, image, turn:
 def transformers_round(model, engine, image_processor, tokenizer, image, max_tokens: int, turn: int) -> dict:
     start = time.perf_counter()
     inputs = reference_inputs(engine, image_processor, tokenizer, image, turn)
-    prepared = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        first = time.perf_counter()
-        model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-    end = time.perf_counter()
-    # The second call prefills again: its decode time is its whole time less the first call's.
-    return {"prep_ms": 1e3 * (prepared - start), "vision_ms": float("nan"), "ttft_ms": 1e3 * (first - start),
-            "decode_tok_s": (max_tokens - 1) / ((end - first) - (first - prepared)),
-            "prompt_tokens": int(inputs["input_ids"].shape[1]), "tiles": 1}
+    return {**timed_generate(model, inputs, max_tokens, start), "tiles": 1}
 
 
 def main() -> None:
@@ -104,13 +93,7 @@ def main() -> None:
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     directory = build(Path(tempfile.mkdtemp(prefix="ladder-gemma3-vision-")) / "gemma3", args.vision_layers)
-    sides = {}
-    for quantization, vision_dtype in (("w8a8", "auto"), ("none", "float32")):
-        loaded = load(directory, quantization=quantization, vision_dtype=vision_dtype)
-        tower = str(loaded.module.vision.encoder.dtype).removeprefix("torch.")
-        name = f"ladder {'w8a8' if quantization == 'w8a8' else 'fp32'}, {tower} tower"
-        sides[name] = LLMEngine(EngineConfig(model=str(directory), quantization=loaded.quantization,
-                                             max_model_len=2048), loaded=loaded)
+    sides = ladder_sides(directory, 2048)
     any_engine = next(iter(sides.values()))
     image_processor = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, do_convert_rgb=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))

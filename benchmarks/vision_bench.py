@@ -66,6 +66,19 @@ def image_bytes(seed: int, height: int, width: int) -> tuple[bytes, object]:
     return buffer.getvalue(), image
 
 
+def ladder_sides(directory: Path, max_model_len: int) -> dict[str, LLMEngine]:
+    """ladder's two sides of a vision model's directory: its CPU default (W8A8 text layers, the tower's dtype by
+    `--vision-dtype auto`) and float32 throughout, by name."""
+    sides = {}
+    for quantization, vision_dtype in (("w8a8", "auto"), ("none", "float32")):
+        loaded = load(directory, quantization=quantization, vision_dtype=vision_dtype)
+        tower = str(loaded.module.vision.encoder.dtype).removeprefix("torch.")
+        name = f"ladder {'w8a8' if quantization == 'w8a8' else 'fp32'}, {tower} tower"
+        sides[name] = LLMEngine(EngineConfig(model=str(directory), quantization=loaded.quantization,
+                                             max_model_len=max_model_len), loaded=loaded)
+    return sides
+
+
 def ladder_round(engine: LLMEngine, data: bytes, max_tokens: int, request_id: str, turn: int = 1
                  ) -> dict[str, float]:
     vision, tokenizer = engine.vision, engine.tokenizer
@@ -94,6 +107,12 @@ def ladder_round(engine: LLMEngine, data: bytes, max_tokens: int, request_id: st
 def transformers_round(model, processor, image, max_tokens: int, text: str) -> dict[str, float]:
     start = time.perf_counter()
     inputs = processor(images=[image], text=text, return_tensors="pt")
+    return {**timed_generate(model, inputs, max_tokens, start), "tiles": int(inputs["pixel_values"].shape[1])}
+
+
+def timed_generate(model, inputs: dict, max_tokens: int, start: float) -> dict[str, float]:
+    """transformers' first token and decode on prepared `inputs` (prepared since `start`): a 1-token generate,
+    then a `max_tokens` one."""
     prepared = time.perf_counter()
     with torch.inference_mode():
         model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
@@ -103,7 +122,7 @@ def transformers_round(model, processor, image, max_tokens: int, text: str) -> d
     # The second call prefills again: its decode time is its whole time less the first call's.
     return {"prep_ms": 1e3 * (prepared - start), "vision_ms": float("nan"), "ttft_ms": 1e3 * (first - start),
             "decode_tok_s": (max_tokens - 1) / ((end - first) - (first - prepared)),
-            "prompt_tokens": int(inputs["input_ids"].shape[1]), "tiles": int(inputs["pixel_values"].shape[1])}
+            "prompt_tokens": int(inputs["input_ids"].shape[1])}
 
 
 def main() -> None:
@@ -121,13 +140,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="ladder-vision-"))
     directory = make_tiny_vision_model(workdir / "smolvlm-256m-shapes", longest_edge=args.longest_edge, tile=512,
                                        text=TEXT, vision=VISION, scale_factor=4)
-    sides = {}
-    for quantization, vision_dtype in (("w8a8", "auto"), ("none", "float32")):
-        loaded = load(directory, quantization=quantization, vision_dtype=vision_dtype)
-        tower = str(loaded.module.vision.encoder.dtype).removeprefix("torch.")
-        name = f"ladder {'w8a8' if quantization == 'w8a8' else 'fp32'}, {tower} tower"
-        sides[name] = LLMEngine(EngineConfig(model=str(directory), quantization=loaded.quantization,
-                                             max_model_len=4096), loaded=loaded)
+    sides = ladder_sides(directory, 4096)
     ip = Idefics3ImageProcessorPil(size={"longest_edge": args.longest_edge}, max_image_size={"longest_edge": 512})
     processor = Idefics3Processor(ip, tokenizer=PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json")),
                                   image_seq_len=64)

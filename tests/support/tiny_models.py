@@ -386,6 +386,29 @@ def make_tiny_thinking_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def write_smollm2_tokenizer(directory: Path, special_tokens: Sequence[str], eos_token: str, chat_template: str):
+    """SmolLM2's tokenizer with `special_tokens` added (special, ids from 49,152 on) saved in `directory` as
+    tokenizer.json and tokenizer_config.json with `eos_token` and `chat_template`; returns it."""
+    import json
+
+    import tokenizers
+
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    tokenizer.backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                          for t in special_tokens])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": eos_token, "add_bos_token": False,
+        "chat_template": chat_template,
+    }))
+    return tokenizer
+
+
 # SmolVLM's chat template: a message's content is a list of parts, an image part written as <image>.
 VISION_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -406,22 +429,10 @@ def make_tiny_vision_model(directory: Path, seed: int = 0, longest_edge: int = 1
     the two configs' fields (benchmarks/vision_bench.py builds SmolVLM-256M's shapes so)."""
     import json
 
-    import tokenizers
     import transformers
 
-    from model.default import default_model_path
-    from model.gguf_checkpoint import GGUFCheckpoint
-    from model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    tokenizer = write_smollm2_tokenizer(directory, VISION_TOKENS, "<end_of_utterance>", VISION_TEMPLATE)
     backend = tokenizer.backend
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
-    directory.mkdir(parents=True, exist_ok=True)
-    backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tokenizer.bos_token, "eos_token": "<end_of_utterance>", "add_bos_token": False,
-        "chat_template": VISION_TEMPLATE,
-    }))
     (directory / "preprocessor_config.json").write_text(json.dumps({
         "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True,
         "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
@@ -549,23 +560,10 @@ def make_tiny_gemma3_vision_model(directory: Path, seed: int = 0, image_size: in
     to `tokens_per_image` tokens, and a Gemma 3-style chat template."""
     import json
 
-    import tokenizers
     import transformers
 
-    from model.default import default_model_path
-    from model.gguf_checkpoint import GGUFCheckpoint
-    from model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    tokenizer = write_smollm2_tokenizer(directory, GEMMA3_VISION_TOKENS, "<end_of_turn>", GEMMA3_VISION_TEMPLATE)
     backend = tokenizer.backend
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t in GEMMA3_VISION_TOKENS])
-    directory.mkdir(parents=True, exist_ok=True)
-    backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tokenizer.bos_token, "eos_token": "<end_of_turn>", "add_bos_token": False,
-        "chat_template": GEMMA3_VISION_TEMPLATE,
-    }))
     (directory / "preprocessor_config.json").write_text(json.dumps({
         "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True,
         "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
