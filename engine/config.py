@@ -44,6 +44,7 @@ class EngineConfig:
     vision_dtype: str = "auto"  # a vision model's tower (model/precision.py resolve_vision_dtype)
     mmproj: str | None = None  # llama.cpp's projector file for a GGUF text model (model/mmproj.py)
     image_cache_mib: int = 256  # the vision tower's outputs kept by image (engine/image_cache.py); 0: none
+    pan_and_scan: bool | None = None  # Gemma 3's crops of wide images on or off; None: the checkpoint's setting
     # Vision-tower tiles a server runs between two engine steps (0: a prompt's images whole). One SmolVLM tile
     # (SigLIP over 512 x 512 pixels) is about 0.26 s of 2 vCPUs in bfloat16: a request running meanwhile waits
     # that long per piece, not for the whole image (1.3 s for 5 tiles, 4.4 s for 17).

@@ -107,7 +107,8 @@ class LLMEngine:
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
                                     quantization=config.quantization, block_size=config.block_size,
                                     revision=config.revision, download_dir=config.download_dir,
-                                    vision_dtype=config.vision_dtype, mmproj=config.mmproj)
+                                    vision_dtype=config.vision_dtype, mmproj=config.mmproj,
+                                    pan_and_scan=config.pan_and_scan)
         if isinstance(self.model, LoadedArtifact):
             config = fit_to_artifact(config, self.model.manifest.shapes)
         set_kv_cache_dtype(self.model, config.kv_cache_dtype)

@@ -13,6 +13,7 @@ from ladder.device import add_device_argument
 from ladder.precision import (
     add_auto_dtype_argument,
     add_mmproj_argument,
+    add_pan_and_scan_argument,
     add_quantization_argument,
     add_vision_dtype_argument,
 )
@@ -42,6 +43,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="an image file shown before the prompt (a vision model; repeat for more)")
     add_vision_dtype_argument(p)
     add_mmproj_argument(p)
+    add_pan_and_scan_argument(p)
     add_auto_dtype_argument(p)
     add_device_argument(p)
     add_quantization_argument(p)
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model, dtype=dtype, device=device,
                   quantization=resolve_quantization(args.quantization, dtype, device, args.model,
                                                     args.tensor_parallel_size), vision_dtype=args.vision_dtype,
-                  mmproj=args.mmproj)
+                  mmproj=args.mmproj, pan_and_scan=args.pan_and_scan)
     if args.lora is not None:
         if args.tensor_parallel_size != 1:
             raise ValueError("--lora runs in one process (--tensor-parallel-size 1)")

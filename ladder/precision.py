@@ -33,8 +33,14 @@ def add_quantization_argument(p: argparse.ArgumentParser) -> None:
 
 def add_mmproj_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", default=None, metavar="GGUF",
-                   help="llama.cpp's multimodal projector file for a GGUF text model (SmolVLM's "
+                   help="llama.cpp's multimodal projector file for a GGUF text model (SmolVLM's or Gemma 3's "
                         "mmproj-*.gguf): the model then reads images")
+
+
+def add_pan_and_scan_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pan-and-scan", action=argparse.BooleanOptionalAction, default=None,
+                   help="Gemma 3: also show a wide or tall image's crops, each as an image of its own (256 tokens "
+                        "each; default: as the checkpoint's preprocessor_config.json says, off in Google's)")
 
 
 def add_vision_dtype_argument(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from ladder.precision import (
     add_auto_dtype_argument,
     add_kv_cache_dtype_argument,
     add_mmproj_argument,
+    add_pan_and_scan_argument,
     add_quantization_argument,
     add_vision_dtype_argument,
 )
@@ -95,6 +96,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_kv_cache_dtype_argument(p)
     add_vision_dtype_argument(p)
     add_mmproj_argument(p)
+    add_pan_and_scan_argument(p)
     p.add_argument("--vision-tiles-per-step", type=int, default=1,
                    help="image tiles the vision tower runs between two engine steps, so running requests wait "
                         "a tile at a time (0: each prompt's images whole)")
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory,
         vision_dtype=args.vision_dtype, mmproj=args.mmproj, vision_tiles_per_step=args.vision_tiles_per_step,
-        image_cache_mib=args.image_cache_mib, kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
+        image_cache_mib=args.image_cache_mib, pan_and_scan=args.pan_and_scan,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_attention=args.tensor_parallel_attention,
         **lora_config(args), **speculative_config(args), chat_template=args.chat_template,

@@ -144,9 +144,37 @@ class ImageProcessor:
 
 
 @dataclass(frozen=True)
+class PanAndScan:
+    """Gemma 3's optional crops of a wide or tall image (its processor's `do_pan_and_scan`): an image whose long
+    side is at least `min_ratio` times its short one is also cut along the long side into 2 .. `max_crops`
+    equal crops (about one per short side's length, each at least `min_crop_size` pixels), each shown to the
+    model as an image of its own after the whole one."""
+
+    min_crop_size: int = 256
+    max_crops: int = 4
+    min_ratio: float = 1.2
+
+    def boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
+        """The crops' (left, top, right, bottom) boxes, row by row; none for an image not wide or tall enough."""
+        long, short = max(width, height), min(width, height)
+        if long / short < self.min_ratio:
+            return []
+        count = min(math.floor(long / short + 0.5), long // self.min_crop_size)
+        count = min(self.max_crops, max(2, count))
+        across, down = (count, 1) if width >= height else (1, count)
+        crop_w, crop_h = math.ceil(width / across), math.ceil(height / down)
+        if min(crop_w, crop_h) < self.min_crop_size:
+            return []
+        # A box may reach past the image's edge (the last one of an uneven cut): it is cut at the edge.
+        return [(c * crop_w, r * crop_h, min((c + 1) * crop_w, width), min((r + 1) * crop_h, height))
+                for r in range(down) for c in range(across)]
+
+
+@dataclass(frozen=True)
 class Gemma3ImageProcessor:
-    """Gemma 3's: each image one square tile of `tile_size` pixels (no pan and scan), its place in the prompt
-    "\n\n", begin, `tokens_per_tile` image tokens, end, "\n\n"."""
+    """Gemma 3's: each image one square tile of `tile_size` pixels, its place in the prompt "\n\n", begin,
+    `tokens_per_tile` image tokens, end, "\n\n"; with `pan_and_scan`, a wide or tall image's crops follow as
+    tiles of their own, in the text Gemma's processor writes around them."""
 
     tile_size: int
     tokens_per_tile: int
@@ -157,6 +185,7 @@ class Gemma3ImageProcessor:
     std: tuple[float, float, float]
     rescale: float = 1 / 255
     resample: int = 2  # PIL's code (bilinear)
+    pan_and_scan: PanAndScan | None = None
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], config: VisionConfig) -> Gemma3ImageProcessor:
@@ -164,55 +193,84 @@ class Gemma3ImageProcessor:
         side = (size.get("height", config.image_size), size.get("width", config.image_size))
         if side != (config.image_size, config.image_size):
             raise ValueError(f"size {side} differs from the vision tower's image_size {config.image_size}")
-        if raw.get("do_pan_and_scan"):
-            raise ValueError("do_pan_and_scan (Gemma 3's crops of wide images) is not supported; set it false")
         if raw.get("do_rescale", True) is False or raw.get("do_normalize", True) is False:
             raise ValueError("only processors that rescale and normalize are supported")
+        pan_and_scan = None
+        if raw.get("do_pan_and_scan"):
+            defaults = PanAndScan()
+            pan_and_scan = PanAndScan(int(raw.get("pan_and_scan_min_crop_size") or defaults.min_crop_size),
+                                      int(raw.get("pan_and_scan_max_num_crops") or defaults.max_crops),
+                                      float(raw.get("pan_and_scan_min_ratio_to_activate") or defaults.min_ratio))
         mean, std = raw.get("image_mean", [0.5] * 3), raw.get("image_std", [0.5] * 3)
         return cls(config.image_size, config.tokens_per_tile, config.image_token_id, config.begin_token_id,
                    config.end_token_id, tuple(float(m) for m in mean), tuple(float(s) for s in std),
-                   float(raw.get("rescale_factor", 1 / 255)), int(raw.get("resample", 2)))
+                   float(raw.get("rescale_factor", 1 / 255)), int(raw.get("resample", 2)), pan_and_scan)
 
     def process(self, data: bytes) -> ProcessedImage:
-        """An encoded image -> its one normalized tile; ImageError when the bytes are not an image."""
+        """An encoded image -> its normalized tile, then its crops' (pan and scan); ImageError when the bytes are
+        not an image. `cols` counts the crops."""
         from PIL import Image
 
         image = decode_image(data)
         digest = hashlib.sha256(image.tobytes() + repr(image.size).encode()).digest()
-        if image.size != (self.tile_size, self.tile_size):
-            image = image.resize((self.tile_size, self.tile_size), Image.Resampling(self.resample))
-        pixels = normalized(image, self.rescale, self.mean, self.std)[None]
-        return ProcessedImage(torch.from_numpy(pixels), 0, 0, digest)
+        boxes = self.pan_and_scan.boxes(image.width, image.height) if self.pan_and_scan is not None else []
+        tiles = [image, *(image.crop(box) for box in boxes)]
+        side = (self.tile_size, self.tile_size)
+        tiles = [t if t.size == side else t.resize(side, Image.Resampling(self.resample)) for t in tiles]
+        pixels = np.stack([normalized(t, self.rescale, self.mean, self.std) for t in tiles])
+        return ProcessedImage(torch.from_numpy(pixels), 0, len(boxes), digest)
+
+    def expansion(self, image: ProcessedImage) -> list[str | list[int]]:
+        """What one `<start_of_image>` becomes: text and each tile's framed tokens, alternating, text first."""
+        frame = [self.begin_token_id, *[self.image_token_id] * self.tokens_per_tile, self.end_token_id]
+        if not image.cols:
+            return ["\n\n", frame, "\n\n"]
+        crops: list[str | list[int]] = []
+        for _ in range(image.cols):
+            crops += [frame, "\n\n \n\n"]
+        crops[-1] = "\n\n"
+        return ["Here is the original image \n\n", frame,
+                "\n\n and here are some crops to help you see better \n\n", *crops]
 
     def place(self, ids: list[int], images: Sequence[ProcessedImage], tokenizer: Tokenizer) -> list[int]:
-        """A rendered chat's ids with each `<start_of_image>` its template wrote replaced by the image's
-        tokens, framed by "\n\n" on both sides. Gemma's processor puts that text into the rendered chat
-        before tokenizing, so the newlines merge with the text around them ("user\n" + "\n\n" is one
-        token "\n\n\n"): the runs of ordinary tokens beside an image are encoded again with their newlines,
-        the same runs the whole text's tokenization makes, since added tokens split it first."""
+        """A rendered chat's ids with each `<start_of_image>` its template wrote replaced by its `expansion`.
+        Gemma's processor puts that text into the rendered chat before tokenizing, so it merges with the text
+        around it ("user\n" + "\n\n" is one token "\n\n\n"): the runs of ordinary tokens beside an image are
+        encoded again with the text next to them, the same runs the whole text's tokenization makes, since
+        added tokens split it first."""
         check_markers(ids.count(self.begin_token_id), len(images))
-        image = [self.begin_token_id, *[self.image_token_id] * self.tokens_per_tile, self.end_token_id]
         splits = tokenizer.added_ids
-        # The ids as runs of ordinary tokens between single added tokens; an empty run on each side of a
-        # marker, so every image has a run before and after it to carry its newlines.
-        pieces: list[list[int]] = [[]]
+        # The ids as items: text to encode (str), ordinary tokens as they are (a tuple), or added tokens (a list).
+        items: list[str | tuple[int, ...] | list[int]] = []
+        images_left = iter(images)
+        run: list[int] = []
         for token in ids:
-            if token in splits:
-                pieces += [[token], []]
-            else:
-                pieces[-1].append(token)
+            if token not in splits:
+                run.append(token)
+                continue
+            items.append(tuple(run))
+            run = []
+            items += self.expansion(next(images_left)) if token == self.begin_token_id else [[token]]
+        items.append(tuple(run))
         out: list[int] = []
-        for k, piece in enumerate(pieces):
-            if k % 2:  # an added token
-                out.extend(image if piece[0] == self.begin_token_id else piece)
-                continue
-            before = k > 0 and pieces[k - 1][0] == self.begin_token_id
-            after = k + 1 < len(pieces) and pieces[k + 1][0] == self.begin_token_id
-            if not (before or after):
-                out.extend(piece)
-                continue
-            text = tokenizer.decode(piece, skip_special_tokens=False)
-            out.extend(tokenizer.encode("\n\n" * before + text + "\n\n" * after, add_special_tokens=False))
+        pending: list[str | tuple[int, ...]] = []  # the text between two added tokens
+
+        def flush() -> None:
+            if any(isinstance(piece, str) for piece in pending):  # touched by an image's text: encoded again
+                text = "".join(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                               for p in pending)
+                out.extend(tokenizer.encode(text, add_special_tokens=False))
+            else:
+                out.extend(token for piece in pending for token in piece)
+            pending.clear()
+
+        for item in items:
+            if isinstance(item, list):
+                flush()
+                out.extend(item)
+            else:
+                pending.append(item)
+        flush()
         return out
 
 
@@ -222,9 +280,11 @@ def check_markers(found: int, expected: int) -> None:
                          "template may not show images in every role)")
 
 
-def processor_from_hf_dir(directory: Path, config: VisionConfig) -> ImageProcessor | Gemma3ImageProcessor:
+def processor_from_hf_dir(directory: Path, config: VisionConfig, pan_and_scan: bool | None = None,
+                          ) -> ImageProcessor | Gemma3ImageProcessor:
     """The image processor of a vision model's directory, from its preprocessor_config.json (ModelLoadError
-    when missing or unreadable) and its tower's config."""
+    when missing or unreadable) and its tower's config; `pan_and_scan` overrides the file's
+    `do_pan_and_scan` (Gemma 3's alone)."""
     path = directory / "preprocessor_config.json"
     try:
         raw = json.loads(path.read_text())
@@ -238,6 +298,10 @@ def processor_from_hf_dir(directory: Path, config: VisionConfig) -> ImageProcess
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({one_line(e)})") from None
     kind = Gemma3ImageProcessor if config.family == "gemma3" else ImageProcessor
+    if pan_and_scan is not None:
+        if kind is not Gemma3ImageProcessor:
+            raise ModelLoadError(f"{directory}: pan and scan is Gemma 3's image processing; this is {config.family}")
+        raw = {**raw, "do_pan_and_scan": pan_and_scan}
     try:
         return kind.from_config(raw, config)
     except (KeyError, TypeError, ValueError) as e:

@@ -89,6 +89,7 @@ def load(
     download_dir: str | Path | None = None,
     vision_dtype: str = "auto",
     mmproj: str | Path | None = None,
+    pan_and_scan: bool | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face directory, a GGUF file, or (source None) the embedded default model, in `dtype`
     (auto: model/precision.py `resolve_dtype`); `quantization` int8 or w8a8 swaps its linears for int8 ones
@@ -96,7 +97,8 @@ def load(
     then never dequantized. A source `org/name` (or `org/name:file.gguf`) that is not a local path comes
     from the Hugging Face hub cache (model/hub.py) at `revision`, kept in `download_dir`. A vision model's
     tower loads in `vision_dtype` (model/precision.py `resolve_vision_dtype`); a GGUF text model's comes from
-    llama.cpp's projector file `mmproj` (model/mmproj.py)."""
+    llama.cpp's projector file `mmproj` (model/mmproj.py). `pan_and_scan` turns Gemma 3's crops of wide images
+    on or off (None: as the checkpoint's processor config says; model/image_processor.py)."""
     start = time.perf_counter()
     torch_dtype = parse_dtype(resolve_dtype(dtype, device))
     if quantization not in QUANTIZATIONS:
@@ -140,7 +142,8 @@ def load(
         pooling = hf_dir_pooling(path)
         if raw_config.get("model_type") in VISION_MODEL_TYPES and "vision_config" in raw_config:
             tower_dtype = resolve_vision_dtype(vision_dtype, torch_dtype, device)
-            module.vision = read_vision(path, raw_config, safetensors_files(path), tower_dtype, device)
+            module.vision = read_vision(path, raw_config, safetensors_files(path), tower_dtype, device,
+                                        pan_and_scan)
     else:  # a .gguf file (check_source)
         from model.gguf_checkpoint import GGUFCheckpoint
 
@@ -162,13 +165,16 @@ def load(
             from model.mmproj import read_mmproj
 
             module.vision = read_mmproj(mmproj, tokenizer, config.hidden_size,
-                                        resolve_vision_dtype(vision_dtype, torch_dtype, device), device)
+                                        resolve_vision_dtype(vision_dtype, torch_dtype, device), device,
+                                        pan_and_scan)
         weight_files = [path]
         pooling = gguf_pooling(checkpoint.metadata)
         if quantization == "w4a8":
             from model.block_quantization import quantize_w4a8
 
             quantize_w4a8(module, blocks)
+    if pan_and_scan is not None and module.vision is None:
+        raise ModelLoadError(f"{path}: --pan-and-scan is for a model that reads images; this one reads none")
     if quantization not in ("none", "w4a8"):
         quantize(module, quantization, tokenizer, weight_files)
     defaults = read_sampling_defaults(path) if path.is_dir() else {}

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from model.errors import ModelLoadError, one_line
-from model.image_processor import IMAGE_TOKEN, Gemma3ImageProcessor, ImageProcessor
+from model.image_processor import IMAGE_TOKEN, Gemma3ImageProcessor, ImageProcessor, PanAndScan
 from model.tokenizer import Tokenizer
 from model.vision import ImageEncoder, Vision, VisionConfig
 
@@ -53,7 +53,7 @@ def encoder_name(name: str) -> str | None:
 
 
 def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, dtype: torch.dtype,
-                device: torch.device | str) -> Vision:
+                device: torch.device | str, pan_and_scan: bool | None = None) -> Vision:
     """The tower and processor of an mmproj file for a text model of `text_hidden_size` whose vocabulary
     (`tokenizer`) holds the image tokens; ModelLoadError (one line) for anything else."""
     from model.gguf_file import GGUFFile
@@ -101,8 +101,11 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
     mean, std = meta.get("clip.vision.image_mean", [0.5] * 3), meta.get("clip.vision.image_std", [0.5] * 3)
     mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
     longest = meta.get("clip.vision.preproc_image_size")
+    if pan_and_scan and not gemma3:
+        raise ModelLoadError(f"{path}: pan and scan is Gemma 3's image processing; this projector is {projector}")
     processor = (Gemma3ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
-                                      ids[0], ids[2], mean, std) if gemma3 else
+                                      ids[0], ids[2], mean, std,
+                                      pan_and_scan=PanAndScan() if pan_and_scan else None) if gemma3 else
                  ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
                                 int(longest) if longest else None, True, mean, std))
     with torch.device("meta"):

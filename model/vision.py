@@ -322,9 +322,10 @@ def joined(images: Sequence[ProcessedImage], embeds: Sequence[torch.Tensor]) -> 
 
 
 def read_vision(directory: Path, raw_config: Mapping[str, Any], files: Sequence[Path], dtype: torch.dtype,
-                device: torch.device | str) -> Vision:
+                device: torch.device | str, pan_and_scan: bool | None = None) -> Vision:
     """The vision tower of a Hugging Face directory whose config.json names one (VISION_MODEL_TYPES), its
-    weights from the checkpoint's safetensors `files`; ModelLoadError when anything is missing."""
+    weights from the checkpoint's safetensors `files`; ModelLoadError when anything is missing.
+    `pan_and_scan`: Gemma 3's crops on or off, over its processor config's setting."""
     from safetensors import safe_open
 
     from model.image_processor import processor_from_hf_dir
@@ -334,7 +335,7 @@ def read_vision(directory: Path, raw_config: Mapping[str, Any], files: Sequence[
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else one_line(e)
         raise ModelLoadError(f"{directory / 'config.json'}: {detail}") from None
-    processor = processor_from_hf_dir(directory, config)
+    processor = processor_from_hf_dir(directory, config, pan_and_scan)
     with torch.device("meta"):
         encoder = ImageEncoder(config)
     state: dict[str, torch.Tensor] = {}

@@ -92,7 +92,8 @@ def test_tile_equals_the_checkpoints_processor(loaded, reference, size, mode):
 ])
 def test_prompt_ids_equal_the_processors_text_placement(loaded, reference, messages):
     _, tokenizer, _ = reference
-    count = sum(part.get("type") == "image" for m in messages if isinstance(m["content"], list) for part in m["content"])
+    count = sum(part.get("type") == "image" for m in messages if isinstance(m["content"], list)
+                for part in m["content"])
     data = [png(40, 40, seed=k)[0] for k in range(count)]
     ids, _ = prompt_ids(loaded, data, messages)
     assert ids == reference_ids(loaded, tokenizer, messages)
@@ -278,3 +279,62 @@ def test_image_chats_under_preemption_give_their_solo_tokens(loaded):
     together = run_all(tight)
     assert tight.stats.num_preemptions > 0
     assert together == solo
+
+
+@pytest.mark.parametrize("size", [(100, 400), (600, 200), (300, 280), (120, 1000), (250, 600)])
+def test_pan_and_scan_crops_and_ids_equal_the_checkpoints_processor(loaded, reference, size):
+    """With do_pan_and_scan, a wide or tall image is followed by its crops (each a tile of its own, in the
+    processor's text around them); a nearly square one, or one whose crops would be too small, is not cut."""
+    import dataclasses
+
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from model.image_processor import Gemma3ImageProcessor, PanAndScan
+
+    _, tokenizer, _ = reference
+    raw = {**json.loads((loaded.path / "preprocessor_config.json").read_text()), "do_pan_and_scan": True,
+           "pan_and_scan_min_crop_size": 64, "pan_and_scan_max_num_crops": 3, "pan_and_scan_min_ratio_to_activate": 1.2}
+    ours = Gemma3ImageProcessor.from_config(raw, loaded.module.vision.encoder.config)
+    assert ours.pan_and_scan == PanAndScan(64, 3, 1.2)
+    raw.pop("image_processor_type")
+    expected = Gemma3ImageProcessorPil(**{**raw, "do_convert_rgb": True})
+    data, image = png(*size, seed=sum(size))
+    processed = ours.process(data)
+    reference_out = expected(images=[image], return_tensors="pt")
+    assert processed.cols == int(reference_out["num_crops"][0])
+    assert torch.equal(processed.pixels, reference_out["pixel_values"])
+    # The ids: Gemma3Processor's text for the crops, placed in the rendered chat and encoded whole.
+    messages = [user("Read this:", None, "What does it say?")]
+    _, ids = loaded.tokenizer.encode_chat(messages)
+    placed = ours.place(ids, [processed], loaded.tokenizer)
+    full = f"\n\n{BOI}{'<image_soft_token>' * 16}<end_of_image>\n\n"
+    replacement = full if not processed.cols else (
+        f"Here is the original image {full} and here are some crops to help you see better "
+        + " ".join([full] * processed.cols))
+    text = loaded.tokenizer.apply_chat_template(messages).replace(BOI, replacement)
+    assert placed == tokenizer(text, add_special_tokens=False)["input_ids"]
+    spans = image_spans([i for i, t in enumerate(placed) if t == loaded.module.vision.image_token_id])
+    assert [end - start for start, end in spans] == [16] * (1 + processed.cols)
+    if processed.cols:  # every tile's embeddings where its tokens are: the prompt scores as transformers' does
+        expected_logprobs, generated, _, _ = reference_run(reference, loaded, placed, [processed], 3)
+        engine = LLMEngine(EngineConfig(model=str(loaded.path), quantization="none", max_model_len=512,
+                                        kv_cache_memory_gib=0.01), loaded=loaded)
+        got, tokens, _ = engine_run(engine, "p", placed, [processed], 3)
+        torch.testing.assert_close(got, expected_logprobs, atol=2e-5, rtol=0)
+        assert tokens == generated
+    assert dataclasses.replace(ours, pan_and_scan=None).process(data).cols == 0
+
+
+def test_pan_and_scan_is_turned_on_at_load_and_only_for_gemma3(model_dir, tmp_path, tiny_hf_dir):
+    from model.errors import ModelLoadError
+    from model.image_processor import PanAndScan
+
+    assert load(model_dir).module.vision.processor.pan_and_scan is None  # the checkpoint's setting: off
+    assert load(model_dir, pan_and_scan=True).module.vision.processor.pan_and_scan == PanAndScan()
+    from tiny_models import write_gemma3_vision_gguf
+
+    write_gemma3_vision_gguf(model_dir, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    files = load(tmp_path / "text.gguf", mmproj=tmp_path / "mmproj.gguf", pan_and_scan=True)
+    assert files.module.vision.processor.pan_and_scan == PanAndScan()
+    with pytest.raises(ModelLoadError, match="reads none"):
+        load(tiny_hf_dir("llama3"), pan_and_scan=True)
