@@ -7,6 +7,7 @@ Hugging Face `config.json` files and GGUF metadata both end up as a `ModelConfig
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,11 @@ from typing import Any
 #   gemma3: q/k norms, GeGLU, norms before and after attention and the MLP, a scaled embedding, and
 #   sliding-window layers (their own RoPE base) between full-attention ones;
 #   smollm3: layers without rotary embeddings (NoPE) among the rotary ones;
+#   phi3 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini): q/k/v and gate/up fused in the checkpoint, rotary over part of
+#   each head (Phi-4-mini's 3/4), LongRoPE's per-frequency factors and cos/sin scale;
 #   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py).
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", *MOE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3", *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 # A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
@@ -92,6 +95,14 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     # Layers whose attention rotates neither queries nor keys (NoPE: SmolLM3's every fourth).
     nope_layers: tuple[int, ...] = ()
+    # The first rotary_dim of each head's dims rotate, the rest pass (Phi-4-mini: 3/4); None: all of them.
+    rotary_dim: int | None = None
+    # LongRoPE (Phi-3.5, Phi-4-mini): rope_freq_factors are its short factors, these its long ones, taken
+    # when the context served exceeds rope_original_max_position_embeddings; cos and sin are scaled by
+    # rope_attention_factor either way.
+    rope_long_freq_factors: tuple[float, ...] | None = None
+    rope_original_max_position_embeddings: int | None = None
+    rope_attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -108,10 +119,12 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(
-                f"rope_freqs has {len(self.rope_freq_factors)} entries, expected head_dim/2 = {self.head_dim // 2}"
-            )
+        if not 0 < self.rotary_dims <= self.head_dim or self.rotary_dims % 2:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        for factors in (self.rope_freq_factors, self.rope_long_freq_factors):
+            if factors is not None and len(factors) != self.rotary_dims // 2:
+                raise ValueError(f"rope frequency factors have {len(factors)} entries, expected "
+                                 f"rotary_dim/2 = {self.rotary_dims // 2}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
@@ -153,6 +166,11 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def rotary_dims(self) -> int:
+        """How many of each head's dims rotate."""
+        return self.rotary_dim or self.head_dim
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -176,7 +194,7 @@ class ModelConfig:
         fields = dict(data)
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        for name in ("rope_freq_factors", "layer_types", "dense_layers", "nope_layers"):
+        for name in ("rope_freq_factors", "rope_long_freq_factors", "layer_types", "dense_layers", "nope_layers"):
             if fields.get(name) is not None:
                 fields[name] = tuple(fields[name])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
@@ -228,8 +246,15 @@ class ModelConfig:
             )
         elif rope_type == "linear":
             extra["rope_linear_factor"] = float(rope["factor"])
+        elif rope_type in ("longrope", "su") and arch == "phi3":
+            extra |= _longrope_fields(cfg, rope)
         elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3; "
+                             "longrope for phi3)")
+        if arch == "phi3":
+            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+            if partial != 1.0:
+                extra["rotary_dim"] = int(int(head_dim) * partial)
         sliding_window = cfg.get("sliding_window")
         if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding_window = None
@@ -302,6 +327,20 @@ def _gemma3_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
         "final_logit_softcapping": float(softcap) if softcap else None,
     }
+
+
+def _longrope_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, Any]:
+    """LongRoPE's short and long per-frequency factors and its cos/sin scale, as transformers computes it:
+    sqrt(1 + ln(factor) / ln(original context)), factor the context's growth (max_position_embeddings over
+    original_max_position_embeddings) unless given."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_freq_factors": tuple(float(x) for x in rope["short_factor"]),
+            "rope_long_freq_factors": tuple(float(x) for x in rope["long_factor"]),
+            "rope_original_max_position_embeddings": original, "rope_attention_factor": float(attention_factor)}
 
 
 def _smollm3_nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:

@@ -28,6 +28,8 @@ class Generator:
         """Reserve a cache for one sequence of up to `max_len` tokens (prompt plus output)."""
         self.max_len = max_len
         self.device = module.device
+        if callable(getattr(module, "fit_rotary_to", None)):
+            module.fit_rotary_to(max_len)  # LongRoPE's factors for this context
         self.sequence = Sequences(module, 1, max_len)
 
     def step(self, new_tokens: list[int], embeds: InputEmbeds | None = None) -> torch.Tensor:

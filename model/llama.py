@@ -26,7 +26,7 @@ from model.config import ModelConfig
 from model.cpu_step import CpuDecoderStep, step_support, structure_version
 from model.moe import SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
-from model.rope import inverse_frequencies, local_inverse_frequencies
+from model.rope import inverse_frequencies, local_inverse_frequencies, rotary_scale
 from model.step import BaseStepModel, InputEmbeds, allocate_kv_caches
 from model.vision import Vision
 
@@ -174,6 +174,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.vision: Vision | None = None
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("local_inv_freq", None, persistent=False)
+        self.register_buffer("rotary_scale", None, persistent=False)
+        # LongRoPE's long factors (use_long_context), for a context past the model's original one.
+        self.long_context = False
         self.make_rotary(torch.get_default_device())
         self._kv_cache_dtype: torch.dtype | None = None  # kv_cache_dtype's setting (None: the activations')
         # The layers as one C++ call (model/cpu_step.py), built at the first step that can use it and again
@@ -196,9 +199,21 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
     def make_rotary(self, device: torch.device | str) -> None:
         """(Re)make the rotary frequencies, float32 buffers outside the state dict, on `device`:
         `local_inv_freq` those of the sliding-window layers (the same tensor when they rotate alike)."""
-        self.inv_freq = inverse_frequencies(self.config).to(device)
+        self.inv_freq = inverse_frequencies(self.config, self.long_context).to(device)
+        scale = rotary_scale(self.config)
+        self.rotary_scale = None if scale is None else scale.to(device)
         local = local_inverse_frequencies(self.config)
         self.local_inv_freq = self.inv_freq if local is None else local.to(device)
+
+    def fit_rotary_to(self, max_model_len: int) -> None:
+        """LongRoPE: its long factors when the context served exceeds the model's original one, else its short
+        ones (as llama.cpp chooses by context; transformers switches by each call's length, which rotates a
+        sequence's cached keys one way and its later ones the other). Nothing for other rotations."""
+        original = self.config.rope_original_max_position_embeddings
+        long_context = original is not None and max_model_len > original
+        if long_context != self.long_context:
+            self.long_context = long_context
+            self.make_rotary(self.device)
 
     # -- the step interface (model/step.py; BaseStepModel gives the rest: one pool, warm-up, close) -----
 
@@ -243,6 +258,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         """`forward` after the plan is built: no Python numbers from the metadata, so one compiled graph
         serves every batch shape."""
         cos, sin = rotary_cos_sin_ref(positions, self.inv_freq)  # [T, head_dim / 2] each
+        if self.rotary_scale is not None:  # LongRoPE's attention factor, on the rotated pairs
+            cos, sin = cos * self.rotary_scale, sin * self.rotary_scale
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale

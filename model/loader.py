@@ -21,7 +21,7 @@ from model.pooling import Pooling, gguf_pooling, hf_dir_pooling
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype, resolve_vision_dtype
 from model.step import StepModel
 from model.vision import VISION_MODEL_TYPES, read_vision
-from model.weights import build_model, shift_norm_weights
+from model.weights import build_model, shift_norm_weights, split_fused_phi3
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -136,6 +136,8 @@ def load(
                         "head, which scores /v1/rerank the same only for a reranker converted from it", path)
         if config.architecture == "gemma3":
             tensors = shift_norm_weights(tensors)
+        if config.architecture == "phi3":
+            tensors = split_fused_phi3(config, tensors)
         module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]

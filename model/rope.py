@@ -16,6 +16,17 @@ from kernels.rotary import rope_frequencies
 from model.config import ModelConfig
 
 
+def rotary_scale(config: ModelConfig) -> torch.Tensor | None:
+    """[head_dim / 2] float32 factor on each rotated pair's cos and sin (LongRoPE's attention factor; 1 on the
+    pairs that do not rotate), or None for none."""
+    if config.rope_attention_factor is None or config.rope_attention_factor == 1.0:
+        return None
+    rotated = config.rotary_dims // 2
+    scale = torch.ones(config.head_dim // 2)
+    scale[:rotated] = config.rope_attention_factor
+    return scale
+
+
 def local_inverse_frequencies(config: ModelConfig) -> torch.Tensor | None:
     """[head_dim / 2] float32 frequencies of the sliding-window layers when they have a RoPE base of their
     own (Gemma 3: 10,000, unscaled); None when every layer rotates alike."""
@@ -24,9 +35,18 @@ def local_inverse_frequencies(config: ModelConfig) -> torch.Tensor | None:
     return rope_frequencies(config.head_dim, config.rope_local_theta)
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(config: ModelConfig, long_context: bool = False) -> torch.Tensor:
     """[head_dim / 2] float32 angular frequency of each rotated pair (of the full-attention layers), with
-    Llama 3 or linear scaling applied."""
+    Llama 3, linear or LongRoPE scaling applied (LongRoPE's long factors with `long_context`). With a rotary
+    part of each head (`rotary_dim`), the pairs past it have frequency 0: no rotation (their weights' rows
+    are ordered so, hf_checkpoint.split_fused_phi3)."""
+    if config.rotary_dims != config.head_dim:
+        rotated = inverse_frequencies(config.replace(head_dim=config.rotary_dims, rotary_dim=None), long_context)
+        return torch.cat([rotated, torch.zeros((config.head_dim - config.rotary_dims) // 2)])
+    if config.rope_long_freq_factors is not None:  # LongRoPE, in transformers' arithmetic
+        factors = config.rope_long_freq_factors if long_context else config.rope_freq_factors
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** exponents)
     inv_freq = rope_frequencies(config.head_dim, config.rope_theta)
     if config.rope_linear_factor is not None:
         return inv_freq / config.rope_linear_factor

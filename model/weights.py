@@ -95,6 +95,47 @@ def shift_norm_weights(tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.
     return LazyTensors(tensors.shapes, read)
 
 
+def split_fused_phi3(config: ModelConfig, tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.Tensor]:
+    """Phi-3's checkpoints fuse q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`); read them as the separate
+    tensors the other families' checkpoints hold, each row block cut when it is asked for. With a rotary part
+    of each head (`rotary_dim`), q's and k's rows are reordered within each head so the rotated pairs
+    (j, j + rotary_dim / 2) sit at (j, j + head_dim / 2), where the decoder's rotation pairs them, and the
+    passing dims fill the rest of both halves, paired at frequency 0 (model/rope.py): q . k is a sum over
+    the dims, the same in any order both share."""
+    head, rot = config.head_dim, config.rotary_dims
+    # New row j of a head takes old row order[j]: [rotated first half, passing first half, rotated second
+    # half, passing second half].
+    passing = (head - rot) // 2
+    order = torch.cat([torch.arange(rot // 2), rot + torch.arange(passing),
+                       rot // 2 + torch.arange(rot // 2), rot + passing + torch.arange(passing)])
+    parts = {"q_proj": (0, config.q_size), "k_proj": (config.q_size, config.kv_size),
+             "v_proj": (config.q_size + config.kv_size, config.kv_size)}
+    halves = {"gate_proj": 0, "up_proj": 1}
+    shapes = {}
+    for name, shape in tensors.shapes.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            shapes |= {name.replace("qkv_proj", part): (size, shape[1]) for part, (_, size) in parts.items()}
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            shapes |= {name.replace("gate_up_proj", half): (shape[0] // 2, shape[1]) for half in halves}
+        else:
+            shapes[name] = shape
+
+    def read(name: str) -> torch.Tensor:
+        part = name.rsplit(".", 2)[-2]
+        if part in parts:
+            start, size = parts[part]
+            rows = tensors[name.replace(part, "qkv_proj")][start:start + size]
+            if part != "v_proj" and rot != head:
+                rows = rows.view(-1, head, rows.shape[1])[:, order].reshape(size, -1)
+            return rows
+        if part in halves and name.endswith(f"mlp.{part}.weight"):
+            fused = tensors[name.replace(part, "gate_up_proj")]
+            return fused.chunk(2)[halves[part]]
+        return tensors[name]
+
+    return LazyTensors(shapes, read)
+
+
 def check_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str, config_name: str) -> None:
     """Raise ModelLoadError (one line, naming `source`) for a missing tensor or a contradicting shape."""
     for name, shape in expected_shapes(config).items():

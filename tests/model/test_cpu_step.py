@@ -129,11 +129,11 @@ def test_w4a8_experts_equal_the_eager_layers(tmp_path, family, arch, qtype):
     module.layers[0].mlp.expert_offset = 0
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "smollm3", "phi3"])
 def test_tiny_w8a8_models_equal_the_eager_layers(tiny_hf_dir, family):
     """W8A8 linears; Qwen3's q/k norms; Gemma 3's sandwich norms, q/k norms, GeGLU, scaled embedding and a
     16-token window on its first layer (its own rotary base) beside a full layer; SmolLM3's fourth layer
-    without rotary embeddings (NoPE)."""
+    without rotary embeddings (NoPE); Phi-3's rotation of part of each head, LongRoPE-scaled."""
     module = model.load(tiny_hf_dir(family), quantization="w8a8").module
     long_turns = [[list(range(3, 40)), [7, 7, 8]]] + [[[t], [t + 1]] for t in range(50, 56)]
     _assert_same(module, TURNS, max_len=64)

@@ -126,3 +126,24 @@ def test_bf16_logits_stay_close_to_fp32(family, tiny_hf_dir):
     ref = Generator(ours.module, 64).step(ids)
     # bfloat16's rounding grows with depth: SmolLM3's tiny model has 4 layers, the others 2.
     assert relative_error(Generator(low.module, 64).step(ids), ref) < (4e-2 if family == "smollm3" else 3e-2)
+
+
+def test_phi3_takes_longrope_long_factors_past_its_original_context(tiny_hf_dir):
+    """Within its original 128 tokens the tiny Phi-3 rotates by LongRoPE's short factors, past them by its long
+    ones, as transformers does for a call of that length; a context served past 128 takes the long ones from its
+    first token (ladder chooses by the context, as llama.cpp does), which transformers' shorter calls do not."""
+    directory = tiny_hf_dir("phi3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    ours = model.load(directory)
+    assert (ours.config.rotary_dim, ours.config.rope_original_max_position_embeddings) == (12, 128)
+    for length, context in ((100, 128), (150, 256)):
+        ids = prompt(length, seed=4)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        out = Generator(ours.module, context).step(ids)
+        assert ours.module.long_context == (context > 128)
+        assert relative_error(out, ref) < 1e-4
+    short = prompt(40, seed=5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([short])).logits[0]
+    assert relative_error(Generator(ours.module, 256).step(short), ref) > 1e-2

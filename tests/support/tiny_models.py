@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3", "smollm3")
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixture-of-experts decoders (tests/model/test_moe.py)
 
 
@@ -43,7 +43,18 @@ def hf_config(family: str, vocab_size: int = 320):
         )
     if family == "smollm3":  # four layers, so llama.cpp's fixed NoPE step (every fourth layer) meets one
         return transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4, "tie_word_embeddings": True},
-                                          rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+                                          rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if family == "phi3":
+        # Phi-4-mini's shape of rotation: 3/4 of each 16-dim head rotates (rotary_dim 12), LongRoPE's short
+        # factors within the original 128-token context (the family tests' contexts), its long ones past it, a
+        # cos/sin scale from the 4x longer max_position_embeddings.
+        rng = torch.Generator().manual_seed(3)
+        short, long = (1 + torch.rand(6, generator=rng)).tolist(), (1 + 4 * torch.rand(6, generator=rng)).tolist()
+        return transformers.Phi3Config(
+            **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}, sliding_window=None,
+            pad_token_id=None, bos_token_id=None, eos_token_id=None, original_max_position_embeddings=128,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": short, "long_factor": long, "original_max_position_embeddings": 128})
     if family == "qwen3_moe":
         # Three layers, the middle one dense (mlp_only_layers), so both MLP kinds run; weights not renormalised.
         return transformers.Qwen3MoeConfig(
