@@ -43,7 +43,8 @@ def hf_config(family: str, vocab_size: int = 320):
         )
     if family == "smollm3":  # four layers, so llama.cpp's fixed NoPE step (every fourth layer) meets one
         return transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4, "tie_word_embeddings": True},
-                                          rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+                                          rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=None,
+                                          eos_token_id=None)
     if family == "phi3":
         # Phi-4-mini's shape of rotation: 3/4 of each 16-dim head rotates (rotary_dim 12), LongRoPE's short
         # factors within the original 128-token context (the family tests' contexts), its long ones past it, a
