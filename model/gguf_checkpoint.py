@@ -29,13 +29,15 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
 from model.gguf_blocks import FLOAT_TYPES, BlockWeight, block_weight, how_read, is_block_type, w4a8_bytes
 from model.gguf_file import GGUFFile, GGUFTensor
-from model.weights import LazyTensors
+from model.weights import LazyTensors, split_fused_phi3
 
 log = logging.getLogger(__name__)
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe",
-                 "smollm3": "smollm3"}
+                 "smollm3": "smollm3", "phi3": "phi3"}
+# Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
+PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's SmolLM3: every fourth layer without rotary embeddings (a fixed step, not in the file).
@@ -82,8 +84,9 @@ GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 def linear_gguf_names(types: dict[str, str]) -> list[str]:
     """The file's tensors that become linear layers: the projections, and the LM head (the token
     embedding when the file ties them)."""
+    projections = {**LAYER_NAMES, **PHI3_FUSED_NAMES}
     names = [name for name in types if (match := LAYER_PATTERN.fullmatch(name)) and match.group(3) == "weight"
-             and match.group(2) in LAYER_NAMES and LAYER_NAMES[match.group(2)].endswith("_proj")]
+             and match.group(2) in projections and projections[match.group(2)].endswith("_proj")]
     return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
 
 
@@ -172,6 +175,8 @@ class GGUFCheckpoint:
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         extra = self._gemma3_fields(hidden, num_heads) if self.gguf_arch == "gemma3" else {}
         extra |= self._moe_fields()
+        if self.gguf_arch == "phi3":
+            extra |= self._phi3_fields(hidden, num_heads)
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
             extra["nope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
@@ -192,7 +197,7 @@ class GGUFCheckpoint:
                 tie_word_embeddings="output.weight" not in self.tensor_names,
                 attention_bias=self.gguf_arch == "qwen2",
                 qk_norm=self.gguf_arch in ("qwen3", "gemma3", "qwen3moe"),
-                rope_freq_factors=freq_factors,
+                rope_freq_factors=extra.pop("rope_freq_factors", freq_factors),
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=(int(eos),) if eos is not None else (),
                 **extra,
@@ -217,6 +222,26 @@ class GGUFCheckpoint:
             "dense_layers": tuple(i for i in range(num_layers)
                                   if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_names),
         }
+
+    def _phi3_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
+        """Phi-3's rotation as llama.cpp's converter writes it: the rotated dims of each head, LongRoPE's short
+        and long factors as tensors with its cos/sin scale, and a sliding window (0: none, Phi-4)."""
+        extra: dict[str, Any] = {}
+        head_dim = int(self._get("attention.key_length", hidden // num_heads))
+        rotary = int(self._get("rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            extra["rotary_dim"] = rotary
+        if "rope_factors_long.weight" in self.tensor_names:
+            extra |= {
+                "rope_freq_factors": tuple(float(x) for x in self._dequantize("rope_factors_short.weight")),
+                "rope_long_freq_factors": tuple(float(x) for x in self._dequantize("rope_factors_long.weight")),
+                "rope_original_max_position_embeddings": int(self._require("rope.scaling.original_context_length")),
+                "rope_attention_factor": float(self._get("rope.scaling.attn_factor", 1.0)),
+            }
+        window = int(self._get("attention.sliding_window", 0) or 0)
+        if window:
+            extra["sliding_window"] = window
+        return extra
 
     def _gemma3_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
         """What Gemma 3 adds to the config, as llama.cpp reads it. The norm weights need no shift: the
@@ -280,7 +305,8 @@ class GGUFCheckpoint:
             if name is not None:  # else a tensor the decoder does not use
                 by_name[name] = t
         shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in by_name.items()}
-        return LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
+        tensors = LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
+        return split_fused_phi3(self.config, tensors) if self.gguf_arch == "phi3" else tensors
 
     def _read_tensor(self, name: str, tensor: GGUFTensor) -> torch.Tensor:
         array = np.ascontiguousarray(self._dequantize(tensor.name), dtype=np.float32)
@@ -316,7 +342,10 @@ class GGUFCheckpoint:
         log.info("w4a8 blocks of %s: %s", self.path.name, ", ".join(
             f"{count} {kind} ({how_read(kind)})" for kind, count in sorted(counts.items())))
         shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in tensors.items()}
-        return LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
+        blocks = LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
+        if self.gguf_arch == "phi3":
+            return split_fused_phi3(self.config, blocks, lambda weight, rows: weight.rows(rows))
+        return blocks
 
     def _read_blocks(self, name: str, tensor: GGUFTensor) -> BlockWeight:
         # GGUF lists the fastest dimension first: [K, N], or [K, N, E] for stacked experts, read as E * N rows.
@@ -330,7 +359,8 @@ class GGUFCheckpoint:
     def _hf_name(self, name: str) -> str | None:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
-        names = GEMMA_LAYER_NAMES if self.gguf_arch == "gemma3" else LAYER_NAMES
+        names = {"gemma3": GEMMA_LAYER_NAMES, "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}}.get(self.gguf_arch,
+                                                                                             LAYER_NAMES)
         match = LAYER_PATTERN.fullmatch(name)
         if match is None or match.group(2) not in names:
             return None

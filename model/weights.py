@@ -95,42 +95,53 @@ def shift_norm_weights(tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.
     return LazyTensors(tensors.shapes, read)
 
 
-def split_fused_phi3(config: ModelConfig, tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.Tensor]:
-    """Phi-3's checkpoints fuse q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`); read them as the separate
-    tensors the other families' checkpoints hold, each row block cut when it is asked for. With a rotary part
-    of each head (`rotary_dim`), q's and k's rows are reordered within each head so the rotated pairs
-    (j, j + rotary_dim / 2) sit at (j, j + head_dim / 2), where the decoder's rotation pairs them, and the
-    passing dims fill the rest of both halves, paired at frequency 0 (model/rope.py): q . k is a sum over
-    the dims, the same in any order both share."""
+def phi3_rows(config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """Phi-3's checkpoints fuse q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`): each separate projection's
+    name -> (its fused tensor's name, the rows of it that make it, in order). With a rotary part of each head
+    (`rotary_dim`), q's and k's rows are reordered within each head so the rotated pairs (j, j + rotary_dim / 2)
+    sit at (j, j + head_dim / 2), where the decoder's rotation pairs them, and the passing dims fill the rest of
+    both halves, paired at frequency 0 (model/rope.py): q . k is a sum over the dims, the same in any order
+    both share."""
     head, rot = config.head_dim, config.rotary_dims
-    # New row j of a head takes old row order[j]: [rotated first half, passing first half, rotated second
-    # half, passing second half].
     passing = (head - rot) // 2
+    # Row j of a head takes row order[j]: [rotated first half, passing first half, rotated second half,
+    # passing second half].
     order = torch.cat([torch.arange(rot // 2), rot + torch.arange(passing),
                        rot // 2 + torch.arange(rot // 2), rot + passing + torch.arange(passing)])
-    parts = {"q_proj": (0, config.q_size), "k_proj": (config.q_size, config.kv_size),
-             "v_proj": (config.q_size + config.kv_size, config.kv_size)}
-    halves = {"gate_proj": 0, "up_proj": 1}
-    shapes = {}
+
+    def heads(start: int, count: int) -> torch.Tensor:
+        return (start + head * torch.arange(count)[:, None] + order[None, :]).flatten()
+
+    q, kv, ff = config.q_size, config.kv_size, config.intermediate_size
+    return {"self_attn.q_proj": ("self_attn.qkv_proj", heads(0, config.num_heads)),
+            "self_attn.k_proj": ("self_attn.qkv_proj", heads(q, config.num_kv_heads)),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv + torch.arange(kv)),
+            "mlp.gate_proj": ("mlp.gate_up_proj", torch.arange(ff)),
+            "mlp.up_proj": ("mlp.gate_up_proj", ff + torch.arange(ff))}
+
+
+def split_fused_phi3(config: ModelConfig, tensors: LazyTensors[T],
+                     take: Callable[[T, torch.Tensor], T] = lambda t, index: t.index_select(0, index),
+                     ) -> LazyTensors[T]:
+    """A Phi-3 checkpoint's tensors with its fused projections read as the separate ones the other families'
+    checkpoints hold (`phi3_rows`), each cut from its fused tensor when it is asked for: `take(fused, rows)`
+    (a GGUF file's raw blocks take their rows their own way)."""
+    rows = phi3_rows(config)
+    shapes, sources = {}, {}
     for name, shape in tensors.shapes.items():
-        if name.endswith("self_attn.qkv_proj.weight"):
-            shapes |= {name.replace("qkv_proj", part): (size, shape[1]) for part, (_, size) in parts.items()}
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            shapes |= {name.replace("gate_up_proj", half): (shape[0] // 2, shape[1]) for half in halves}
-        else:
+        fused = [(part, index) for part, (whole, index) in rows.items() if name.endswith(f"{whole}.weight")]
+        for part, index in fused:
+            whole = rows[part][0]
+            split = name.replace(whole, part)
+            shapes[split] = (len(index), shape[1])
+            sources[split] = (name, index)
+        if not fused:
             shapes[name] = shape
 
     def read(name: str) -> torch.Tensor:
-        part = name.rsplit(".", 2)[-2]
-        if part in parts:
-            start, size = parts[part]
-            rows = tensors[name.replace(part, "qkv_proj")][start:start + size]
-            if part != "v_proj" and rot != head:
-                rows = rows.view(-1, head, rows.shape[1])[:, order].reshape(size, -1)
-            return rows
-        if part in halves and name.endswith(f"mlp.{part}.weight"):
-            fused = tensors[name.replace(part, "gate_up_proj")]
-            return fused.chunk(2)[halves[part]]
+        if name in sources:
+            whole, index = sources[name]
+            return take(tensors[whole], index)
         return tensors[name]
 
     return LazyTensors(shapes, read)

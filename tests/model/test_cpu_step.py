@@ -91,12 +91,12 @@ TURNS = [[[5, 9, 30, 31, 2, 17, 40], [7, 7, 8]], [[11], [12, 13, 14]], [[15], [1
 
 
 @pytest.mark.parametrize("family,qtype", [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("mistral", "Q4_0"),
-                                          ("llama3", "Q5_1"), ("mistral", "Q5_0")])
+                                          ("llama3", "Q5_1"), ("mistral", "Q5_0"), ("phi3", "Q4_1")])
 def test_tiny_w4a8_models_equal_the_eager_layers(tmp_path, family, qtype):
     """4-bit codes with d and m (Q4_1), with an implied m (Q4_0), 8-bit codes with q/k/v biases (Qwen2's
     Q8_0), 5-bit codes both ways (Q5_1, Q5_0); head size 16 runs the attention's portable task."""
     hf = make_hf_model(family, tmp_path / "hf")
-    write_gguf(hf, tmp_path / "m.gguf", qtype, "llama" if family != "qwen2" else family)
+    write_gguf(hf, tmp_path / "m.gguf", qtype, {"qwen2": "qwen2", "phi3": "phi3"}.get(family, "llama"))
     module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
     assert module.layers[0].mlp.down_proj.bits == int(qtype[1])
     _assert_same(module, TURNS, max_len=64)

@@ -95,7 +95,7 @@ def test_mixed_flat_batch_equals_each_alone(family_models):
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                         ("gemma3", "gemma3"), ("smollm3", "smollm3")])
+                                         ("gemma3", "gemma3"), ("smollm3", "smollm3"), ("phi3", "phi3")])
 def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
     """A GGUF of each tensor type loads to the same logits as transformers with the weights the file
     holds (K-quant blocks are random; the others are quantized from a random model)."""
@@ -103,13 +103,16 @@ def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64  # K-quants need rows of 256
     if family == "gemma3":  # llama.cpp scales Gemma 3's queries by head_dim (27B aside): no key says otherwise
         cfg.query_pre_attn_scalar = 64
+    if family == "phi3":  # 3/4 of a 64-dim head rotates: 24 LongRoPE factors
+        cfg.rope_parameters = {**cfg.rope_parameters, "short_factor": [1.0 + k / 24 for k in range(24)],
+                               "long_factor": [2.0 + k / 12 for k in range(24)]}
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     held = write_gguf(hf, tmp_path / "m.gguf", qtype, arch)
     hf.load_state_dict(held)
     ours = model.load(tmp_path / "m.gguf")
     assert ours.config.architecture == arch
-    assert (ours.config.rope_freq_factors is not None) == (family == "llama3")
+    assert (ours.config.rope_freq_factors is not None) == (family in ("llama3", "phi3"))  # Llama 3's, LongRoPE's
     ids = prompt(45, seed=3)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -104,6 +105,9 @@ GEMMA_GGUF_LAYER_NAMES = {
     **GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+
+
+PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def k_quant_model():
@@ -232,6 +236,18 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_array(f"{arch}.attention.sliding_window_pattern",
                          [t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "phi3":  # as llama.cpp's converter writes Phi-3: the rotated dims, LongRoPE's factors as tensors
+        rope = cfg.rope_parameters
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rotary)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("long_factor"):
+            original = rope["original_max_position_embeddings"]
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_orig_ctx_len(original)
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if smollm2_tokenizer:
@@ -275,7 +291,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         if short.startswith("layers."):
             _, layer, *rest = short.split(".")
             module, kind = ".".join(rest[:-1]), rest[-1]
-            names = GEMMA_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
+            names = {"gemma3": GEMMA_GGUF_LAYER_NAMES, "phi3": PHI3_GGUF_LAYER_NAMES}.get(arch, GGUF_LAYER_NAMES)
             gguf_name = f"blk.{layer}.{names[module]}.{kind}"
         else:
             gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
