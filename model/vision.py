@@ -166,7 +166,9 @@ class VisionEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(config.patches_per_side ** 2, config.hidden_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, P, hidden]
-        patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        # Contiguous once here: a transposed residual stream would make every layer's norms, adds and copies
+        # strided (the tower 1.20x slower: benchmarks/RESULTS.md, Stop 49).
+        patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2).contiguous()
         # A whole tile's patches sit at positions 0 .. P - 1, row by row (the checkpoint's NaViT-style
         # fractional positions reduce to these when no tile is padded).
         return patches + self.position_embedding.weight[None]
