@@ -8,7 +8,8 @@ Each tile becomes `tokens_per_tile` `<image>` tokens, framed by `<fake_token_aro
 pixels, then x/255 and (x - mean) / std, as the checkpoint's processor does.
 
 Gemma 3, `Gemma3ImageProcessor`: an image is resized to one square tile (bilinear), and the template's
-`<start_of_image>` becomes "\n\n", begin, 256 image tokens, end, "\n\n", as its processor writes it.
+`<start_of_image>` becomes "\n\n", begin, 256 image tokens, end, "\n\n", as its processor writes it; with
+pan and scan (`PanAndScan`), a wide or tall image's crops follow as tiles of their own.
 
 A processor's `place` turns a rendered chat's ids into the model's: each image marker the chat template
 wrote replaced by its image's placeholder tokens.
@@ -54,7 +55,7 @@ class ImageError(ValueError):
 @dataclass(frozen=True)
 class ProcessedImage:
     pixels: torch.Tensor  # [tiles, 3, tile_size, tile_size] float32, normalized
-    rows: int  # the grid of tiles (0, 0: one tile, no grid)
+    rows: int  # the grid of tiles (0, 0: one tile, no grid); Gemma 3: rows 0, cols its pan-and-scan crops
     cols: int
     digest: bytes  # sha256 of the pixels the tiles came from: equal images share prefix-cache blocks
 
