@@ -126,19 +126,16 @@ def split_fused_phi3(config: ModelConfig, tensors: LazyTensors[T],
     """A Phi-3 checkpoint's tensors with its fused projections read as the separate ones the other families'
     checkpoints hold (`phi3_rows`), each cut from its fused tensor when it is asked for: `take(fused, rows)`
     (a GGUF file's raw blocks take their rows their own way)."""
-    rows = phi3_rows(config)
-    shapes, sources = {}, {}
-    for name, shape in tensors.shapes.items():
-        fused = [(part, index) for part, (whole, index) in rows.items() if name.endswith(f"{whole}.weight")]
-        for part, index in fused:
-            whole = rows[part][0]
+    shapes, sources = dict(tensors.shapes), {}
+    for part, (whole, index) in phi3_rows(config).items():
+        for name in [n for n in tensors.shapes if n.endswith(f"{whole}.weight")]:
             split = name.replace(whole, part)
-            shapes[split] = (len(index), shape[1])
+            shapes[split] = (len(index), tensors.shapes[name][1])
             sources[split] = (name, index)
-        if not fused:
-            shapes[name] = shape
+    for name, _ in sources.values():
+        shapes.pop(name, None)  # the fused tensor itself is read through its parts only
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> T:
         if name in sources:
             whole, index = sources[name]
             return take(tensors[whole], index)
