@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.register_buffer("inv_freq", None, persistent=False)
         self.register_buffer("local_inv_freq", None, persistent=False)
         self.register_buffer("rotary_scale", None, persistent=False)
-        # LongRoPE's long factors (use_long_context), for a context past the model's original one.
+        # LongRoPE's long factors in use (`fit_rotary_to`: a context past the model's original one).
         self.long_context = False
         self.make_rotary(torch.get_default_device())
         self._kv_cache_dtype: torch.dtype | None = None  # kv_cache_dtype's setting (None: the activations')

@@ -39,7 +39,7 @@ def inverse_frequencies(config: ModelConfig, long_context: bool = False) -> torc
     """[head_dim / 2] float32 angular frequency of each rotated pair (of the full-attention layers), with
     Llama 3, linear or LongRoPE scaling applied (LongRoPE's long factors with `long_context`). With a rotary
     part of each head (`rotary_dim`), the pairs past it have frequency 0: no rotation (their weights' rows
-    are ordered so, hf_checkpoint.split_fused_phi3)."""
+    are ordered so: model/weights.py `phi3_rows`)."""
     if config.rotary_dims != config.head_dim:
         rotated = inverse_frequencies(config.replace(head_dim=config.rotary_dims, rotary_dim=None), long_context)
         return torch.cat([rotated, torch.zeros((config.head_dim - config.rotary_dims) // 2)])
