@@ -209,8 +209,8 @@ class ModelConfig:
         """
         model_type = cfg.get("model_type")
         if model_type == "gemma3" and "text_config" in cfg:
-            # A multimodal Gemma 3 (4B and up): its language model is a Gemma 3 text model, served alone
-            # (the vision tower's tensors are never read, hf_checkpoint.py).
+            # A multimodal Gemma 3 (4B and up): its language model is a Gemma 3 text model (the decoder never
+            # reads the vision tower's tensors, hf_checkpoint.py; the tower is model/vision.py's).
             text = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg},
                     **cfg["text_config"], "model_type": "gemma3_text"}
             return cls.from_hf(text)
