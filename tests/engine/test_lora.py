@@ -149,7 +149,7 @@ def write_gguf_adapter(peft_dir, path, num_heads: int, num_kv_heads: int, permut
     k rows in llama.cpp's rotary order, alpha in adapter.lora.alpha."""
     import gguf
     from safetensors.torch import load_file
-    from tiny_models import GGUF_LAYER_NAMES, llama_cpp_permute
+    from tiny_models import GGUF_LAYER_NAMES, llama_cpp_permute, write_and_close
 
     settings = json.loads((peft_dir / "adapter_config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -164,10 +164,7 @@ def write_gguf_adapter(peft_dir, path, num_heads: int, num_kv_heads: int, permut
             array = llama_cpp_permute(array, num_heads if "q_proj" in module else num_kv_heads)
         name = f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight.lora_{side[-1].lower()}"
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
 
 
 def test_a_gguf_adapter_equals_its_peft_source(llm, adapters, tmp_path):

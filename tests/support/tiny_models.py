@@ -110,6 +110,14 @@ GEMMA_GGUF_LAYER_NAMES = {
 PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
+def write_and_close(writer) -> None:
+    """Write a GGUF writer's header, metadata and tensors to its file, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def k_quant_model():
     """A random Llama whose rows are 256 inputs long, as K-quants need."""
     import transformers
@@ -321,10 +329,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
             writer.add_tensor(gguf_name, raw, raw_dtype=tensor_type)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
     return held
 
 
@@ -549,10 +554,7 @@ def write_vision_gguf(vision_dir: Path, text_path: Path, mmproj_path: Path, text
         if mmproj_f16 and array.ndim >= 2 and ".embeddings." not in name:
             array = array.astype("float16")
         writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
 
 
 # Gemma 3's chat template in the shape of the released one: a system message folded into the first user
@@ -661,7 +663,4 @@ def write_gemma3_vision_gguf(model_dir: Path, text_path: Path, mmproj_path: Path
         if stem.endswith("input_projection"):  # the converter's one forced float16 tensor
             array = array.astype("float16")
         writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
