@@ -298,15 +298,23 @@ def processor_from_hf_dir(directory: Path, config: VisionConfig, pan_and_scan: b
         raw = {}
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({one_line(e)})") from None
+    return processor_for(raw, config, pan_and_scan, path)
+
+
+def processor_for(raw: Mapping[str, Any], config: VisionConfig, pan_and_scan: bool | None,
+                  source: Path) -> ImageProcessor | Gemma3ImageProcessor:
+    """The tower's family's processor from preprocessor_config.json's fields (`raw`, or a projector file's
+    metadata in those names), `pan_and_scan` over its `do_pan_and_scan` (Gemma 3's alone); ModelLoadError
+    naming `source` for anything it cannot take."""
     kind = Gemma3ImageProcessor if config.family == "gemma3" else ImageProcessor
     if pan_and_scan is not None:
         if kind is not Gemma3ImageProcessor:
-            raise ModelLoadError(f"{directory}: pan and scan is Gemma 3's image processing; this is {config.family}")
+            raise ModelLoadError(f"{source}: pan and scan is Gemma 3's image processing; this is {config.family}")
         raw = {**raw, "do_pan_and_scan": pan_and_scan}
     try:
         return kind.from_config(raw, config)
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{path}: {one_line(e)}") from None
+        raise ModelLoadError(f"{source}: {one_line(e)}") from None
 
 
 def normalized(image, rescale: float, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:

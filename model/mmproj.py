@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from model.errors import ModelLoadError, one_line
-from model.image_processor import IMAGE_TOKEN, Gemma3ImageProcessor, ImageProcessor, PanAndScan
+from model.image_processor import IMAGE_TOKEN, processor_for
 from model.tokenizer import Tokenizer
 from model.vision import ImageEncoder, Vision, VisionConfig
 
@@ -98,16 +98,13 @@ def read_mmproj(path: str | Path, tokenizer: Tokenizer, text_hidden_size: int, d
     if projection is not None and int(projection) != text_hidden_size:
         raise ModelLoadError(f"{path}: projects images to {projection} dimensions; the text model's are "
                              f"{text_hidden_size} (a projector made for another model)")
-    mean, std = meta.get("clip.vision.image_mean", [0.5] * 3), meta.get("clip.vision.image_std", [0.5] * 3)
-    mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+    # The processor's settings under preprocessor_config.json's names: the mean and std, and Idefics3's longest
+    # edge (`preproc_image_size`; none: the image is not resized first).
     longest = meta.get("clip.vision.preproc_image_size")
-    if pan_and_scan and not gemma3:
-        raise ModelLoadError(f"{path}: pan and scan is Gemma 3's image processing; this projector is {projector}")
-    processor = (Gemma3ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
-                                      ids[0], ids[2], mean, std,
-                                      pan_and_scan=PanAndScan() if pan_and_scan else None) if gemma3 else
-                 ImageProcessor(config.image_size, config.tokens_per_tile, config.image_token_id,
-                                int(longest) if longest else None, True, mean, std))
+    raw = {"image_mean": meta.get("clip.vision.image_mean", [0.5] * 3),
+           "image_std": meta.get("clip.vision.image_std", [0.5] * 3),
+           "do_resize": bool(longest), "size": {"longest_edge": longest} if longest else None}
+    processor = processor_for(raw, config, pan_and_scan, path)
     with torch.device("meta"):
         encoder = ImageEncoder(config)
     expected = encoder.state_dict()
