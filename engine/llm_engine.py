@@ -164,12 +164,12 @@ class LLMEngine:
                                                            module.device, module.kv_pools)
             self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          module.kv_pools)
+        original_context = self.model.config.rope_original_max_position_embeddings
         if isinstance(module, LlamaForCausalLM):
             module.fit_rotary_to(self.max_model_len)  # LongRoPE's factors for this context
-        elif (self.model.config.rope_original_max_position_embeddings or self.max_model_len) < self.max_model_len:
+        elif original_context is not None and self.max_model_len > original_context:
             raise ValueError(f"a context of {self.max_model_len} tokens takes LongRoPE's long factors, which only "
-                             "the model in one process switches to; lower --max-model-len to "
-                             f"{self.model.config.rope_original_max_position_embeddings}")
+                             f"the model in one process switches to; lower --max-model-len to {original_context}")
         bound = config.max_prefill_tokens
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
