@@ -184,6 +184,7 @@ def run(options: CompileOptions, log: StageLog | None = None,
     with log.stage("load", f"{options.model or 'the default model'} in fp32 on {device}"):
         loaded = load(options.model, dtype=torch.float32, device=device, block_size=options.block_size)
         eager = loaded.module
+        loaded.config.require_alike_layers("ladder compile")
         source_sha = sha256_source(loaded.path)
     with log.stage("reference", "fp32 eager outputs on the parity inputs" + (" (given)" if reference else "")):
         prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)

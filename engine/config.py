@@ -238,10 +238,14 @@ def available_memory() -> int:
     return 4 * GIB
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """One block's bytes across every layer's cache."""
-    elements = math.prod(kv_cache_shape(1, block_size, model.num_kv_heads, model.head_dim))
-    return model.num_layers * elements * dtype.itemsize
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, windowed: bool | None = None) -> int:
+    """One block's bytes across every layer's cache (a layer that reads an earlier layer's cache has none of
+    its own); `windowed` True or False: across the sliding-window layers' caches only, or the others' only."""
+    total = 0
+    for i in range(model.num_layers):
+        if model.kv_source(i) == i and windowed in (None, model.layer_window(i) is not None):
+            total += math.prod(kv_cache_shape(1, block_size, model.layer_kv_heads(i), model.layer_head_dim(i)))
+    return total * dtype.itemsize
 
 
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -268,9 +272,8 @@ def plan_window_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.
     window, a block boundary and a block for its drafts, plus one step's new tokens; the full-attention
     layers' blocks get the rest of the budget. ValueError as plan_kv_cache."""
     max_model_len = _max_model_len(config, model)
-    per_layer = bytes_per_block(model, config.block_size, dtype) // model.num_layers
-    full_bytes = (model.num_layers - model.windowed_layers) * per_layer
-    window_bytes = model.windowed_layers * per_layer
+    full_bytes = bytes_per_block(model, config.block_size, dtype, windowed=False)
+    window_bytes = bytes_per_block(model, config.block_size, dtype, windowed=True)
     budget, source = kv_budget(config, device)
     bs = config.block_size
     per_seq = blocks_for_tokens(model.sliding_window - 1, bs) + 3

@@ -31,7 +31,7 @@ def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
     sources = {"lm_head": ["lm_head.weight"]}
     for i in range(config.num_layers):
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        sources[attn + "qkv_proj"] = [attn + f"{x}_proj.weight" for x in "qkv"]
+        sources[attn + "qkv_proj"] = [attn + f"{x}_proj.weight" for x in config.layer_projections(i)]
         sources[attn + "o_proj"] = [attn + "o_proj.weight"]
         if not config.is_sparse_layer(i):
             sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]

@@ -19,11 +19,15 @@ from typing import Any
 #   smollm3: layers without rotary embeddings (NoPE) among the rotary ones;
 #   phi3 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini): q/k/v and gate/up fused in the checkpoint, rotary over part of
 #   each head (Phi-4-mini's 3/4), LongRoPE's per-frequency factors and cos/sin scale;
+#   gemma4: Gemma 3's layers with a head size and KV heads of their own in the full-attention layers (whose
+#   values may be their keys), values normalised, proportional RoPE, a scale on each layer's output, and in the
+#   small models (E2B, E4B) per-layer token embeddings and layers that read an earlier layer's cache;
 #   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py).
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3", *MOE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3",
+                           *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
-HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 # A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
 # defaults, which the multimodal checkpoints' text_config relies on).
 GEMMA3_TEXT_DEFAULTS = {
@@ -103,6 +107,24 @@ class ModelConfig:
     rope_long_freq_factors: tuple[float, ...] | None = None
     rope_original_max_position_embeddings: int | None = None
     rope_attention_factor: float | None = None
+    # Gemma 4. The full-attention layers' head size and KV heads when they differ from the sliding ones' (31B:
+    # 512 and 4 against 256 and 16); with attention_k_eq_v those layers' values are their keys' projection.
+    global_head_dim: int | None = None
+    global_num_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    value_norm: bool = False  # values RMS-normalised (no weight) before they are cached
+    # Proportional RoPE of the full-attention layers: the first proportion of each head's pairs rotate, at the
+    # frequencies of the whole head; the rest have frequency 0. None: every pair rotates.
+    rope_proportion: float | None = None
+    layer_scalars: bool = False  # each layer's output (residual stream included) times its own scalar
+    # Per-layer embeddings (E2B, E4B): a [per_layer_vocab_size, num_layers * per_layer_input_size] table
+    # gives each token a per_layer_input_size vector per layer that gates into that layer's output.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    # The last kv_shared_layers layers compute no keys or values: each reads the cache of the last earlier
+    # layer of its kind (`kv_source`); with double_wide_shared_mlp their MLPs are twice intermediate_size.
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -148,6 +170,15 @@ class ModelConfig:
             raise ValueError(f"nope_layers {list(self.nope_layers)} outside 0..{self.num_layers - 1}")
         if self.nope_layers and (self.layer_types is not None or self.sliding_window):
             raise ValueError("layers without rotary embeddings beside sliding-window ones are not supported")
+        if not 0 <= self.kv_shared_layers < self.num_layers:
+            raise ValueError(f"kv_shared_layers must be in 0..{self.num_layers - 1}, got {self.kv_shared_layers}")
+        for i in range(self.num_layers):
+            if self.num_heads % self.layer_kv_heads(i) or self.layer_head_dim(i) % 2:
+                raise ValueError(f"layer {i}: {self.num_heads} heads over {self.layer_kv_heads(i)} KV heads of "
+                                 f"{self.layer_head_dim(i)} dims (a multiple, and even dims, are needed)")
+            self.kv_source(i)  # an earlier layer of its kind must hold the cache a shared layer reads
+        if self.per_layer_input_size and self.per_layer_vocab_size <= 0:
+            raise ValueError("per-layer embeddings need per_layer_vocab_size")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (the keys a query sees, counted back from its own position); None:
@@ -160,6 +191,57 @@ class ModelConfig:
     def windowed_layers(self) -> int:
         """How many layers see a sliding window (all of them in a Mistral with one, 15 of 18 in Gemma 3 270M)."""
         return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    def is_full_layer(self, layer: int) -> bool:
+        """Whether `layer` is a full-attention layer among sliding-window ones (Gemma's every sixth)."""
+        return self.layer_types is not None and self.layer_types[layer] == "full_attention"
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.global_head_dim if self.global_head_dim and self.is_full_layer(layer) else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.global_num_kv_heads if self.global_num_kv_heads and self.is_full_layer(layer) else self.num_kv_heads
+
+    def layer_shares_values(self, layer: int) -> bool:
+        """Whether `layer`'s values are its keys' projection (no v_proj; Gemma 4's full-attention layers)."""
+        return self.attention_k_eq_v and self.is_full_layer(layer)
+
+    def layer_projections(self, layer: int) -> str:
+        """The projections `layer`'s qkv_proj fuses, in order: "qkv"; "qk" when its values are its keys
+        (`layer_shares_values`); "q" when it reads an earlier layer's cache (`kv_source`)."""
+        if self.kv_source(layer) != layer:
+            return "q"
+        return "qk" if self.layer_shares_values(layer) else "qkv"
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        shared = self.kv_source(layer) != layer
+        return self.intermediate_size * (2 if self.double_wide_shared_mlp and shared else 1)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache `layer` reads: itself, or for one of the last kv_shared_layers the last
+        layer of its kind before them (its keys and values, computed once, serve both)."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.is_full_layer(layer)
+        for source in range(first_shared - 1, -1, -1):
+            if self.is_full_layer(source) == kind:
+                return source
+        raise ValueError(f"layer {layer} shares the cache of an earlier layer of its kind, and there is none")
+
+    @property
+    def layers_alike(self) -> bool:
+        """Whether every layer has the same attention shape and cache of its own, and no per-layer inputs:
+        what the C++ step, tensor parallelism and the exporters assume."""
+        return (self.global_head_dim in (None, self.head_dim) and self.global_num_kv_heads in (None, self.num_kv_heads)
+                and not self.attention_k_eq_v and not self.kv_shared_layers and not self.per_layer_input_size
+                and not self.layer_scalars and not self.value_norm)
+
+    def require_alike_layers(self, what: str) -> None:
+        """ValueError (one line) when `what` needs layers alike (`layers_alike`) and this model's differ."""
+        if not self.layers_alike:
+            raise ValueError(f"{what} is not supported for {self.architecture}, whose layers differ in shape, share "
+                             "caches or take per-layer inputs")
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (model/moe.py) rather than a dense one."""
@@ -214,6 +296,10 @@ class ModelConfig:
             text = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg},
                     **cfg["text_config"], "model_type": "gemma3_text"}
             return cls.from_hf(text)
+        if model_type == "gemma4" and "text_config" in cfg:  # every Gemma 4: its text model beside its towers
+            text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"],
+                    "model_type": "gemma4_text"}
+            return cls.from_hf(text)
         if model_type in ("idefics3", "smolvlm") and "text_config" in cfg:
             # SmolVLM (Idefics3): a Llama-family text model with a vision tower beside it (model/vision.py).
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
@@ -231,6 +317,8 @@ class ModelConfig:
         extra: dict[str, Any] = {}
         if arch == "gemma3":
             rope, extra = _gemma3_fields(cfg, hidden)
+        elif arch == "gemma4":
+            rope, extra = _gemma4_fields(cfg, hidden)
         else:
             # transformers 5 moved rope_theta and rope_scaling into one `rope_parameters` dict.
             rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -246,6 +334,8 @@ class ModelConfig:
             )
         elif rope_type == "linear":
             extra["rope_linear_factor"] = float(rope["factor"])
+        elif rope_type == "proportional" and arch == "gemma4":
+            extra["rope_proportion"] = float(rope.get("partial_rotary_factor", 1.0))
         elif rope_type in ("longrope", "su") and arch == "phi3":
             extra |= _longrope_fields(cfg, rope)
         elif rope_type not in ("default", None):
@@ -282,7 +372,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v projections always carry biases; its config has no flag for it.
             attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
@@ -326,6 +416,63 @@ def _gemma3_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
         "embedding_scale": hidden**0.5,
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
         "final_logit_softcapping": float(softcap) if softcap else None,
+    }
+
+
+def _gemma4_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma 4 text config's full-attention RoPE parameters and its ModelConfig fields: Gemma 3's (the
+    attention unscaled: its q/k norms set the scale) and Gemma 4's own."""
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("use_bidirectional_attention 'all' (an encoder) is not supported")
+    if cfg.get("enable_moe_block"):
+        raise ValueError("Gemma 4's mixture-of-experts block (26B-A4B) is not supported yet")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported hidden_activation {act!r} (Gemma 4: gelu_pytorch_tanh)")
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
+    layer_types = [*layer_types[:-1], "full_attention"]  # transformers forces the last layer to full attention
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    if "per_layer_config" in cfg:  # transformers 5 writes the full-attention layers' overrides there
+        head_dim = kv_heads = None
+        for index, override in cfg["per_layer_config"].items():
+            if set(override) - {"head_dim", "num_key_value_heads"} or layer_types[int(index)] != "full_attention":
+                raise ValueError(f"per_layer_config of layer {index}: only the full-attention layers' head_dim "
+                                 f"and num_key_value_heads may differ, got {sorted(override)}")
+            for name, value in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
+                if name in override and value is not None and override[name] != value:
+                    raise ValueError(f"per_layer_config: full-attention layers with different {name}s")
+            head_dim = override.get("head_dim", head_dim)
+            kv_heads = override.get("num_key_value_heads", kv_heads)
+    else:  # as transformers reads them: the global KV heads count only where attention_k_eq_v holds
+        head_dim = cfg.get("global_head_dim", 512)
+        kv_heads = cfg.get("num_global_key_value_heads") if k_eq_v else None
+    params = cfg.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1_000_000.0})
+    local = dict(params.get("sliding_attention") or {"rope_theta": 10_000.0})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_type {local['rope_type']!r} for the sliding-window layers")
+    softcap = cfg.get("final_logit_softcapping")
+    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return full, {
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": float(local.get("rope_theta", 10_000.0)),
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "embedding_scale": hidden**0.5,
+        "query_pre_attn_scalar": 1.0,  # scores are q . k unscaled
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "global_head_dim": int(head_dim) if head_dim else None,
+        "global_num_kv_heads": int(kv_heads) if kv_heads else None,
+        "attention_k_eq_v": k_eq_v,
+        "value_norm": True,
+        "layer_scalars": True,
+        "per_layer_input_size": per_layer,
+        "per_layer_vocab_size": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if per_layer else 0,
+        "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
+        "double_wide_shared_mlp": bool(cfg.get("use_double_wide_mlp", False)),
     }
 
 

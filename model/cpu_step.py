@@ -94,6 +94,8 @@ def _linear_kind(linear: nn.Module) -> int | None:
 def step_support(model: nn.Module) -> str | None:
     """None if `model` (a LlamaForCausalLM) can run its layers as one C++ step, else why not, in words."""
     config = model.config
+    if not config.layers_alike:
+        return "the layers differ in shape, share caches or take per-layer inputs (Gemma 4)"
     if cpu_extension.load() is None or not hasattr(torch.classes.ladder_cpu, "DecoderStep"):
         return "the C++ CPU kernels are not built here"
     if model.ops.name != "cpu" or model.device.type != "cpu":

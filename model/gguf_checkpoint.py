@@ -34,8 +34,8 @@ from model.weights import LazyTensors, split_fused_phi3
 log = logging.getLogger(__name__)
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe",
-                 "smollm3": "smollm3", "phi3": "phi3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
+                 "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3"}
 # Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
 PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
@@ -48,6 +48,10 @@ GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
+    # Gemma 4's per-layer embeddings (E2B, E4B)
+    "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "per_layer_projection_norm.weight",
 }
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -74,6 +78,14 @@ GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma 4's: Gemma 3's, each layer's output scale and per-layer embedding's gate, projection and norm.
+GEMMA4_LAYER_NAMES = {
+    **GEMMA_LAYER_NAMES,
+    "layer_output_scale": "layer_scalar",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
 }
 LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's Gemma 3 constants where older files have no metadata: every sixth layer attends to the
@@ -173,7 +185,10 @@ class GGUFCheckpoint:
         if "rope_freqs.weight" in self.tensor_names:  # llama3 scaling, precomputed by llama.cpp
             freq_factors = tuple(float(x) for x in self._dequantize("rope_freqs.weight").reshape(-1))
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
-        extra = self._gemma3_fields(hidden, num_heads) if self.gguf_arch == "gemma3" else {}
+        extra = self._gemma3_fields(hidden, num_heads) if self.gguf_arch in ("gemma3", "gemma4") else {}
+        if self.gguf_arch == "gemma4":
+            extra |= self._gemma4_fields(freq_factors)
+            freq_factors = None  # the full-attention layers' proportional RoPE, read as such
         extra |= self._moe_fields()
         if self.gguf_arch == "phi3":
             extra |= self._phi3_fields(hidden, num_heads)
@@ -186,17 +201,17 @@ class GGUFCheckpoint:
                 else ARCHITECTURES[self.gguf_arch],
                 vocab_size=int(vocab_size),
                 hidden_size=hidden,
-                intermediate_size=int(self._require("feed_forward_length")),
+                intermediate_size=int(extra.pop("intermediate_size", None) or self._require("feed_forward_length")),
                 num_layers=int(self._require("block_count")),
                 num_heads=num_heads,
-                num_kv_heads=int(self._get("attention.head_count_kv", num_heads)),
-                head_dim=int(self._get("attention.key_length", hidden // num_heads)),
+                num_kv_heads=int(extra.pop("num_kv_heads", None) or self._get("attention.head_count_kv", num_heads)),
+                head_dim=int(extra.pop("head_dim", None) or self._get("attention.key_length", hidden // num_heads)),
                 rms_norm_eps=float(self._get("attention.layer_norm_rms_epsilon", 1e-6)),
                 rope_theta=float(self._get("rope.freq_base", 10000.0)),
                 max_position_embeddings=int(self._get("context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self.tensor_names,
                 attention_bias=self.gguf_arch == "qwen2",
-                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "qwen3moe"),
+                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe"),
                 rope_freq_factors=extra.pop("rope_freq_factors", freq_factors),
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=(int(eos),) if eos is not None else (),
@@ -271,6 +286,61 @@ class GGUFCheckpoint:
         if softcap:
             extra["final_logit_softcapping"] = float(softcap)
         return extra
+
+    def _gemma4_fields(self, freq_factors: tuple[float, ...] | None) -> dict[str, Any]:
+        """Gemma 4 as llama.cpp's converter writes it: key_length the full-attention layers' head size and
+        key_length_swa the others'; head_count_kv and feed_forward_length per layer where layers differ;
+        proportional RoPE as `rope_freqs` of 1 (rotated pairs) and 1e30 (the rest); values are keys where the
+        full-attention layers have no attn_v. Norm weights are Gemma 4's own (no 1 + w)."""
+        num_layers = int(self._require("block_count"))
+        windowed = [bool(x) for x in self._require("attention.sliding_window_pattern")]
+        if len(windowed) != num_layers:
+            raise ModelLoadError(f"{self.path}: attention.sliding_window_pattern has {len(windowed)} entries for "
+                                 f"{num_layers} layers")
+        full = [i for i in range(num_layers) if not windowed[i]]
+        swa = [i for i in range(num_layers) if windowed[i]]
+        if not full or not swa:
+            raise ModelLoadError(f"{self.path}: Gemma 4 with {len(full)} full-attention and {len(swa)} sliding layers")
+
+        def per_layer(key: str) -> tuple[int, int | None]:  # (the sliding layers' value, the full ones')
+            value = self._require(key)
+            values = [int(x) for x in value] if isinstance(value, list) else [int(value)] * num_layers
+            if len({values[i] for i in swa}) > 1 or len({values[i] for i in full}) > 1:
+                raise ModelLoadError(f"{self.path}: {self.gguf_arch}.{key} differs among layers of one kind")
+            return values[swa[0]], values[full[0]]
+
+        head_full = int(self._require("attention.key_length"))
+        head_swa = int(self._get("attention.key_length_swa", head_full))
+        kv_swa, kv_full = per_layer("attention.head_count_kv")
+        shared = int(self._get("attention.shared_kv_layers", 0) or 0)
+        ff = self._require("feed_forward_length")
+        ff = [int(x) for x in ff] if isinstance(ff, list) else [int(ff)] * num_layers
+        first_shared = num_layers - shared
+        double = shared > 0 and ff[-1] == 2 * ff[0]
+        expected = [ff[0] * (2 if double and i >= first_shared else 1) for i in range(num_layers)]
+        if ff != expected:
+            raise ModelLoadError(f"{self.path}: feed_forward_length {ff} is neither one width nor twice it in the "
+                                 "shared-cache layers")
+        proportion = None
+        if freq_factors is not None:
+            rotated = sum(1 for f in freq_factors if f < 1e20)
+            if any(f != 1.0 for f in freq_factors[:rotated]) or len(freq_factors) != head_full // 2:
+                raise ModelLoadError(f"{self.path}: rope_freqs is not Gemma 4's proportional RoPE")
+            proportion = 2 * rotated / head_full
+        per_layer_size = int(self._get("embedding_length_per_layer_input", 0) or 0)
+        per_layer_vocab = 0
+        if per_layer_size:
+            table = next(t for t in self.reader.tensors if t.name == "per_layer_token_embd.weight")
+            per_layer_vocab = int(table.shape[1])
+        return {
+            "head_dim": head_swa, "num_kv_heads": kv_swa, "intermediate_size": ff[0],
+            "global_head_dim": head_full, "global_num_kv_heads": kv_full,
+            "attention_k_eq_v": f"blk.{full[0]}.attn_v.weight" not in self.tensor_names,
+            "value_norm": True, "layer_scalars": True, "query_pre_attn_scalar": 1.0,
+            "rope_proportion": proportion,
+            "per_layer_input_size": per_layer_size, "per_layer_vocab_size": per_layer_vocab,
+            "kv_shared_layers": shared, "double_wide_shared_mlp": double,
+        }
 
     def _dequantize(self, name: str) -> np.ndarray:
         tensor = next(t for t in self.reader.tensors if t.name == name)
@@ -359,12 +429,14 @@ class GGUFCheckpoint:
     def _hf_name(self, name: str) -> str | None:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
-        names = {"gemma3": GEMMA_LAYER_NAMES, "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}}.get(self.gguf_arch,
-                                                                                             LAYER_NAMES)
+        names = {"gemma3": GEMMA_LAYER_NAMES, "gemma4": GEMMA4_LAYER_NAMES,
+                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}}.get(self.gguf_arch, LAYER_NAMES)
         match = LAYER_PATTERN.fullmatch(name)
         if match is None or match.group(2) not in names:
             return None
         layer, part, kind = match.groups()
+        if names[part] == "layer_scalar":  # a parameter of the layer itself, not a module's weight
+            return f"layers.{layer}.layer_scalar"
         return f"layers.{layer}.{names[part]}.{kind}"
 
 

@@ -1,6 +1,8 @@
-"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3
-(q/k norms, GeGLU, sandwich norms, a scaled embedding, sliding-window layers with their own RoPE base);
-Qwen3-MoE and Mixtral swap a layer's MLP for a sparse mixture of experts (model/moe.py).
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms), Gemma 3
+(q/k norms, GeGLU, sandwich norms, a scaled embedding, sliding-window layers with their own RoPE base) and
+Gemma 4 (Gemma 3's layers with heads of another size in the full-attention ones, normed values, a scale on
+each layer's output, per-layer embeddings and layers that read an earlier layer's cache); Qwen3-MoE and
+Mixtral swap a layer's MLP for a sparse mixture of experts (model/moe.py).
 
 One module serves every caller: `forward` takes a flat batch of tokens from many sequences, the paged KV
 cache tensors and the attention metadata as arguments, and keeps no state between calls, so the engine,
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from kernels.ops import Ops, select_ops
-from kernels.rotary import rotary_cos_sin_ref
+from kernels.rotary import rotary_cos_sin_ref, rotate_ref
 from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
@@ -48,19 +50,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, rotates: bool = True) -> None:
-        """`rotates` False: a NoPE layer (SmolLM3's), whose queries and keys carry no position."""
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, layer_index: int = 0) -> None:
         super().__init__()
-        self.rotates = rotates
+        self.layer_index = layer_index
+        self.rotates = layer_index not in config.nope_layers  # False: a NoPE layer (SmolLM3's)
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.num_kv_heads = config.layer_kv_heads(layer_index)
+        self.head_dim = head_dim = config.layer_head_dim(layer_index)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.scale = config.attention_scale
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        # Gemma 4: a layer that reads an earlier layer's cache projects queries only (`kv_source`); a
+        # full-attention layer with attention_k_eq_v takes its values from its keys' projection.
+        self.kv_source = config.kv_source(layer_index)
+        self.kv_outputs = len(config.layer_projections(layer_index)) - 1
+        self.value_norm_eps = config.rms_norm_eps if config.value_norm else None
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_outputs * self.kv_size,
+                                  bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if config.qk_norm and self.kv_outputs else None
         self.backend = backend
         self.ops = ops
 
@@ -71,25 +79,45 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         plan: AttentionPlan,
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
+        """`shared_kv`: this step's keys and values by layer, for the layers that read an earlier layer's
+        cache (Gemma 4): a layer whose cache is read records its own, one that reads another's takes them."""
         # One view of the whole projection, then a split along the heads: viewing each non-contiguous slice
         # instead makes Inductor guard on T == 1 and compile the decode step a second time for batch 2.
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:  # Qwen3 and Gemma 3 normalise each head before the rotation
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + self.kv_outputs * self.num_kv_heads, self.head_dim)
+        if not self.kv_outputs:  # the source layer's keys and values, already normed and rotated
+            q = self.q_norm(qkv)[0] if self.q_norm is not None else qkv
+            k, v = shared_kv[self.kv_source]
+            q = rotate_ref(q, cos, sin)
+            # Writing the source's keys and values again into the cache they share leaves it as it was.
+            out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)
+            return self.o_proj(out.reshape(-1, self.q_size))
+        if self.kv_outputs == 1:  # values are the keys' projection, before the keys' norm and rotation
+            q, k = qkv.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = k
+        else:
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None:  # Qwen3 and Gemma normalise each head before the rotation
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
+        if self.value_norm_eps is not None:  # Gemma 4: each value head RMS-normalised, without a weight
+            v32 = v.float()
+            v = (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).to(v.dtype)
         if self.rotates:
             q, k = self.ops.apply_rotary(q, k, cos, sin)
+        if shared_kv is not None:
+            shared_kv[self.layer_index] = k, v
         out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.ops = ops
         self.geglu = config.hidden_act == "gelu_tanh"
 
@@ -106,14 +134,25 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, backend, ops, rotates=layer_index not in config.nope_layers)
+        self.self_attn = Attention(config, backend, ops, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = SparseMoeBlock(config, ops) if config.is_sparse_layer(layer_index) else MLP(config, ops)
+        self.mlp = (SparseMoeBlock(config, ops) if config.is_sparse_layer(layer_index)
+                    else MLP(config, ops, config.layer_intermediate_size(layer_index)))
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # Gemma 4: the layer's per-layer embedding gated into its output, and the output (residual stream
+        # included) scaled by `layer_scalar`.
+        self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+        if config.per_layer_input_size:
+            self.per_layer_input_gate = nn.Linear(config.hidden_size, config.per_layer_input_size, bias=False)
+            self.per_layer_projection = nn.Linear(config.per_layer_input_size, config.hidden_size, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
+        self.ops = ops
 
     @property
     def mlp_norm(self) -> RMSNorm:
@@ -129,17 +168,28 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        per_layer_input: torch.Tensor | None = None,  # [T, per_layer_input_size] (Gemma 4's E2B, E4B)
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The residual stream is carried separately so each add fuses with the norm that follows it.
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, plan)
+        # (wrappers of the attention, tensor parallelism's, take no `shared_kv`: only Gemma 4 passes one)
+        h = self.self_attn(h, cos, sin, kv_cache, plan) if shared_kv is None else \
+            self.self_attn(h, cos, sin, kv_cache, plan, shared_kv)
         if self.post_feedforward_layernorm is None:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
         h, _ = self.post_attention_layernorm(h)  # normed before it joins the residual stream
         h, residual = self.pre_feedforward_layernorm(h, residual)
         h, _ = self.post_feedforward_layernorm(self.mlp(h))
-        return h, residual
+        if self.layer_scalar is None:
+            return h, residual
+        # Gemma 4 scales the whole stream, so the sum is made here and the next layer's norm starts afresh.
+        x = residual + h
+        if self.per_layer_input_gate is not None:
+            gate = self.ops.gelu_tanh_and_mul(torch.cat([self.per_layer_input_gate(x), per_layer_input], dim=-1))
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))[0]
+        return x * self.layer_scalar, None
 
 
 class LlamaForCausalLM(nn.Module, BaseStepModel):
@@ -163,6 +213,11 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                          layer_index=i)
             for i in range(config.num_layers)
         )
+        if config.per_layer_input_size:  # Gemma 4's per-layer embeddings (`per_layer_inputs`)
+            width = config.num_layers * config.per_layer_input_size
+            self.embed_tokens_per_layer = nn.Embedding(config.per_layer_vocab_size, width)
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(config.per_layer_input_size, config.rms_norm_eps, self.ops)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -274,17 +329,47 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                 local = rotary_cos_sin_ref(positions, self.local_inv_freq)
             return self.cpu_step(x, cos, sin, *local, kv_caches, plan)
         residual = None
-        if self.local_attention is None:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, cos, sin, kv_cache, plan)
-        else:
-            full_plan, local_plan = plan
-            local = rotary_cos_sin_ref(positions, self.local_inv_freq)
-            for layer, kv_cache, windowed in zip(self.layers, kv_caches, self.windowed, strict=True):
-                x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
-                                    local_plan if windowed else full_plan)
+        if self.config.layers_alike:
+            if self.local_attention is None:
+                for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                    x, residual = layer(x, residual, cos, sin, kv_cache, plan)
+            else:
+                full_plan, local_plan = plan
+                local = rotary_cos_sin_ref(positions, self.local_inv_freq)
+                for layer, kv_cache, windowed in zip(self.layers, kv_caches, self.windowed, strict=True):
+                    x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
+                                        local_plan if windowed else full_plan)
+        else:  # Gemma 4
+            x, residual = self.run_gemma4_layers(x, input_ids, cos, sin, positions, kv_caches, plan)
         x, _ = self.norm(x, residual)
         return x
+
+    def run_gemma4_layers(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                          plan: AttentionPlan) -> tuple[torch.Tensor, None]:
+        """The layers of a model whose layers differ (Gemma 4): each with its per-layer embedding, the layers
+        that read an earlier layer's cache given its keys and values."""
+        per_layer = self.per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        full_plan, local_plan = plan if self.local_attention is not None else (plan, plan)
+        local = rotary_cos_sin_ref(positions, self.local_inv_freq)
+        residual = None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            windowed = self.windowed[i] if self.windowed else False
+            x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
+                                local_plan if windowed else full_plan,
+                                None if per_layer is None else per_layer[:, i], shared_kv)
+        return x, residual
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer embeddings [T, num_layers, per_layer_input_size]: each token's own (scaled by
+        sqrt of their size) averaged with a normed projection of its embedding x [T, hidden] (scaled)."""
+        cfg = self.config
+        size = cfg.per_layer_input_size
+        own = self.embed_tokens_per_layer(input_ids).view(-1, cfg.num_layers, size) * size**0.5
+        projected = (self.per_layer_model_projection(x) * cfg.hidden_size**-0.5).view(-1, cfg.num_layers, size)
+        projected, _ = self.per_layer_projection_norm(projected)
+        return (projected + own) * 2**-0.5
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

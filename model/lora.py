@@ -70,6 +70,10 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None)
     adapter for a base model of `config`; ModelLoadError (one line, naming the file) for anything else."""
     path = Path(path).expanduser()
     name = name or adapter_name(path)
+    try:
+        config.require_alike_layers("LoRA")
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     if path.is_dir():
         weights = _read_peft(path, config)
     elif path.is_file() and path.suffix.lower() == ".gguf":

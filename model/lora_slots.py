@@ -64,6 +64,7 @@ class LoRASlots:
     def attach(cls, module: nn.Module, max_loras: int, max_rank: int) -> LoRASlots:
         """Wrap the projections of every layer of `module` (a LlamaForCausalLM, any precision) in place."""
         config = module.config
+        config.require_alike_layers("LoRA")
         slots = cls(max_loras, max_rank)
         dtype, device = module.activation_dtype, module.device
         for index, layer in enumerate(module.layers):

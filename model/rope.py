@@ -39,7 +39,12 @@ def inverse_frequencies(config: ModelConfig, long_context: bool = False) -> torc
     """[head_dim / 2] float32 angular frequency of each rotated pair (of the full-attention layers), with
     Llama 3, linear or LongRoPE scaling applied (LongRoPE's long factors with `long_context`). With a rotary
     part of each head (`rotary_dim`), the pairs past it have frequency 0: no rotation (their weights' rows
-    are ordered so: model/weights.py `phi3_rows`)."""
+    are ordered so: model/weights.py `phi3_rows`). Proportional RoPE (Gemma 4's full-attention layers, whose
+    head size is `global_head_dim`): the first pairs rotate at the whole head's frequencies, the rest do not."""
+    if config.rope_proportion is not None:
+        head = config.global_head_dim or config.head_dim
+        rotated = int(config.rope_proportion * head // 2)
+        return torch.cat([rope_frequencies(head, config.rope_theta)[:rotated], torch.zeros(head // 2 - rotated)])
     if config.rotary_dims != config.head_dim:
         rotated = inverse_frequencies(config.replace(head_dim=config.rotary_dims, rotary_dim=None), long_context)
         return torch.cat([rotated, torch.zeros((config.head_dim - config.rotary_dims) // 2)])

@@ -232,5 +232,10 @@ def allocate_kv_caches(config: ModelConfig, block_size: int, num_blocks: int, dt
         windowed = num_window_blocks is not None and config.layer_window(layer) is not None
         return num_window_blocks if windowed else num_blocks
 
-    return [torch.zeros(kv_cache_shape(blocks(i), block_size, config.num_kv_heads, config.head_dim), dtype=dtype,
-                        device=device) for i in range(config.num_layers)]
+    caches: list[torch.Tensor] = []
+    for i in range(config.num_layers):
+        source = config.kv_source(i)  # a layer that reads an earlier layer's cache gets that very tensor
+        caches.append(caches[source] if source != i else torch.zeros(
+            kv_cache_shape(blocks(i), block_size, config.layer_kv_heads(i), config.layer_head_dim(i)), dtype=dtype,
+            device=device))
+    return caches

@@ -25,34 +25,48 @@ from model.moe_checkpoint import expert_shapes, expert_sources, stack_experts
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor the config calls for, with its shape."""
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    h = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens.weight": (config.vocab_size, h),
         "norm.weight": (h,),
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    if config.per_layer_input_size:
+        width = config.num_layers * config.per_layer_input_size
+        shapes |= {"embed_tokens_per_layer.weight": (config.per_layer_vocab_size, width),
+                   "per_layer_model_projection.weight": (width, h),
+                   "per_layer_projection_norm.weight": (config.per_layer_input_size,)}
     for i in range(config.num_layers):
         p = f"layers.{i}."
+        head_dim, inter = config.layer_head_dim(i), config.layer_intermediate_size(i)
+        q, kv = config.num_heads * head_dim, config.layer_kv_heads(i) * head_dim
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h),
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
+        own_kv = config.kv_source(i) == i  # a layer that reads an earlier layer's cache has no k/v of its own
+        kinds = config.layer_projections(i)[1:]
+        shapes |= {p + f"self_attn.{x}_proj.weight": (kv, h) for x in kinds}
         if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {p + "self_attn.q_proj.bias": (q,)} | {p + f"self_attn.{x}_proj.bias": (kv,) for x in kinds}
         if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
-                       p + "self_attn.k_norm.weight": (config.head_dim,)}
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,)}
+            if own_kv:
+                shapes |= {p + "self_attn.k_norm.weight": (head_dim,)}
         if config.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
+        if config.layer_scalars:
+            shapes |= {p + "layer_scalar": (1,)}
+        if config.per_layer_input_size:
+            shapes |= {p + "per_layer_input_gate.weight": (config.per_layer_input_size, h),
+                       p + "per_layer_projection.weight": (h, config.per_layer_input_size),
+                       p + "post_per_layer_input_norm.weight": (h,)}
         if config.is_sparse_layer(i):  # stacked experts instead of the dense MLP (model/moe_checkpoint.py)
             for kind in ("gate_proj", "up_proj", "down_proj"):
                 del shapes[p + f"mlp.{kind}.weight"]
@@ -162,21 +176,29 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
     sources = {"embed_tokens.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
+    if config.per_layer_input_size:
+        for name in ("embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                     "per_layer_projection_norm.weight"):
+            sources[name] = [name]
     for i in range(config.num_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        sources[p + "input_layernorm.weight"] = [p + "input_layernorm.weight"]
-        sources[p + "post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
+        own = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", attn + "o_proj.weight"]
         if config.sandwich_norms:
-            for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
-                sources[p + norm] = [p + norm]
-        sources[attn + "qkv_proj.weight"] = [attn + f"{x}_proj.weight" for x in "qkv"]
-        if config.attention_bias:
-            sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in "qkv"]
+            own += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
+        if config.layer_scalars:
+            own.append(p + "layer_scalar")
+        if config.per_layer_input_size:
+            own += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
+                    p + "post_per_layer_input_norm.weight"]
+        own_kv = config.kv_source(i) == i
         if config.qk_norm:
-            sources[attn + "q_norm.weight"] = [attn + "q_norm.weight"]
-            sources[attn + "k_norm.weight"] = [attn + "k_norm.weight"]
-        sources[attn + "o_proj.weight"] = [attn + "o_proj.weight"]
+            own += [attn + "q_norm.weight"] + ([attn + "k_norm.weight"] if own_kv else [])
+        sources |= {name: [name] for name in own}
+        kinds = config.layer_projections(i)
+        sources[attn + "qkv_proj.weight"] = [attn + f"{x}_proj.weight" for x in kinds]
+        if config.attention_bias:
+            sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in kinds]
         if config.is_sparse_layer(i):  # the router and the stacked experts (model/moe_checkpoint.py)
             sources |= expert_sources(i)
         else:

@@ -51,6 +51,8 @@ class TensorParallelLayout:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
         if attention not in ATTENTION_SPLITS:
             raise ValueError(f"attention is split by one of {', '.join(ATTENTION_SPLITS)}, not {attention!r}")
+        if size > 1:
+            config.require_alike_layers("--tensor-parallel-size above 1")
         if config.num_experts % size:
             raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {config.num_experts} "
                              "experts: each rank must hold the same number of whole experts")

@@ -1,6 +1,6 @@
 """Sliding-window layers that keep only their window (engine/window_blocks.py): the bookkeeping alone, then
-the engine on a tiny Gemma 3 (a 16-token window on one of its two layers, 4-token blocks) against the
-model run without the engine, whose layers all share one block table."""
+the engine on a tiny Gemma 3 and a tiny Gemma 4 (a 16-token window on half their layers, 4-token blocks)
+against the model run without the engine, whose layers all share one block table."""
 
 from __future__ import annotations
 
@@ -81,9 +81,11 @@ def test_a_cached_prefix_needs_its_window_blocks():
     assert KVBlockManager.cached_prefix(blocks, second).num_tokens == 40
 
 
-@pytest.fixture(scope="module")
-def gemma(tiny_hf_dir):
-    return model.load(tiny_hf_dir("gemma3"), block_size=BLOCK)
+@pytest.fixture(scope="module", params=["gemma3", "gemma4_e"])
+def gemma(request, tiny_hf_dir):
+    """Gemma 3, and Gemma 4's small shape: its last two layers read the first two's caches (one in the window
+    pool, one in the full-attention pool), their heads of two sizes."""
+    return model.load(tiny_hf_dir(request.param), block_size=BLOCK)
 
 
 def prompts() -> list[list[int]]:

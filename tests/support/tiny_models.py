@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3")
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "gemma4_e", "smollm3", "phi3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixture-of-experts decoders (tests/model/test_moe.py)
 
 
-def hf_config(family: str, vocab_size: int = 320):
+def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
+    """`gemma4_sizes`: fields of a Gemma 4 config in place of the tiny ones (wider rows for K-quant files)."""
     import transformers
 
     common = dict(
@@ -42,6 +43,20 @@ def hf_config(family: str, vocab_size: int = 320):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         )
+    if family in ("gemma4", "gemma4_e"):
+        # Gemma 4's two shapes on four layers (sliding, full, sliding, full; a 16-token window): the full-attention
+        # layers with heads of their own size (32 against 16) and proportional RoPE. "gemma4" as the 31B: one
+        # KV head in those layers, whose values are their keys, and a final softcap; "gemma4_e" as E2B/E4B:
+        # per-layer embeddings, the last two layers reading the first two's caches with MLPs twice as wide.
+        own = ({"num_global_key_value_heads": 1, "attention_k_eq_v": True, "final_logit_softcapping": 30.0,
+                "hidden_size_per_layer_input": 0}
+               if family == "gemma4" else
+               {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab_size, "num_kv_shared_layers": 2,
+                "use_double_wide_mlp": True})
+        return transformers.Gemma4TextConfig(**{
+            **common, "num_hidden_layers": 4, "tie_word_embeddings": True, "head_dim": 16, "global_head_dim": 32,
+            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2, "pad_token_id": None,
+            **own, **gemma4_sizes})
     if family == "smollm3":  # four layers, so llama.cpp's fixed NoPE step (every fourth layer) meets one
         return transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4, "tie_word_embeddings": True},
                                           rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=None,
@@ -86,6 +101,13 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0, 0.2)
+    if family.startswith("gemma4"):  # norms (scaled by w) and each layer's output scale away from 1
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("norm.weight"):
+                    tensor.normal_(1, 0.2)
+                if name.endswith("layer_scalar"):
+                    tensor.uniform_(0.5, 1.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 
@@ -104,6 +126,12 @@ GGUF_LAYER_NAMES = {
 GEMMA_GGUF_LAYER_NAMES = {
     **GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+GEMMA4_GGUF_LAYER_NAMES = {
+    **GEMMA_GGUF_LAYER_NAMES, "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
 }
 
 
@@ -201,6 +229,40 @@ def copy_smollm2_tokenizer(writer, special_tokens: Sequence[str] = (), eos_token
     writer.add_chat_template(chat_template or meta["tokenizer.chat_template"])
 
 
+def write_gemma4_metadata(writer, cfg) -> None:
+    """A Gemma 4 text config's metadata as llama.cpp's converter writes it (conversion/gemma.py Gemma4Model):
+    head sizes and KV heads per kind of layer, widths per layer, the window pattern, the shared-cache layers,
+    the per-layer embeddings' width, both RoPE bases, and proportional RoPE as a `rope_freqs` tensor of 1
+    (rotated pairs) and 1e30 (the others)."""
+    import numpy as np
+
+    n = cfg.num_hidden_layers
+    swa = [t == "sliding_attention" for t in cfg.layer_types]
+    (head_swa, kv_swa), (head_full, kv_full) = (
+        (cfg.per_layer_config[swa.index(kind)].head_dim, cfg.per_layer_config[swa.index(kind)].num_key_value_heads)
+        for kind in (True, False))
+    writer.add_key_length(head_full)
+    writer.add_value_length(head_full)
+    writer.add_key_length_swa(head_swa)
+    writer.add_value_length_swa(head_swa)
+    writer.add_head_count_kv([kv_swa if s else kv_full for s in swa])
+    shared = cfg.num_kv_shared_layers
+    double = cfg.use_double_wide_mlp
+    writer.add_feed_forward_length([cfg.intermediate_size * (2 if double and i >= n - shared else 1) for i in range(n)])
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input or 0)
+    writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(head_full)
+    writer.add_rope_dimension_count_swa(head_swa)
+    if cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    rotated = int(head_full * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * rotated + [1e30] * (head_full // 2 - rotated)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
 def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
                qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool | dict = False,
                reranker: tuple[int, int] | None = None) -> dict:
@@ -227,19 +289,24 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if arch != "gemma4":
+        writer.add_feed_forward_length(cfg.intermediate_size)
     if getattr(cfg, "num_local_experts", 0):  # Qwen3-MoE (arch qwen3moe), Mixtral (arch llama)
         writer.add_expert_count(cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    if arch != "gemma4":
+        writer.add_head_count_kv(cfg.num_key_value_heads)
     # Gemma 3 keeps RoPE parameters per layer type; the file's base is the full-attention layers'.
     writer.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arch == "gemma3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as llama.cpp writes them
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    if arch == "gemma4":  # heads of two sizes (whose config refuses a single head_dim)
+        write_gemma4_metadata(writer, cfg)
+    else:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if arch == "gemma3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as llama.cpp writes them
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_array(f"{arch}.attention.sliding_window_pattern",
@@ -299,11 +366,15 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         if short.startswith("layers."):
             _, layer, *rest = short.split(".")
             module, kind = ".".join(rest[:-1]), rest[-1]
-            names = {"gemma3": GEMMA_GGUF_LAYER_NAMES, "phi3": PHI3_GGUF_LAYER_NAMES}.get(arch, GGUF_LAYER_NAMES)
-            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+            names = {"gemma3": GEMMA_GGUF_LAYER_NAMES, "gemma4": GEMMA4_GGUF_LAYER_NAMES,
+                     "phi3": PHI3_GGUF_LAYER_NAMES}.get(arch, GGUF_LAYER_NAMES)
+            gguf_name = (f"blk.{layer}.layer_output_scale.weight" if kind == "layer_scalar"
+                         else f"blk.{layer}.{names[module]}.{kind}")
         else:
             gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[short]
+                         "lm_head.weight": "output.weight", "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                         "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                         "per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}[short]
         tensor_type = qtype
         for part, name_of_type in (qtypes or {}).items():
             if f".{part}." in f".{gguf_name}":

@@ -1,0 +1,135 @@
+"""What Gemma 4 adds beyond the family tests of test_model_parity.py (logits, greedy text, flat batches,
+bfloat16 and GGUF files against transformers): caches shared between layers and sized per layer, the
+quantized paths, the engine over a GGUF file, and the clear refusals of what does not take it yet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from tiny_models import hf_config, write_gguf
+
+import model
+from engine.config import bytes_per_block
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from model.config import ModelConfig
+from model.errors import ModelLoadError
+from model.generator import Generator
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def small(tiny_hf_dir):
+    """Gemma 4's E2B/E4B shape: per-layer embeddings, layers 2 and 3 reading layers 0 and 1's caches."""
+    return model.load(tiny_hf_dir("gemma4_e"))
+
+
+def test_layers_that_share_a_cache_hold_the_same_tensor_and_it_is_counted_once(small):
+    config = small.config
+    caches = small.module.allocate_kv_caches(8)
+    assert caches[2] is caches[0] and caches[3] is caches[1]
+    # [2, blocks, block_size, kv_heads, head_dim]: the sliding layer's 16-dim heads, the full layer's 32
+    assert [tuple(c.shape) for c in caches[:2]] == [(2, 8, 16, 2, 16), (2, 8, 16, 2, 32)]
+    assert bytes_per_block(config, 16, torch.float32) == 2 * 16 * 2 * (16 + 32) * 4
+    assert bytes_per_block(config, 16, torch.float32, windowed=True) == 2 * 16 * 2 * 16 * 4
+    windowed = small.module.allocate_kv_caches(8, num_window_blocks=3)
+    assert windowed[2] is windowed[0] and windowed[0].shape[1] == 3 and windowed[1].shape[1] == 8
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_e"])
+def test_w8a8_runs_the_eager_layers_close_to_float(tiny_hf_dir, family):
+    directory = tiny_hf_dir(family)
+    ids = prompt(30, seed=2)
+    ref = Generator(model.load(directory).module, 64).step(ids)
+    quantized = model.load(directory, quantization="w8a8")
+    assert quantized.module.decoder_step() is None
+    assert "Gemma 4" in quantized.module.cpu_step_reason
+    # int8 activations through four tiny random layers with random output scales: 0.05-0.17 over prompts
+    assert relative_error(Generator(quantized.module, 64).step(ids), ref) < 0.25
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """A Q4_0 Gemma 4 file of the small shape, rows wide enough for 4-bit blocks."""
+    cfg = hf_config("gemma4_e", hidden_size=256, intermediate_size=512, head_dim=64, global_head_dim=64,
+                    hidden_size_per_layer_input=256)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    path = tmp_path_factory.mktemp("gemma4") / "m.gguf"
+    write_gguf(hf, path, "Q4_0", "gemma4")
+    return path
+
+
+def test_w4a8_over_the_files_blocks_serves_the_models_tokens_in_a_batch(gguf_file):
+    """W4A8 (serve's default for a GGUF) keeps to the float model, and the engine's batch of prompts that
+    share the caches of two layers gives each prompt the tokens it gets alone."""
+    ids = prompt(30, seed=3)
+    ref = Generator(model.load(gguf_file).module, 64).step(ids)
+    w4a8 = model.load(gguf_file, quantization="w4a8")
+    assert w4a8.config.kv_shared_layers == 2 and w4a8.config.per_layer_input_size == 256
+    assert relative_error(Generator(w4a8.module, 64).step(ids), ref) < 0.05
+    prompts = [prompt(n, seed=10 + n) for n in (5, 19, 33)]
+    alone = [[s.token_id for s in Generator(w4a8.module, 128).generate(p, 16)] for p in prompts]
+    llm = LLM(loaded=w4a8, kv_cache_memory_gib=0.01, max_model_len=128, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
+
+
+def test_what_needs_alike_layers_is_refused_in_one_line(small, tmp_path):
+    from parallel.layout import TensorParallelLayout
+
+    with pytest.raises(ValueError, match="tensor-parallel-size above 1 is not supported for gemma4"):
+        TensorParallelLayout.for_model(small.config, 2)
+    TensorParallelLayout.for_model(small.config, 1)
+    with pytest.raises(ModelLoadError, match="LoRA is not supported for gemma4"):
+        model.lora.load_adapter(tmp_path, small.config)
+    with pytest.raises(ValueError, match="LoRA is not supported for gemma4"):
+        LLM(loaded=small, kv_cache_memory_gib=0.01, max_model_len=64, enable_lora=True)
+
+
+def text_config(**fields) -> dict:
+    base = {"model_type": "gemma4_text", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
+    return {**base, **fields}
+
+
+def test_hub_style_configs_map_as_transformers_reads_them():
+    """The global head size and KV heads from the top-level keys (a hub config.json) or from transformers 5's
+    per_layer_config, the global KV heads taken only with attention_k_eq_v, as transformers does; the text
+    model of a multimodal config."""
+    cfg = ModelConfig.from_hf(text_config(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True))
+    assert (cfg.layer_head_dim(1), cfg.layer_kv_heads(1), cfg.layer_projections(1)) == (32, 1, "qk")
+    cfg = ModelConfig.from_hf(text_config(global_head_dim=32, num_global_key_value_heads=1))
+    assert (cfg.layer_head_dim(1), cfg.layer_kv_heads(1), cfg.layer_projections(1)) == (32, 2, "qkv")
+    written = transformers.Gemma4TextConfig(**{k: v for k, v in text_config(
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True).items() if k != "model_type"})
+    cfg = ModelConfig.from_hf(json.loads(written.to_json_string()))
+    assert (cfg.layer_head_dim(1), cfg.layer_kv_heads(1), cfg.per_layer_input_size) == (32, 1, 256)
+    multimodal = {"model_type": "gemma4", "text_config": text_config(global_head_dim=32), "vision_config": {}}
+    assert ModelConfig.from_hf(multimodal).architecture == "gemma4"
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"enable_moe_block": True}, "mixture-of-experts block"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config of layer 0"),
+    ({"num_kv_shared_layers": 1, "layer_types": ["full_attention", "full_attention"], "global_head_dim": 16},
+     None),
+])
+def test_configs_it_cannot_run_are_refused_by_name(fields, message):
+    if message is None:  # a shared layer with a source of its kind loads
+        assert ModelConfig.from_hf(text_config(**fields)).kv_source(1) == 0
+        return
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(text_config(**fields))
