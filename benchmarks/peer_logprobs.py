@@ -32,15 +32,19 @@ from tiny_models import hf_config, write_gguf  # the tests' model builders
 import model
 from model.generator import Generator
 
-ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "smollm3": "smollm3",
-          "phi3": "phi3"}
+ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
+          "gemma4_e": "gemma4", "smollm3": "smollm3", "phi3": "phi3"}
 
 
 def write_file(family: str, directory: Path) -> Path:
     import transformers
 
-    cfg = hf_config(family, vocab_size=49152)
-    cfg.hidden_size, cfg.intermediate_size = 256, 512
+    if family.startswith("gemma4"):  # heads of 64 and (full attention) 128 dims; per-layer embeddings of 64
+        cfg = hf_config(family, vocab_size=49152, hidden_size=256, intermediate_size=512, head_dim=64,
+                        global_head_dim=128, **({"hidden_size_per_layer_input": 64} if family == "gemma4_e" else {}))
+    else:
+        cfg = hf_config(family, vocab_size=49152)
+        cfg.hidden_size, cfg.intermediate_size = 256, 512
     if family == "gemma3":  # llama.cpp scales Gemma 3's queries by head_dim
         cfg.query_pre_attn_scalar = cfg.head_dim
     if family == "phi3":  # 3/4 of a 64-dim head rotates: 24 LongRoPE factors

