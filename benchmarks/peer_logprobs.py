@@ -33,15 +33,16 @@ import model
 from model.generator import Generator
 
 ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
-          "gemma4_e": "gemma4", "smollm3": "smollm3", "phi3": "phi3"}
+          "gemma4_e": "gemma4", "gemma4_moe": "gemma4", "smollm3": "smollm3", "phi3": "phi3"}
 
 
 def write_file(family: str, directory: Path) -> Path:
     import transformers
 
     if family.startswith("gemma4"):  # heads of 64 and (full attention) 128 dims; per-layer embeddings of 64
+        sizes = {"gemma4_e": {"hidden_size_per_layer_input": 64}, "gemma4_moe": {"moe_intermediate_size": 128}}
         cfg = hf_config(family, vocab_size=49152, hidden_size=256, intermediate_size=512, head_dim=64,
-                        global_head_dim=128, **({"hidden_size_per_layer_input": 64} if family == "gemma4_e" else {}))
+                        global_head_dim=128, **sizes.get(family, {}))
     else:
         cfg = hf_config(family, vocab_size=49152)
         cfg.hidden_size, cfg.intermediate_size = 256, 512

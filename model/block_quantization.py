@@ -21,7 +21,7 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.gguf_blocks import BlockWeight
 from model.llama import LlamaForCausalLM
-from model.moe import W4A8SparseMoeBlock
+from model.moe import W4A8Gemma4Experts, W4A8SparseMoeBlock
 from model.w4a8_linear import W4A8Linear
 
 
@@ -45,10 +45,16 @@ def expert_sources(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
             for i in range(config.num_layers) if config.is_sparse_layer(i)}
 
 
+def gemma4_expert_layers(config: ModelConfig) -> list[int]:
+    """The layers with Gemma 4's experts beside their MLP (every layer of 26B-A4B, else none)."""
+    return list(range(config.num_layers)) if config.experts_beside_mlp else []
+
+
 def replaced_weights(config: ModelConfig) -> set[str]:
     """The float module's state-dict names that `quantize_w4a8` replaces: the loader leaves them unread."""
     return ({f"{name}.weight" for name in linear_sources(config)}
-            | {f"{block}.{w}" for block in expert_sources(config) for w in ("w13", "w2")})
+            | {f"{block}.{w}" for block in expert_sources(config) for w in ("w13", "w2")}
+            | {f"layers.{i}.experts.{w}" for i in gemma4_expert_layers(config) for w in ("gate_up_proj", "down_proj")})
 
 
 def split_experts(weight: BlockWeight, num_experts: int) -> list[BlockWeight]:
@@ -89,14 +95,32 @@ def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> L
     for name, (gate, up, down) in expert_sources(config).items():
         old = module.get_submodule(name)
         e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        gates, ups, downs = (split_experts(blocks[source], e) for source in (gate, up, down))
-        w13 = [concat([g, u]) for g, u in zip(gates, ups, strict=True)]
+        downs = split_experts(blocks[down], e)
+        fused = f"{name}.experts.gate_up_proj"  # a file that stacks gate and up as one tensor
+        if fused in blocks:
+            w13 = split_experts(blocks[fused], e)
+        else:
+            w13 = [concat([g, u]) for g, u in zip(split_experts(blocks[gate], e), split_experts(blocks[up], e),
+                                                  strict=True)]
         if tuple(w13[0].codes.shape) != (2 * inter, h) or tuple(downs[0].codes.shape) != (h, inter):
             raise ModelLoadError(f"{name}: expert blocks of shapes {list(w13[0].codes.shape)} and "
                                  f"{list(downs[0].codes.shape)}, the layer's are [{2 * inter}, {h}] and [{h}, {inter}]")
         layer, _, child = name.rpartition(".")
         setattr(module.get_submodule(layer), child,
                 W4A8SparseMoeBlock(old.gate, w13, downs, old.top_k, old.renormalize))
+    for i in gemma4_expert_layers(config):
+        p, e = f"layers.{i}.experts.", config.num_experts
+        if p + "gate_up_proj" in blocks:  # one stack of each expert's gate rows then up rows
+            w13 = split_experts(blocks[p + "gate_up_proj"], e)
+        else:  # gate and up stacked apart
+            w13 = [concat([g, u]) for g, u in zip(split_experts(blocks[p + "gate_proj"], e),
+                                                    split_experts(blocks[p + "up_proj"], e), strict=True)]
+        w2 = split_experts(blocks[p + "down_proj"], e)
+        h, inter = config.hidden_size, config.moe_intermediate_size
+        if tuple(w13[0].codes.shape) != (2 * inter, h) or tuple(w2[0].codes.shape) != (h, inter):
+            raise ModelLoadError(f"layer {i}: expert blocks of shapes {list(w13[0].codes.shape)} and "
+                                 f"{list(w2[0].codes.shape)}, the layer's are [{2 * inter}, {h}] and [{h}, {inter}]")
+        module.layers[i].experts = W4A8Gemma4Experts(w13, w2)
     for name, sources in linear_sources(config).items():
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module

@@ -125,6 +125,9 @@ class ModelConfig:
     # layer of its kind (`kv_source`); with double_wide_shared_mlp their MLPs are twice intermediate_size.
     kv_shared_layers: int = 0
     double_wide_shared_mlp: bool = False
+    # Gemma 4's mixture of experts (26B-A4B): every layer keeps its dense MLP and adds num_experts GeGLU experts
+    # beside it (`Gemma4Router`, `Gemma4Experts` in model/moe.py), their outputs normed and summed.
+    experts_beside_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -157,9 +160,12 @@ class ModelConfig:
                 raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
-        if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES):
+        if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES or self.experts_beside_mlp):
             raise ValueError(f"{self.architecture} with num_experts={self.num_experts}: the mixture-of-experts "
-                             f"architectures ({', '.join(MOE_ARCHITECTURES)}) need experts, the others none")
+                             f"architectures ({', '.join(MOE_ARCHITECTURES)}) and Gemma 4's experts beside its MLPs "
+                             "need experts, the others none")
+        if self.experts_beside_mlp and self.architecture != "gemma4":
+            raise ValueError("experts beside the MLP are Gemma 4's")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
                                      and self.moe_intermediate_size > 0):
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts} and moe_intermediate_size "
@@ -235,7 +241,7 @@ class ModelConfig:
         what the C++ step, tensor parallelism and the exporters assume."""
         return (self.global_head_dim in (None, self.head_dim) and self.global_num_kv_heads in (None, self.num_kv_heads)
                 and not self.attention_k_eq_v and not self.kv_shared_layers and not self.per_layer_input_size
-                and not self.layer_scalars and not self.value_norm)
+                and not self.layer_scalars and not self.value_norm and not self.experts_beside_mlp)
 
     def require_alike_layers(self, what: str) -> None:
         """ValueError (one line) when `what` needs layers alike (`layers_alike`) and this model's differ."""
@@ -244,8 +250,9 @@ class ModelConfig:
                              "caches or take per-layer inputs")
 
     def is_sparse_layer(self, layer: int) -> bool:
-        """Whether `layer`'s MLP is a mixture of experts (model/moe.py) rather than a dense one."""
-        return self.num_experts > 0 and layer not in self.dense_layers
+        """Whether `layer`'s MLP is a mixture of experts (model/moe.py) rather than a dense one (Gemma 4's
+        experts come beside its dense MLP: `experts_beside_mlp`)."""
+        return self.num_experts > 0 and layer not in self.dense_layers and not self.experts_beside_mlp
 
     @property
     def rotary_dims(self) -> int:
@@ -424,8 +431,11 @@ def _gemma4_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
     attention unscaled: its q/k norms set the scale) and Gemma 4's own."""
     if cfg.get("use_bidirectional_attention") == "all":
         raise ValueError("use_bidirectional_attention 'all' (an encoder) is not supported")
-    if cfg.get("enable_moe_block"):
-        raise ValueError("Gemma 4's mixture-of-experts block (26B-A4B) is not supported yet")
+    experts: dict[str, Any] = {}
+    if cfg.get("enable_moe_block"):  # 26B-A4B: experts beside every layer's dense MLP
+        experts = {"experts_beside_mlp": True, "num_experts": int(cfg["num_experts"]),
+                   "num_experts_per_tok": int(cfg["top_k_experts"]),
+                   "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "norm_topk_prob": True}
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"unsupported hidden_activation {act!r} (Gemma 4: gelu_pytorch_tanh)")
@@ -473,6 +483,7 @@ def _gemma4_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
         "per_layer_vocab_size": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if per_layer else 0,
         "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
         "double_wide_shared_mlp": bool(cfg.get("use_double_wide_mlp", False)),
+        **experts,
     }
 
 

@@ -19,7 +19,7 @@ import logging
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -32,6 +32,7 @@ from model.gguf_file import GGUFFile, GGUFTensor
 from model.weights import LazyTensors, split_fused_phi3
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
@@ -71,7 +72,11 @@ LAYER_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",  # gate and up as one stack (newer converters)
 }
+# Tensors read as parameters of their own, not a module's `.weight`.
+PARAMETER_NAMES = frozenset({"layer_scalar", "mlp.experts.gate_up_proj", "experts.gate_up_proj", "experts.gate_proj",
+                             "experts.up_proj", "experts.down_proj"})
 # Gemma's four norms per layer: its ffn_norm is the norm before the MLP, whose Llama name is taken.
 GEMMA_LAYER_NAMES = {
     **LAYER_NAMES,
@@ -79,15 +84,27 @@ GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Gemma 4's: Gemma 3's, each layer's output scale and per-layer embedding's gate, projection and norm.
+# Gemma 4's: Gemma 3's, each layer's output scale and per-layer embedding's gate, projection and norm, and
+# 26B-A4B's experts beside the dense MLP (their router's scales are `ffn_gate_inp.scale` and, per expert,
+# `ffn_down_exps.scale`; gate and up stacked as one tensor, or as two).
 GEMMA4_LAYER_NAMES = {
     **GEMMA_LAYER_NAMES,
     "layer_output_scale": "layer_scalar",
     "inp_gate": "per_layer_input_gate",
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
 }
-LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Gemma 4's router scales, by (llama.cpp part, kind): the parameters' own names.
+GEMMA4_ROUTER_SCALES = {("ffn_gate_inp", "scale"): "router.scale", ("ffn_down_exps", "scale"): "router.per_expert_scale"}
+LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)")
 # llama.cpp's Gemma 3 constants where older files have no metadata: every sixth layer attends to the
 # whole context, the sliding-window layers rotate with base 10,000.
 GEMMA3_WINDOW_PATTERN = 6
@@ -110,7 +127,7 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 # The file's tensors that W4A8 fuses into one layer (model/block_quantization.linear_sources).
 FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
-         "ffn_gate_exps": "gate_up_exps", "ffn_up_exps": "gate_up_exps"}
+         "ffn_gate_exps": "gate_up_exps", "ffn_up_exps": "gate_up_exps", "ffn_gate_up_exps": "gate_up_exps"}
 
 
 def linear_bytes(path: Path) -> tuple[int, int] | None:
@@ -344,6 +361,8 @@ class GGUFCheckpoint:
             "per_layer_input_size": per_layer_size, "per_layer_vocab_size": per_layer_vocab,
             "kv_shared_layers": shared, "double_wide_shared_mlp": double,
             "final_logit_softcapping": softcap or None,
+            # 26B-A4B: experts beside every layer's MLP (`_moe_fields` read their count and width)
+            "experts_beside_mlp": bool(self._get("expert_count")), "dense_layers": (),
         }
 
     def _dequantize(self, name: str) -> np.ndarray:
@@ -380,6 +399,8 @@ class GGUFCheckpoint:
                 by_name[name] = t
         shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in by_name.items()}
         tensors = LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
+        if self.gguf_arch == "gemma4":
+            return stack_gate_up(tensors)
         return split_fused_phi3(self.config, tensors) if self.gguf_arch == "phi3" else tensors
 
     def _read_tensor(self, name: str, tensor: GGUFTensor) -> torch.Tensor:
@@ -439,9 +460,34 @@ class GGUFCheckpoint:
         if match is None or match.group(2) not in names:
             return None
         layer, part, kind = match.groups()
-        if names[part] == "layer_scalar":  # a parameter of the layer itself, not a module's weight
-            return f"layers.{layer}.layer_scalar"
+        if self.gguf_arch == "gemma4" and (part, kind) in GEMMA4_ROUTER_SCALES:
+            return f"layers.{layer}.{GEMMA4_ROUTER_SCALES[part, kind]}"
+        if kind == "scale":
+            return None
+        if names[part] in PARAMETER_NAMES:
+            return f"layers.{layer}.{names[part]}"
         return f"layers.{layer}.{names[part]}.{kind}"
+
+
+def stack_gate_up(tensors: LazyTensors[T]) -> LazyTensors[T]:
+    """Gemma 4's experts from a file that stacks gate and up apart ([E, I, H] each): one gate_up_proj
+    [E, 2I, H] per layer, each expert's gate rows then its up rows, as its checkpoints hold them."""
+    shapes, sources = dict(tensors.shapes), {}
+    for gate in [name for name in shapes if name.endswith(".experts.gate_proj")]:
+        up = gate.replace(".gate_proj", ".up_proj")
+        if up in shapes:
+            e, inter, h = shapes.pop(gate)
+            shapes.pop(up)
+            fused = gate.replace(".gate_proj", ".gate_up_proj")
+            shapes[fused], sources[fused] = (e, 2 * inter, h), (gate, up)
+
+    def read(name: str) -> T:
+        if name in sources:
+            gate, up = sources[name]
+            return torch.cat([tensors[gate], tensors[up]], dim=1)
+        return tensors[name]
+
+    return LazyTensors(shapes, read)
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.cpu_step import CpuDecoderStep, step_support, structure_version
-from model.moe import SparseMoeBlock
+from model.moe import Gemma4Experts, Gemma4Router, SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
 from model.rope import inverse_frequencies, local_inverse_frequencies, rotary_scale
 from model.step import BaseStepModel, InputEmbeds, allocate_kv_caches
@@ -152,6 +152,13 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(config.per_layer_input_size, config.hidden_size, bias=False)
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
+        # Gemma 4's experts beside the dense MLP (26B-A4B), routed on the residual stream, each output normed.
+        self.router = self.experts = None
+        if config.experts_beside_mlp:
+            self.router, self.experts = Gemma4Router(config), Gemma4Experts(config)
+            self.pre_feedforward_layernorm_2 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+            self.post_feedforward_layernorm_1 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+            self.post_feedforward_layernorm_2 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.ops = ops
 
     @property
@@ -181,7 +188,12 @@ class DecoderLayer(nn.Module):
             return self.mlp(h), residual
         h, _ = self.post_attention_layernorm(h)  # normed before it joins the residual stream
         h, residual = self.pre_feedforward_layernorm(h, residual)
-        h, _ = self.post_feedforward_layernorm(self.mlp(h))
+        h = self.mlp(h)
+        if self.experts is not None:
+            weights, chosen = self.router(residual)
+            routed = self.experts(self.pre_feedforward_layernorm_2(residual)[0], weights, chosen)
+            h = self.post_feedforward_layernorm_1(h)[0] + self.post_feedforward_layernorm_2(routed)[0]
+        h, _ = self.post_feedforward_layernorm(h)
         if self.layer_scalar is None:
             return h, residual
         # Gemma 4 scales the whole stream, so the sum is made here and the next layer's norm starts afresh.

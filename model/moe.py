@@ -26,12 +26,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_w4a8_linear
+from kernels.cpu_w4a8_experts import w4a8_experts
 from kernels.int8_matmul import quantize_int8_ref
-from kernels.moe import fused_moe, fused_moe_triton, int8_moe, pack_int8_experts, w4a8_moe
+from kernels.moe import fused_moe, fused_moe_triton, grouped_experts, int8_moe, pack_int8_experts, w4a8_moe
 from kernels.ops import Ops
+from kernels.swiglu import gelu_tanh_and_mul_ref
 from model.config import MOE_ARCHITECTURES, ModelConfig
 from model.errors import ModelLoadError
 
@@ -117,6 +120,72 @@ class W4A8SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
         return w4a8_moe(x, self.gate(x), self.w13_codes, self.w13_scales, self.w13_zero, self.w2_codes,
                         self.w2_scales, self.w2_zero, self.top_k, self.renormalize, expert_offset=self.expert_offset)
+
+    def extra_repr(self) -> str:
+        return f"experts={len(self.w13_codes)}, bits=({self.w13_bits}, {self.w2_bits})"
+
+
+class Gemma4Router(nn.Module):
+    """Gemma 4's router (26B-A4B): it reads the residual stream, RMS-normalised without a weight, times `scale`
+    and hidden^-0.5; softmax over the E logits in float32, the top k renormalised to sum to 1, each then times
+    its expert's `per_expert_scale`. Checkpoint names: router.proj, router.scale, router.per_expert_scale."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, e = config.hidden_size, config.num_experts
+        self.proj = nn.Linear(h, e, bias=False)
+        self.scale = nn.Parameter(torch.ones(h))
+        self.per_expert_scale = nn.Parameter(torch.ones(e))
+        self.top_k, self.eps, self.root = config.num_experts_per_tok, config.rms_norm_eps, h**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, experts [T, k] int64), slots in descending probability."""
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        probs = torch.softmax(self.proj(normed * self.scale * self.root).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
+class Gemma4Experts(nn.Module):
+    """Gemma 4's experts, stacked as its checkpoints hold them: gate_up_proj [E, 2I, H] (each expert's gate
+    rows, then its up rows) and down_proj [E, H, I]; expert(x) = down (gelu_tanh(gate) * up). Only the routed
+    (token, expert) pairs are computed (kernels/moe.py `grouped_experts`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, e, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, experts [T, k] (`Gemma4Router`) -> [T, H]."""
+        def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+            act = gelu_tanh_and_mul_ref(F.linear(rows, self.gate_up_proj[e]))
+            torch.mm(act, self.down_proj[e].t(), out=out)
+
+        return grouped_experts(x, weights, experts, expert, range(self.gate_up_proj.shape[0]))
+
+
+class W4A8Gemma4Experts(nn.Module):
+    """Gemma4Experts over a GGUF file's own expert blocks (`--quantization w4a8`), in one C++ call as
+    W4A8SparseMoeBlock's experts (kernels/cpu_w4a8_experts.py, GeGLU)."""
+
+    def __init__(self, w13: list[BlockWeight], w2: list[BlockWeight]) -> None:
+        """w13: each expert's gate rows then up rows [2I, H] (one format for all experts); w2: its down rows."""
+        super().__init__()
+        for name, experts in (("w13", w13), ("w2", w2)):
+            packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub) for w in experts]
+            self.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
+            self.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
+            setattr(self, f"{name}_zero", experts[0].zero)
+            setattr(self, f"{name}_bits", experts[0].bits)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return w4a8_experts(x.float().contiguous(), weights.float().contiguous(), experts.contiguous(),
+                            self.w13_codes, self.w13_scales, self.w13_zero, self.w2_codes, self.w2_scales, self.w2_zero,
+                            0, True).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"experts={len(self.w13_codes)}, bits=({self.w13_bits}, {self.w2_bits})"

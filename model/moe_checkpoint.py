@@ -69,7 +69,10 @@ def stack_experts(config: ModelConfig, tensors: Mapping[str, torch.Tensor], sour
         if p + MIXTRAL_ROUTER in shapes:
             shapes[p + ROUTER] = shapes.pop(p + MIXTRAL_ROUTER)
             makers[p + ROUTER] = lambda name=p + MIXTRAL_ROUTER: tensors[name]
-        if p + GATE_UP in shapes:  # transformers 5's own layout
+        if p + GATE_UP in shapes:  # transformers 5's own layout (or a GGUF's ffn_gate_up_exps beside its down stack)
+            if p + STACKED_NAMES[2] in shapes:
+                shapes[p + DOWN] = shapes.pop(p + STACKED_NAMES[2])
+                makers[p + DOWN] = lambda name=p + STACKED_NAMES[2]: tensors[name]
             continue
         if all(p + name in shapes for name in STACKED_NAMES):  # GGUF: [E, I, H] gate and up, [E, H, I] down
             gate, up, down = (p + name for name in STACKED_NAMES)

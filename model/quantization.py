@@ -186,9 +186,10 @@ INT8_LINEARS: dict[str, type[Int8Weights]] = {"int8": Int8Linear, "w8a8": W8A8Li
 
 def linear_names(module: LlamaForCausalLM) -> list[str]:
     """Every linear layer INT8 replaces: q/k/v, o, gate/up, down of each layer, and the LM head. A mixture
-    of experts' router (`mlp.gate`) stays float (model/moe.py Int8SparseMoeBlock says why)."""
+    of experts' router (`mlp.gate`, Gemma 4's `router.proj`) stays float (model/moe.py Int8SparseMoeBlock says
+    why)."""
     return [name for name, m in module.named_modules()
-            if isinstance(m, nn.Linear) and not name.endswith("mlp.gate")]
+            if isinstance(m, nn.Linear) and not name.endswith(("mlp.gate", "router.proj"))]
 
 
 def quantize_int8(module: LlamaForCausalLM, precision: str = "int8") -> LlamaForCausalLM:

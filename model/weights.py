@@ -22,6 +22,9 @@ from model.errors import ModelLoadError
 from model.llama import LlamaForCausalLM
 from model.moe_checkpoint import expert_shapes, expert_sources, stack_experts
 
+# Gemma 4's norms around its experts: of their input, of the dense MLP's output and of theirs.
+GEMMA4_EXPERT_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor the config calls for, with its shape."""
@@ -63,6 +66,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if config.layer_scalars:
             shapes |= {p + "layer_scalar": (1,)}
+        if config.experts_beside_mlp:
+            e, moe = config.num_experts, config.moe_intermediate_size
+            shapes |= {p + "router.proj.weight": (e, h), p + "router.scale": (h,), p + "router.per_expert_scale": (e,),
+                       p + "experts.gate_up_proj": (e, 2 * moe, h), p + "experts.down_proj": (e, h, moe)}
+            shapes |= {p + f"{norm}.weight": (h,) for norm in GEMMA4_EXPERT_NORMS}
         if config.per_layer_input_size:
             shapes |= {p + "per_layer_input_gate.weight": (config.per_layer_input_size, h),
                        p + "per_layer_projection.weight": (h, config.per_layer_input_size),
@@ -188,6 +196,10 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
             own += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if config.layer_scalars:
             own.append(p + "layer_scalar")
+        if config.experts_beside_mlp:
+            own += [p + name for name in ("router.proj.weight", "router.scale", "router.per_expert_scale",
+                                          "experts.gate_up_proj", "experts.down_proj")]
+            own += [p + f"{norm}.weight" for norm in GEMMA4_EXPERT_NORMS]
         if config.per_layer_input_size:
             own += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
                     p + "post_per_layer_input_norm.weight"]

@@ -92,11 +92,12 @@ struct W4A8Stack {
 
 // out [T, H] = sum over each row's k slots of weights[t, slot] * expert(x[t]), slots in order, for the
 // experts of `experts` [T, k] (the router's numbering) that the stacks hold: experts expert_offset ..
-// expert_offset + E - 1 (a pair routed elsewhere adds 0). expert(x) = w2 (silu(gate) * up), gate and up
-// the rows of w13 [2I, H] (I = w2's K), x [T, H] float32.
+// expert_offset + E - 1 (a pair routed elsewhere adds 0). expert(x) = w2 (silu(gate) * up), or with `gelu`
+// w2 (gelu_tanh(gate) * up) (Gemma 4's experts), gate and up the rows of w13 [2I, H] (I = w2's K), x [T, H]
+// float32.
 LADDER_SHARED void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weights, const int64_t* experts,
                        int64_t k, const W4A8Stack& w13, const W4A8Stack& w2, int64_t expert_offset, float* out,
-                       W4A8Scratch& scratch);
+                       W4A8Scratch& scratch, bool gelu = false);
 
 // The stack of a MoE layer's packed expert tensors (checked: their shapes, dtypes, N rows an expert).
 W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name);

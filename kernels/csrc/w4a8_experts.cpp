@@ -1,7 +1,7 @@
 // A mixture-of-experts layer's W4A8 experts in one call (kernels/cpu_w4a8_experts.py): the routed (token,
 // expert) pairs grouped by expert in pair order, each expert's rows through w4a8_rows (gate and up),
-// silu_and_mul_rows and w4a8_rows (down), each pair's row scaled by its routing weight, and each token's k
-// rows summed in slot order. The same functions and float operations in the same order as its reference,
+// silu_and_mul_rows (gelu_tanh_and_mul_rows for Gemma 4's experts) and w4a8_rows (down), each pair's row scaled
+// by its routing weight, and each token's k rows summed in slot order. The same functions and float operations in the same order as its reference,
 // kernels/moe.py `grouped_experts` over the ops of those kernels, so the two are equal bit for bit.
 #include <torch/library.h>
 
@@ -14,7 +14,7 @@ namespace ladder {
 
 void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weights, const int64_t* experts, int64_t k,
                        const W4A8Stack& w13, const W4A8Stack& w2, int64_t expert_offset, float* out,
-                       W4A8Scratch& scratch) {
+                       W4A8Scratch& scratch, bool gelu) {
   const int64_t E = w13.E, I = w2.KB * 32, P = T * k;
   // Pairs p = t * k + slot, grouped by held expert in pair order (the reference's stable sort).
   std::vector<std::vector<int64_t>> pairs(E);
@@ -33,7 +33,7 @@ void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weight
     gate_up.resize(n * 2 * I);
     w4a8_rows(rows.data(), n, w13.expert(e), gate_up.data(), scratch, false);
     act.resize(n * I);
-    silu_and_mul_rows(gate_up.data(), n, I, act.data());
+    (gelu ? gelu_tanh_and_mul_rows : silu_and_mul_rows)(gate_up.data(), n, I, act.data());
     down.resize(n * H);
     w4a8_rows(act.data(), n, w2.expert(e), down.data(), scratch, false);
     for (int64_t i = 0; i < n; ++i) {
@@ -77,7 +77,7 @@ namespace {
 at::Tensor w4a8_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
                         const at::Tensor& w13_codes, const at::Tensor& w13_scales, int64_t w13_zero,
                         const at::Tensor& w2_codes, const at::Tensor& w2_scales, int64_t w2_zero,
-                        int64_t expert_offset) {
+                        int64_t expert_offset, bool gelu) {
   check_rows(x);
   const int64_t T = x.size(0), H = x.size(1), I = w2_codes.dim() == 4 ? w2_codes.size(2) * 32 : 0;
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == T && weights.scalar_type() == at::kFloat &&
@@ -90,7 +90,7 @@ at::Tensor w4a8_experts(const at::Tensor& x, const at::Tensor& weights, const at
   auto out = at::empty({T, H}, x.options());
   W4A8Scratch scratch;
   w4a8_experts_rows(x.data_ptr<float>(), T, H, weights.data_ptr<float>(), experts.data_ptr<int64_t>(),
-                    weights.size(1), w13, w2, expert_offset, out.data_ptr<float>(), scratch);
+                    weights.size(1), w13, w2, expert_offset, out.data_ptr<float>(), scratch, gelu);
   return out;
 }
 

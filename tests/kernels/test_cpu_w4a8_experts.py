@@ -56,6 +56,25 @@ def test_one_call_equals_the_loop_over_experts(bits, num_tokens, top_k):
     assert torch.equal(w4a8_experts(*part, 2), w4a8_experts_ref(*part, 2))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemma4_gelu_experts_equal_their_loop_and_gelu_float_experts(bits):
+    """`gelu` (Gemma 4's experts): gelu_tanh(gate) * up in the same one call, equal to the loop over experts and
+    within the W4A8 rounding of float experts on the same weights."""
+    (w13, w2), zero, (f13, f2) = experts(bits, seed=10 + bits)
+    x, logits = torch.randn(9, H), torch.randn(9, E)
+    weights, chosen = route(logits, 2, True)
+    args = (x, weights.contiguous(), chosen.contiguous(), *w13, zero, *w2, zero, 0)
+    out = w4a8_experts(*args, True)
+    assert torch.equal(out, w4a8_experts_ref(*args, True))
+    assert not torch.equal(out, w4a8_experts(*args, False))
+    reference = torch.zeros_like(x)
+    for t in range(9):
+        for w, e in zip(weights[t].tolist(), chosen[t].tolist()):
+            gate, up = (f13[e] @ x[t]).chunk(2)
+            reference[t] += w * (f2[e] @ (torch.nn.functional.gelu(gate, approximate="tanh") * up))
+    assert ((out - reference).norm() / reference.norm()).item() < 0.03
+
+
 def test_batch_invariant():
     """A token's output does not depend on which other tokens share the call."""
     (w13, w2), zero, _ = experts(4, seed=3)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from tiny_models import hf_config, write_gguf
+from tiny_models import GEMMA4_MOE, hf_config, write_gguf
 
 import model
 from engine.config import bytes_per_block
@@ -59,25 +59,31 @@ def test_w8a8_runs_the_eager_layers_close_to_float(tiny_hf_dir, family):
     assert relative_error(Generator(quantized.module, 64).step(ids), ref) < 0.25
 
 
-@pytest.fixture(scope="module")
-def gguf_file(tmp_path_factory):
-    """A Q4_0 Gemma 4 file of the small shape, rows wide enough for 4-bit blocks."""
-    cfg = hf_config("gemma4_e", hidden_size=256, intermediate_size=512, head_dim=64, global_head_dim=64,
-                    hidden_size_per_layer_input=256)
+@pytest.fixture(scope="module", params=["gemma4_e", "gemma4_moe", "gemma4_moe split"])
+def gguf_file(request, tmp_path_factory):
+    """A Q4_0 Gemma 4 file, rows wide enough for 4-bit blocks: the small shape, and 26B-A4B's experts beside
+    each MLP with gate and up stacked as one tensor (as llama.cpp's converter writes them) or apart."""
+    family = request.param.split()[0]
+    cfg = hf_config(family, hidden_size=256, intermediate_size=512, head_dim=64, global_head_dim=64,
+                    hidden_size_per_layer_input=256 if family == "gemma4_e" else 0,
+                    **({"moe_intermediate_size": 256} if family == GEMMA4_MOE else {}))
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     path = tmp_path_factory.mktemp("gemma4") / "m.gguf"
-    write_gguf(hf, path, "Q4_0", "gemma4")
+    write_gguf(hf, path, "Q4_0", "gemma4", fused_experts="split" not in request.param)
     return path
 
 
 def test_w4a8_over_the_files_blocks_serves_the_models_tokens_in_a_batch(gguf_file):
-    """W4A8 (serve's default for a GGUF) keeps to the float model, and the engine's batch of prompts that
-    share the caches of two layers gives each prompt the tokens it gets alone."""
+    """W4A8 (serve's default for a GGUF) keeps to the float model, experts included (one C++ call with GeGLU),
+    and the engine's batch of prompts gives each prompt the tokens it gets alone."""
     ids = prompt(30, seed=3)
     ref = Generator(model.load(gguf_file).module, 64).step(ids)
     w4a8 = model.load(gguf_file, quantization="w4a8")
-    assert w4a8.config.kv_shared_layers == 2 and w4a8.config.per_layer_input_size == 256
+    if w4a8.config.experts_beside_mlp:
+        assert all(type(layer.experts).__name__ == "W4A8Gemma4Experts" for layer in w4a8.module.layers)
+    else:
+        assert w4a8.config.kv_shared_layers == 2 and w4a8.config.per_layer_input_size == 256
     assert relative_error(Generator(w4a8.module, 64).step(ids), ref) < 0.05
     prompts = [prompt(n, seed=10 + n) for n in (5, 19, 33)]
     alone = [[s.token_id for s in Generator(w4a8.module, 128).generate(p, 16)] for p in prompts]
@@ -122,7 +128,6 @@ def test_hub_style_configs_map_as_transformers_reads_them():
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"enable_moe_block": True}, "mixture-of-experts block"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config of layer 0"),
     ({"num_kv_shared_layers": 1, "layer_types": ["full_attention", "full_attention"], "global_head_dim": 16},

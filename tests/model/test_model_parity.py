@@ -10,7 +10,7 @@ import model
 from model.attention_metadata import AttentionMetadata
 from greedy_checks import NUM_GREEDY, assert_same_greedy
 from model.generator import Generator
-from tiny_models import FAMILIES, MOE_FAMILIES, hf_config, make_hf_model, write_gguf
+from tiny_models import FAMILIES, GEMMA4_MOE, MOE_FAMILIES, hf_config, make_hf_model, write_gguf
 
 
 FOUR_LAYERS = ("smollm3", "gemma4", "gemma4_e")
@@ -20,7 +20,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES + (GEMMA4_MOE,))
 def family_models(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, directory)
@@ -37,8 +37,8 @@ def test_config_maps_from_hf_fields(family_models):
     assert cfg.num_kv_heads == 2 and cfg.num_heads == 4
     assert (cfg.rope_scaling is not None) == (family == "llama3")
     assert cfg.attention_bias == (family == "qwen2")
-    assert cfg.qk_norm == (family in ("qwen3", "gemma3", "gemma4", "gemma4_e", "qwen3_moe"))
-    assert cfg.tie_word_embeddings == (family in ("qwen2", "gemma3", "gemma4", "gemma4_e", "smollm3"))
+    assert cfg.qk_norm == (family.startswith(("qwen3", "gemma")))
+    assert cfg.tie_word_embeddings == (family.startswith(("qwen2", "gemma", "smollm3")))
     assert cfg.nope_layers == ((3,) if family == "smollm3" else ())
     if family == "gemma3":
         assert cfg.layer_types == ("sliding_attention", "full_attention")
@@ -46,11 +46,13 @@ def test_config_maps_from_hf_fields(family_models):
         assert (cfg.rope_theta, cfg.rope_local_theta, cfg.hidden_act) == (1e6, 1e4, "gelu_tanh")
         assert cfg.attention_scale == 24**-0.5 and cfg.embedding_scale == 64**0.5
     if family.startswith("gemma4"):
+        small = family == "gemma4_e"
         assert [(cfg.layer_head_dim(i), cfg.layer_kv_heads(i)) for i in range(4)] == (
-            [(16, 2), (32, 1)] * 2 if family == "gemma4" else [(16, 2), (32, 2)] * 2)
+            [(16, 2), (32, 2)] * 2 if small else [(16, 2), (32, 1)] * 2)
         assert (cfg.attention_scale, cfg.rope_proportion, cfg.value_norm) == (1.0, 0.25, True)
-        assert [cfg.kv_source(i) for i in range(4)] == ([0, 1, 2, 3] if family == "gemma4" else [0, 1, 0, 1])
-        assert cfg.per_layer_input_size == (8 if family == "gemma4_e" else 0)
+        assert [cfg.kv_source(i) for i in range(4)] == ([0, 1, 0, 1] if small else [0, 1, 2, 3])
+        assert cfg.per_layer_input_size == (8 if small else 0)
+        assert (cfg.experts_beside_mlp, cfg.num_experts) == ((True, 4) if family == GEMMA4_MOE else (False, 0))
 
 
 def test_logits_match_transformers(family_models):
@@ -105,13 +107,14 @@ def test_mixed_flat_batch_equals_each_alone(family_models):
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("family,arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
                                          ("gemma3", "gemma3"), ("gemma4", "gemma4"), ("gemma4_e", "gemma4"),
-                                         ("smollm3", "smollm3"), ("phi3", "phi3")])
+                                         (GEMMA4_MOE, "gemma4"), ("smollm3", "smollm3"), ("phi3", "phi3")])
 def test_gguf_matches_transformers(tmp_path, qtype, family, arch):
     """A GGUF of each tensor type loads to the same logits as transformers with the weights the file
     holds (K-quant blocks are random; the others are quantized from a random model)."""
     if family.startswith("gemma4"):  # K-quants need rows of 256: every linear's input that wide
         cfg = hf_config(family, hidden_size=256, intermediate_size=512, head_dim=64, global_head_dim=64,
-                        hidden_size_per_layer_input=256 if family == "gemma4_e" else 0)
+                        hidden_size_per_layer_input=256 if family == "gemma4_e" else 0,
+                        **({"moe_intermediate_size": 256} if family == GEMMA4_MOE else {}))
     else:
         cfg = hf_config(family)
         cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64  # K-quants need rows of 256

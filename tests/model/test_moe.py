@@ -154,12 +154,14 @@ def test_tensor_parallel_refuses_a_size_that_does_not_divide_the_experts(moe_mod
         start(moe_models[2], 3, attention="sequences")  # refused before any worker starts
 
 
-@pytest.mark.parametrize("family,arch,qtype", [("qwen3_moe", "qwen3moe", "F32"), ("mixtral", "llama", "F32"),
-                                               ("mixtral", "llama", "Q8_0"), ("qwen3_moe", "qwen3moe", "Q4_0")])
-def test_gguf_matches_transformers(tmp_path, family, arch, qtype):
-    """A GGUF with llama.cpp's expert tensors (ffn_gate_inp, ffn_{gate,up,down}_exps [E, out, in]; every
-    weight in `qtype`) loads to transformers' logits on the weights the file holds; Qwen3-MoE's dense middle
-    layer comes back as a dense layer (no router tensor)."""
+@pytest.mark.parametrize("family,arch,qtype,fused", [
+    ("qwen3_moe", "qwen3moe", "F32", False), ("mixtral", "llama", "F32", False), ("mixtral", "llama", "Q8_0", False),
+    ("qwen3_moe", "qwen3moe", "Q4_0", False), ("qwen3_moe", "qwen3moe", "Q4_0", True)])
+def test_gguf_matches_transformers(tmp_path, family, arch, qtype, fused):
+    """A GGUF with llama.cpp's expert tensors (ffn_gate_inp, ffn_{gate,up,down}_exps [E, out, in], or gate and
+    up as one ffn_gate_up_exps [E, 2 out, in] as newer converters write transformers 5's stacks; every weight in
+    `qtype`) loads to transformers' logits on the weights the file holds, in float and (fused) in W4A8;
+    Qwen3-MoE's dense middle layer comes back as a dense layer (no router tensor)."""
     import transformers
 
     from tiny_models import hf_config, write_gguf
@@ -169,7 +171,7 @@ def test_gguf_matches_transformers(tmp_path, family, arch, qtype):
     cfg.norm_topk_prob = True  # as llama.cpp runs qwen3moe (and Mixtral) files
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    hf.load_state_dict(write_gguf(hf, tmp_path / "m.gguf", qtype, arch))
+    hf.load_state_dict(write_gguf(hf, tmp_path / "m.gguf", qtype, arch, fused_experts=fused))
     ours = model.load(tmp_path / "m.gguf")
     assert ours.config.architecture == family
     assert is_moe_checkpoint(tmp_path / "m.gguf")  # `auto`: W4A8 for a quantized file, else float32
@@ -178,3 +180,6 @@ def test_gguf_matches_transformers(tmp_path, family, arch, qtype):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert relative_error(Generator(ours.module, 64).step(ids), ref) < 1e-4
+    if fused:  # the W4A8 experts take the fused stack's rows as gate then up
+        w4a8 = model.load(tmp_path / "m.gguf", quantization="w4a8")
+        assert relative_error(Generator(w4a8.module, 64).step(ids), ref) < 0.05

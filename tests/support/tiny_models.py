@@ -10,6 +10,9 @@ import torch
 
 FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "gemma4_e", "smollm3", "phi3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixture-of-experts decoders (tests/model/test_moe.py)
+# Gemma 4's experts beside each dense MLP (26B-A4B's shape): tested with the families, apart from the MoE tests
+# (its layers differ, so neither tensor nor expert parallelism takes it).
+GEMMA4_MOE = "gemma4_moe"
 
 
 def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
@@ -43,14 +46,17 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         )
-    if family in ("gemma4", "gemma4_e"):
+    if family in ("gemma4", "gemma4_e", GEMMA4_MOE):
         # Gemma 4's two shapes on four layers (sliding, full, sliding, full; a 16-token window): the full-attention
         # layers with heads of their own size (32 against 16) and proportional RoPE. "gemma4" as the 31B: one
         # KV head in those layers, whose values are their keys; "gemma4_e" as E2B/E4B: per-layer embeddings, the
         # last two layers reading the first two's caches with MLPs twice as wide. Both cap their logits at 30
         # (llama.cpp caps a Gemma 4 GGUF at 30 when the file names no cap, so the files agree either way).
-        own = ({"num_global_key_value_heads": 1, "attention_k_eq_v": True, "hidden_size_per_layer_input": 0}
-               if family == "gemma4" else
+        # "gemma4_moe": the 31B shape with 26B-A4B's experts (4, two a token) beside each dense MLP.
+        own = ({"num_global_key_value_heads": 1, "attention_k_eq_v": True, "hidden_size_per_layer_input": 0,
+                **({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+                   if family == GEMMA4_MOE else {})}
+               if family != "gemma4_e" else
                {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab_size, "num_kv_shared_layers": 2,
                 "use_double_wide_mlp": True})
         return transformers.Gemma4TextConfig(**{
@@ -104,7 +110,7 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
     if family.startswith("gemma4"):  # norms (scaled by w) and each layer's output scale away from 1
         with torch.no_grad():
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("norm.weight"):
+                if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                     tensor.normal_(1, 0.2)
                 if name.endswith("layer_scalar"):
                     tensor.uniform_(0.5, 1.5)
@@ -131,8 +137,12 @@ GEMMA_GGUF_LAYER_NAMES = {
 
 GEMMA4_GGUF_LAYER_NAMES = {
     **GEMMA_GGUF_LAYER_NAMES, "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
-    "post_per_layer_input_norm": "post_norm",
+    "post_per_layer_input_norm": "post_norm", "router.proj": "ffn_gate_inp",
+    "pre_feedforward_layernorm_2": "pre_ffw_norm_2", "post_feedforward_layernorm_1": "post_ffw_norm_1",
+    "post_feedforward_layernorm_2": "post_ffw_norm_2",
 }
+# Gemma 4's router scales: parameters of the router, tensors of llama.cpp's layer.
+GEMMA4_GGUF_ROUTER_SCALES = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
 
 
 PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
@@ -156,15 +166,17 @@ def k_quant_model():
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def write_gguf_experts(writer, name: str, tensor, qtype):
+def write_gguf_experts(writer, name: str, tensor, qtype, fused_gate_up: bool = False):
     """transformers' stacked experts of one layer as llama.cpp's: gate_up_proj [E, 2I, H] -> ffn_gate_exps and
-    ffn_up_exps [E, I, H]; down_proj [E, H, I] -> ffn_down_exps (numpy order; GGUF lists dimensions reversed).
-    Quantized to `qtype` unless it is F32 or a K-quant (rows of 256); returns what the file holds, as `tensor`."""
+    ffn_up_exps [E, I, H] (with `fused_gate_up`, one ffn_gate_up_exps [E, 2I, H], as its converter writes Gemma
+    4's); down_proj [E, H, I] -> ffn_down_exps (numpy order; GGUF lists dimensions reversed). Quantized to
+    `qtype` unless it is F32 or a K-quant (rows of 256); returns what the file holds, as `tensor`."""
     from gguf.quants import dequantize, quantize
 
     layer = name.removeprefix("model.").split(".")[1]
-    parts = tensor.float().chunk(2, dim=1) if name.endswith("gate_up_proj") else (tensor.float(),)
-    kinds = ("gate", "up") if len(parts) == 2 else ("down",)
+    split = name.endswith("gate_up_proj") and not fused_gate_up
+    parts = tensor.float().chunk(2, dim=1) if split else (tensor.float(),)
+    kinds = ("gate", "up") if split else ("gate_up",) if name.endswith("gate_up_proj") else ("down",)
     held = []
     for kind, part in zip(kinds, parts):
         array = part.contiguous().numpy()
@@ -288,6 +300,10 @@ def write_gemma4_metadata(writer, cfg) -> None:
     writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     writer.add_rope_dimension_count(head_full)
     writer.add_rope_dimension_count_swa(head_swa)
+    if cfg.enable_moe_block:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.top_k_experts)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if cfg.final_logit_softcapping:
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     rotated = int(head_full * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
@@ -297,7 +313,8 @@ def write_gemma4_metadata(writer, cfg) -> None:
 
 def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
                qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool | dict = False,
-               reranker: tuple[int, int] | None = None, vocab: dict | None = None) -> dict:
+               reranker: tuple[int, int] | None = None, vocab: dict | None = None,
+               fused_experts: bool | None = None) -> dict:
     """Write `hf_model` as a GGUF with every 2-D weight in `qtype_name`, or in qtypes[part] for the tensors
     whose GGUF name has that part ("attn_v", "output", ...: a K-quant file's mix of types); norms stay F32.
     The vocabulary is 256 byte tokens and control tokens, or with `smollm2_tokenizer` the embedded model's
@@ -305,7 +322,9 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     arguments of `copy_smollm2_tokenizer`, for a vocabulary with tokens added). `reranker` (the
     ids of "yes" and "no") writes the file as llama.cpp converts Qwen3-Reranker: pooling type rank, labels
     "yes" and "no", their LM-head rows as `cls.output.weight` in place of the LM head. `vocab`: a vocabulary's
-    metadata (`gemma4_vocab_metadata`) in place of either.
+    metadata (`gemma4_vocab_metadata`) in place of either. `fused_experts`: stacked experts' gate and up as one
+    `ffn_gate_up_exps` (True) or two tensors (False); None: as llama.cpp's converter writes the family (Gemma 4's
+    fused, the others' apart).
 
     Returns the state dict the file actually holds after quantization, in Hugging Face names and
     layout, to load into the reference model (row permutations commute with row-wise quantization,
@@ -394,8 +413,14 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         array = tensor.float().numpy()
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or reranker is not None):
             continue
-        if ".mlp.experts." in name:  # stacked experts: llama.cpp's 3-D tensors
-            held[name] = write_gguf_experts(writer, name, tensor, qtype)
+        if ".mlp.experts." in name or (arch == "gemma4" and ".experts." in name):  # llama.cpp's 3-D tensors
+            fused = arch == "gemma4" if fused_experts is None else fused_experts
+            held[name] = write_gguf_experts(writer, name, tensor, qtype, fused_gate_up=fused)
+            continue
+        scale = next((part for key, part in GEMMA4_GGUF_ROUTER_SCALES.items() if name.endswith(key)), None)
+        if arch == "gemma4" and scale is not None:  # a router's scale vector, F32 as llama.cpp keeps norms
+            writer.add_tensor(f"blk.{name.removeprefix('model.').split('.')[1]}.{scale}", array)
+            held[name] = tensor.float()
             continue
         short = name.removeprefix("model.")
         if short.startswith("layers."):
