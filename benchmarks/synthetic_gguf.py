@@ -169,6 +169,77 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
     writer.close()
 
 
+def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+                 head_dim: int, global_head_dim: int, per_layer: int, shared: int, seed: int = 0) -> None:
+    """A Gemma 4 text model of the small models' kind (module docstring), as llama.cpp's converter lays it out."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    swa = [(i + 1) % 5 != 0 for i in range(layers)]
+    swa[-1] = False
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    first_shared = layers - shared
+    writer.add_feed_forward_length([intermediate * (2 if i >= first_shared else 1) for i in range(layers)])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(head_dim)
+    writer.add_value_length_swa(head_dim)
+    writer.add_sliding_window(512)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(per_layer)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_rope_freq_base_swa(10_000.0)
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(head_dim)
+    writer.add_final_logit_softcapping(30.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    copy_tokenizer(writer)
+    vocab = len(tokenizer_source().metadata["tokenizer.ggml.tokens"])
+    writer.add_vocab_size(vocab)
+    rotated = global_head_dim // 8  # a quarter of the pairs rotate
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated),
+                                                    dtype=np.float32))
+
+    def linear(name: str, rows: int, cols: int, layer: int | None) -> None:
+        kind = tensor_kind(preset, name.split(".")[-2] if layer is not None else name.split(".")[0], layer)
+        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, np.ones(size, dtype=np.float32))
+
+    linear("token_embd.weight", vocab, hidden, None)  # tied to the LM head, as Gemma's
+    norm("output_norm.weight", hidden)
+    linear("per_layer_token_embd.weight", vocab, layers * per_layer, None)
+    linear("per_layer_model_proj.weight", layers * per_layer, hidden, None)
+    norm("per_layer_proj_norm.weight", per_layer)
+    for i in range(layers):
+        d = head_dim if swa[i] else global_head_dim
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"):
+            norm(f"blk.{i}.{name}.weight", hidden)
+        norm(f"blk.{i}.attn_q_norm.weight", d)
+        writer.add_tensor(f"blk.{i}.layer_output_scale.weight", np.full(1, 0.5, dtype=np.float32))
+        linear(f"blk.{i}.attn_q.weight", heads * d, hidden, i)
+        if i < first_shared:
+            norm(f"blk.{i}.attn_k_norm.weight", d)
+            linear(f"blk.{i}.attn_k.weight", kv_heads * d, hidden, i)
+            linear(f"blk.{i}.attn_v.weight", kv_heads * d, hidden, i)
+        linear(f"blk.{i}.attn_output.weight", hidden, heads * d, i)
+        width = intermediate * (2 if i >= first_shared else 1)
+        linear(f"blk.{i}.ffn_gate.weight", width, hidden, i)
+        linear(f"blk.{i}.ffn_up.weight", width, hidden, i)
+        linear(f"blk.{i}.ffn_down.weight", hidden, width, i)
+        linear(f"blk.{i}.inp_gate.weight", per_layer, hidden, i)
+        linear(f"blk.{i}.proj.weight", hidden, per_layer, i)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -183,13 +254,22 @@ def main() -> int:
                         help="a Qwen3-MoE of this many experts a layer (--intermediate: each expert's)")
     parser.add_argument("--experts-used", type=int, default=8)
     parser.add_argument("--reranker", action="store_true", help="a Qwen3 reranker file (see above)")
+    parser.add_argument("--gemma4", action="store_true", help="a Gemma 4 of the small models' kind (see above)")
+    parser.add_argument("--global-head-dim", type=int, default=512)
+    parser.add_argument("--per-layer", type=int, default=256)
+    parser.add_argument("--shared-layers", type=int, default=20)
     args = parser.parse_args()
     if args.hidden % 256 or args.intermediate % 256:
         parser.error("--hidden and --intermediate must be multiples of 256 (K-quant rows)")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
-          args.head_dim, args.experts, args.experts_used, reranker=args.reranker)
+    if args.gemma4:
+        write_gemma4(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
+                     args.head_dim or args.hidden // args.heads, args.global_head_dim, args.per_layer,
+                     args.shared_layers)
+    else:
+        write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
+              args.head_dim, args.experts, args.experts_used, reranker=args.reranker)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, preset {args.preset})")
     return 0
 

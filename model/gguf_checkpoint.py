@@ -414,6 +414,14 @@ class GGUFCheckpoint:
             weight = unpermute_rotary(weight, self.config.num_kv_heads)
         return weight
 
+    def block_embedding_tables(self) -> dict[str, GGUFTensor]:
+        """The embedding tables kept as the file's blocks (model/block_embedding.py): Gemma 4's per-layer table
+        when it is of a quantized type, under its module's state-dict name ({} otherwise)."""
+        tensor = next((t for t in self.reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+        if tensor is None or tensor.tensor_type.name in FLOAT_TYPES:
+            return {}
+        return {"embed_tokens_per_layer.weight": tensor}
+
     def read_blocks(self) -> LazyTensors[BlockWeight]:
         """Every linear weight as its raw blocks, read when it is asked for, under Hugging Face names (the
         LM head as `lm_head.weight` also when tied), rows in the same order as `read_tensors`.

@@ -159,8 +159,15 @@ def load(
             blocks = checkpoint.read_blocks()  # a file without them fails here, before any dequantizing
             # The float weights of the layers W4A8 replaces are left unread.
             skip = replaced_weights(config)
+        tables = checkpoint.block_embedding_tables()  # looked up from the file's blocks, never made float
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
-                             torch_dtype, device, block_size, skip)
+                             torch_dtype, device, block_size, skip | set(tables))
+        for name, table in tables.items():
+            from model.block_embedding import BlockEmbedding
+
+            module_name = name.removesuffix(".weight")
+            setattr(module, module_name, BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]),
+                                                        torch_dtype, device))
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         read_score_rows(module, checkpoint, tokenizer, str(path))
         if mmproj is not None:

@@ -82,8 +82,10 @@ def test_w4a8_over_the_files_blocks_serves_the_models_tokens_in_a_batch(gguf_fil
     w4a8 = model.load(gguf_file, quantization="w4a8")
     if w4a8.config.experts_beside_mlp:
         assert all(type(layer.experts).__name__ == "W4A8Gemma4Experts" for layer in w4a8.module.layers)
-    else:
+    else:  # the per-layer table stays the file's Q4_0 rows (model/block_embedding.py), in float loads too
         assert w4a8.config.kv_shared_layers == 2 and w4a8.config.per_layer_input_size == 256
+        assert type(w4a8.module.embed_tokens_per_layer).__name__ == "BlockEmbedding"
+        assert type(model.load(gguf_file).module.embed_tokens_per_layer).__name__ == "BlockEmbedding"
     assert relative_error(Generator(w4a8.module, 64).step(ids), ref) < 0.05
     prompts = [prompt(n, seed=10 + n) for n in (5, 19, 33)]
     alone = [[s.token_id for s in Generator(w4a8.module, 128).generate(p, 16)] for p in prompts]
