@@ -44,15 +44,20 @@ class ModelCost:
             raise ValueError(f"unknown precision {self.precision!r} (choose from {', '.join(PRECISIONS)})")
 
     def _layers(self, experts_per_layer: float) -> float:
-        """Matmul weights of every layer: attention, and the MLP, dense (3 H I) or sparse (the router's E H
-        and `experts_per_layer` experts of 3 H I each)."""
+        """Matmul weights of every layer: attention (each layer's own head size and projections), the MLP,
+        dense (3 H I) or sparse (the router's E H and `experts_per_layer` experts of 3 H I each; Gemma 4's
+        experts beside a dense MLP), and Gemma 4's per-layer embedding gate and projection."""
         c = self.config
-        attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-        sparse = sum(c.is_sparse_layer(i) for i in range(c.num_layers))
-        dense = c.num_layers - sparse
-        expert = 3 * c.hidden_size * c.moe_intermediate_size
-        return (c.num_layers * attention + dense * 3 * c.hidden_size * c.intermediate_size
-                + sparse * (c.num_experts * c.hidden_size + experts_per_layer * expert))
+        h, expert = c.hidden_size, 3 * c.hidden_size * c.moe_intermediate_size
+        total = float(h * c.num_layers * c.per_layer_input_size)  # the per-layer embeddings' model projection
+        for i in range(c.num_layers):
+            q, kv = c.num_heads * c.layer_head_dim(i), c.layer_kv_heads(i) * c.layer_head_dim(i)
+            total += h * (q + (len(c.layer_projections(i)) - 1) * kv) + q * h + 2 * h * c.per_layer_input_size
+            if not c.is_sparse_layer(i):
+                total += 3 * h * c.layer_intermediate_size(i)
+            if c.is_sparse_layer(i) or c.experts_beside_mlp:
+                total += c.num_experts * h + experts_per_layer * expert
+        return total
 
     @property
     def layer_matmul_params(self) -> int:
@@ -69,7 +74,7 @@ class ModelCost:
     def expert_params(self, experts_per_layer: float | None = None) -> float:
         """Weights of `experts_per_layer` experts (None: all E) in every sparse layer."""
         c = self.config
-        sparse = sum(c.is_sparse_layer(i) for i in range(c.num_layers))
+        sparse = sum(c.is_sparse_layer(i) or c.experts_beside_mlp for i in range(c.num_layers))
         count = c.num_experts if experts_per_layer is None else experts_per_layer
         return sparse * count * 3 * c.hidden_size * c.moe_intermediate_size
 
@@ -92,8 +97,24 @@ class ModelCost:
         """Every parameter: the matmuls (all experts), the embedding (once if tied to the head) and the norms."""
         c = self.config
         embedding = 0 if c.tie_word_embeddings else self.head_params
-        norms = c.hidden_size * (2 * c.num_layers + 1)
-        return round(self._layers(c.num_experts)) + self.head_params + embedding + norms
+        embedding += c.per_layer_vocab_size * c.num_layers * c.per_layer_input_size  # Gemma 4's per-layer table
+        return round(self._layers(c.num_experts)) + self.head_params + embedding + self._vectors()
+
+    def _vectors(self) -> int:
+        """Parameters outside the matmuls and embeddings: norm weights (q/k norms, Gemma's sandwich norms), and
+        Gemma 4's layer scalars, per-layer embedding norms and router scales."""
+        c = self.config
+        h = c.hidden_size
+        total = h + (c.per_layer_input_size if c.per_layer_input_size else 0)  # the final norm; Gemma 4's PLE norm
+        for i in range(c.num_layers):
+            total += h * (4 if c.sandwich_norms else 2) + (1 if c.layer_scalars else 0)
+            if c.qk_norm:
+                total += c.layer_head_dim(i) * (2 if c.kv_source(i) == i else 1)
+            if c.per_layer_input_size:
+                total += h
+            if c.experts_beside_mlp:
+                total += 4 * h + c.num_experts  # three norms, the router's scale and per-expert scale
+        return total
 
     @property
     def weight_bytes(self) -> float:
@@ -109,8 +130,9 @@ class ModelCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.num_layers * c.kv_size * self.kv_itemsize
+        c = self.config  # a layer that reads an earlier layer's cache adds none
+        return sum(2 * c.layer_kv_heads(i) * c.layer_head_dim(i) for i in range(c.num_layers)
+                   if c.kv_source(i) == i) * self.kv_itemsize
 
     @property
     def matmul_kind(self) -> str:
@@ -119,7 +141,7 @@ class ModelCost:
     def attention_flops(self, context: int) -> float:
         """One new token attending to `context` positions: QK^T and the weighted sum of V, every layer."""
         c = self.config
-        return 4.0 * c.num_layers * c.q_size * context
+        return 4.0 * context * sum(c.num_heads * c.layer_head_dim(i) for i in range(c.num_layers))
 
     def step(self, query_lens: Sequence[int], seq_lens: Sequence[int], num_sampled: int) -> StepCost:
         """A step of several sequences: sequence i brings query_lens[i] new tokens and ends at seq_lens[i]

@@ -165,3 +165,23 @@ def test_a_gemma4_gguf_vocabulary_tokenizes_as_its_sentencepiece_pieces():
         assert ids == gemma3.encode(text), text
         assert ids[0] == gemma4.bos_token_id and gemma4.decode(ids[1:]) == text
     assert gemma4.encode("<start_of_turn>user\nhi") == gemma3.encode("<start_of_turn>user\nhi")
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_e", GEMMA4_MOE])
+def test_the_doctors_cost_model_counts_each_layer_as_it_is(tiny_hf_dir, family):
+    """`ladder doctor`'s counts follow each layer's own shape: heads of two sizes, values from keys, shared
+    caches (no KV bytes of their own), double-wide MLPs, per-layer embeddings and experts beside the MLP."""
+    from doctor.cost import ModelCost
+
+    loaded = model.load(tiny_hf_dir(family))
+    c = loaded.config
+    cost = ModelCost(c, "fp32", 4)
+    assert cost.num_params == sum(p.numel() for p in loaded.module.parameters())
+    caches = loaded.module.allocate_kv_caches(1)
+    owned = {id(t): t for t in caches}.values()
+    assert cost.kv_bytes_per_token * 16 == sum(t.numel() * t.element_size() for t in owned)  # 16-token blocks
+    matmuls = [m for name, m in loaded.module.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.startswith(("layers.", "per_layer_model"))]
+    experts = sum(p.numel() for name, p in loaded.module.named_parameters() if ".experts." in name)
+    assert cost.layer_matmul_params == sum(m.weight.numel() for m in matmuls) + experts * (
+        c.num_experts_per_tok / c.num_experts if c.num_experts else 0)
