@@ -117,7 +117,7 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise ModelLoadError(f"{tokenizer_file}: missing; a tokenizer directory needs tokenizer.json")
         try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            backend = _with_visible_markers(tokenizers.Tokenizer.from_file(str(tokenizer_file)))
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise ModelLoadError(f"{tokenizer_file}: cannot parse: {one_line(exc)}") from exc
         config = _read_json(path / "tokenizer_config.json")
@@ -371,6 +371,23 @@ class Tokenizer:
         if not getattr(self.backend.model, "byte_fallback", False):
             return frozenset()
         return frozenset(i for t, i in self.backend.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+
+
+# Control tokens a reply's text must keep for the server to read it (Gemma 4's thinking channel, tool calls and
+# string quotes): decoding keeps them, as llama.cpp's converter marks them in a GGUF (user-defined, not control).
+VISIBLE_MARKERS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                             "<tool_response|>", '<|"|>'})
+
+
+def _with_visible_markers(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """`backend` with VISIBLE_MARKERS among its special added tokens made ordinary ones (still matched whole)."""
+    if not any(t.special and t.content in VISIBLE_MARKERS for t in backend.get_added_tokens_decoder().values()):
+        return backend
+    data = json.loads(backend.to_str())
+    for token in data.get("added_tokens", ()):
+        if token["content"] in VISIBLE_MARKERS:
+            token["special"] = False
+    return tokenizers.Tokenizer.from_str(json.dumps(data))
 
 
 # -- chat markup -----------------------------------------------------------------------------

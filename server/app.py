@@ -360,7 +360,10 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, f"{guide_field} cannot be combined with a forced tool call (tool_choice "
                                     f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'})",
                                param=guide_field)
-            guide, guide_field = tools.guide(), "tool_choice"
+            try:
+                guide, guide_field = tools.guide(), "tool_choice"
+            except ValueError as e:  # a format without a forced-call grammar (Gemma 4's notation)
+                raise APIError(400, str(e), param="tool_choice") from None
         reservation = state.admission.reserve(body.n)
         try:
             ids, images = await chat_prompt_ids(tokenizer, body, fmt, tools,

@@ -1,7 +1,8 @@
 """A reasoning model's thinking, split from its answer: `reasoning_content` beside `content`.
 
 Qwen3, QwQ and DeepSeek-R1's distillations write their reasoning first, inside one <think> ... </think>
-block, then the answer. The server answers chat requests with the block's text in `message.reasoning_content`
+block, then the answer; Gemma 4 inside <|channel>thought ... <channel|> (the channel's name, "thought", is not
+reasoning). The server answers chat requests with the block's text in `message.reasoning_content`
 (streamed as `delta.reasoning_content`) and the rest in `content`, where tool calls are looked for, as vLLM's
 reasoning parsers and llama.cpp's server do. A block counts when the reply starts with it, or when the
 prompt opened it (templates that start the reply's thinking themselves, such as QwQ's and newer
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 
 from model.tokenizer import Tokenizer
 
-# The spellings reasoning models use for their block (Qwen3, QwQ, DeepSeek-R1 and their distillations).
-MARKERS = (("<think>", "</think>"),)
+# The spellings reasoning models use for their block (Qwen3, QwQ, DeepSeek-R1 and their distillations; Gemma
+# 4), and the text that opens the block before its reasoning.
+MARKERS = (("<think>", "</think>", ""), ("<|channel>", "<channel|>", "thought"))
 PARSERS = ("auto", "none", "think")
 # vLLM's `--reasoning-parser` names for the same format, taken as they are.
-ALIASES = {"qwen3": "think", "deepseek_r1": "think"}
+ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gemma4": "think"}
 
 
 @dataclass(frozen=True)
@@ -32,14 +34,15 @@ class ReasoningFormat:
     end: str
     start_id: int
     end_id: int
+    lead: str = ""  # the block's name after its start marker (Gemma 4's "thought"), not reasoning
 
     @classmethod
     def find(cls, tokenizer: Tokenizer) -> ReasoningFormat | None:
         """The model's markers, if its vocabulary has them as single tokens that decoding keeps."""
-        for start, end in MARKERS:
+        for start, end, lead in MARKERS:
             ids = tokenizer.token_to_id(start), tokenizer.token_to_id(end)
             if None not in ids and not set(ids) & tokenizer.special_ids:
-                return cls(start, end, *ids)
+                return cls(start, end, *ids, lead)
         return None
 
     @classmethod
@@ -53,8 +56,9 @@ class ReasoningFormat:
             return None
         found = cls.find(tokenizer)
         if found is None and parser == "think":
-            raise ValueError("--reasoning-parser think needs <think> and </think> as single tokens of the model's "
-                             "vocabulary that decoding keeps; this model's has no such pair")
+            raise ValueError("--reasoning-parser think needs <think> and </think> (or Gemma 4's <|channel> and "
+                             "<channel|>) as single tokens of the model's vocabulary that decoding keeps; this "
+                             "model's has no such pair")
         return found
 
     def opened_by(self, prompt_ids: Sequence[int]) -> bool:
@@ -108,6 +112,7 @@ class ReasoningSplit:
         self.after: int | None = None  # where the text after the block starts
         self.content: int | None = None  # where content starts, once known
         self.content_sent = 0
+        self.led = False  # the block's name (ReasoningFormat.lead) is decided
 
     def push(self, text: str, final: bool = False) -> tuple[str, str]:
         self.text += text
@@ -147,6 +152,14 @@ class ReasoningSplit:
             self.inside, self.after = False, found + len(end)
         else:
             limit = len(self.text) if final else len(self.text) - _partial_suffix(self.text, end, self.body)
+        lead = self.fmt.lead
+        if lead and self.released == self.body and not self.led:  # the block's name goes, once known
+            head = self.text[self.body:limit if found >= 0 else len(self.text)]
+            if lead.startswith(head) and len(head) < len(lead) and found < 0 and not final:
+                return ""  # may still be the name
+            self.led = True
+            if head.startswith(lead):
+                self.body = self.released = self.body + len(lead)
         if self.released == self.body:  # nothing out yet: the newlines after the start marker go
             while self.released < limit and self.text[self.released] == "\n":
                 self.released += 1

@@ -2,10 +2,12 @@
 template variables that show it the tools, the calls parsed out of its reply (whole or streamed), and a
 grammar that forces a call.
 
-Three formats cover the families ladder serves (docs/tool_calling.md):
+Four formats cover the families ladder serves (docs/tool_calling.md):
 
 - HERMES (Qwen 2/2.5/3, Hermes): the template renders tools, calls and results itself; a call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+- GEMMA4 (Gemma 4): the template renders them itself; a call is ``<|tool_call>call:NAME{key:value,...}<tool_call|>``
+  in Gemma's own notation: bare keys, strings between ``<|"|>`` quotes, numbers, booleans, lists and objects.
 - LLAMA3 (Llama 3.1/3.2/3.3): the template renders them itself; a call is the bare JSON object
   ``{"name": ..., "parameters": {...}}``, perhaps after ``<|python_tag|>``, several joined by ``;``.
 - DEFAULT (any other template, e.g. SmolLM2's plain ChatML): ladder lists the tools in a system message
@@ -29,10 +31,13 @@ __all__ = ["ToolFormat", "ToolCall", "StreamPiece", "ToolCallStream", "tool_form
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 PYTHON_TAG = "<|python_tag|>"
+GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 NO_PARAMETERS = {"type": "object", "properties": {}}
 # A call (or several) that the tagged formats write; an unclosed last call counts when its JSON is whole
 # (a reply cut at the stop token, or a model that omits the closing tag).
 _TAGGED_CALL = re.compile(f"{CALL_OPEN}(.*?){CALL_CLOSE}|{CALL_OPEN}(.*)", re.DOTALL)
+_GEMMA4_CALL = re.compile(f"{re.escape(GEMMA4_OPEN)}(.*?){re.escape(GEMMA4_CLOSE)}|{re.escape(GEMMA4_OPEN)}(.*)",
+                          re.DOTALL)
 _SPACE, _SEMICOLON = re.compile(r"\s*"), re.compile(r"\s*;\s*")  # before Llama 3's first call, between calls
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -40,7 +45,13 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 class ToolFormat(enum.Enum):
     HERMES = "hermes"
     LLAMA3 = "llama3"
+    GEMMA4 = "gemma4"
     DEFAULT = "default"
+
+    @property
+    def tags(self) -> tuple[str, str]:
+        """The open and close tags around one call (HERMES's, which the DEFAULT prompt asks for, or Gemma 4's)."""
+        return (GEMMA4_OPEN, GEMMA4_CLOSE) if self is ToolFormat.GEMMA4 else (CALL_OPEN, CALL_CLOSE)
 
 
 def new_call_id() -> str:
@@ -65,6 +76,8 @@ def tool_format(chat_template: str | None) -> ToolFormat:
     """The format a chat template speaks. A template that renders tools some other way (Mistral's
     ``[TOOL_CALLS]``...) gets DEFAULT too: ladder's own prompt asks for a format that ladder parses."""
     template = chat_template or ""
+    if GEMMA4_OPEN in template:
+        return ToolFormat.GEMMA4
     if CALL_OPEN in template:
         return ToolFormat.HERMES
     if PYTHON_TAG in template or "ipython" in template:  # "Environment: ipython" in 3.1, 3.2 and 3.3
@@ -175,15 +188,16 @@ def _json_or_text(text: Any) -> Any:
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]:
     """The content outside the calls (None when only whitespace) and the calls of a finished reply. A
     call that does not parse (bad JSON, no name, arguments not an object) stays in the content."""
-    content, calls = _parse_llama3(text) if fmt is ToolFormat.LLAMA3 else _parse_tagged(text)
+    content, calls = _parse_llama3(text) if fmt is ToolFormat.LLAMA3 else _parse_tagged(text, fmt)
     return (content if content.strip() else None), calls
 
 
-def _parse_tagged(text: str) -> tuple[str, list[ToolCall]]:
+def _parse_tagged(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
     kept, calls, start = [], [], 0
-    for match in _TAGGED_CALL.finditer(text):
+    pattern = _GEMMA4_CALL if fmt is ToolFormat.GEMMA4 else _TAGGED_CALL
+    for match in pattern.finditer(text):
         body = match.group(1) if match.group(1) is not None else match.group(2)
-        call = _call_from_json(body, require_arguments=False)
+        call = _call_from_body(body, fmt)
         if call is not None:
             kept.append(text[start:match.start()])
             calls.append(call)
@@ -219,6 +233,78 @@ def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
     if not calls:
         return text, []
     return text[: len(text) - len(text.lstrip())] + body[end:], calls
+
+
+def _call_from_body(body: str, fmt: ToolFormat) -> ToolCall | None:
+    """A tagged call's body in the format's notation, or None when it does not parse."""
+    if fmt is ToolFormat.GEMMA4:
+        return _call_from_gemma4(body)
+    return _call_from_json(body, require_arguments=False)
+
+
+_GEMMA4_HEAD = re.compile(r"\s*call:([^{\s]+)\s*")
+
+
+def _call_from_gemma4(body: str) -> ToolCall | None:
+    """``call:NAME{key:value,...}`` (Gemma 4's notation) -> a call whose arguments are that object as JSON."""
+    head = _GEMMA4_HEAD.match(body)
+    if head is None:
+        return None
+    try:
+        arguments, end = _gemma4_value(body, head.end())
+    except (ValueError, IndexError, RecursionError):
+        return None
+    if not isinstance(arguments, dict) or body[end:].strip():
+        return None
+    return ToolCall.new(head.group(1), json.dumps(arguments, ensure_ascii=False))
+
+
+def _gemma4_value(text: str, i: int) -> tuple[Any, int]:
+    """The value of Gemma 4's notation at text[i:] and where it ends: ``<|"|>``-quoted strings, ``{key:value,
+    ...}`` objects with bare keys, ``[value, ...]`` lists, and bare numbers, true, false and null (a bare word
+    that is none of them is a string). ValueError where the text is not that notation."""
+    i = _skip_space(text, i)
+    if text.startswith(GEMMA4_QUOTE, i):
+        end = text.index(GEMMA4_QUOTE, i + len(GEMMA4_QUOTE))
+        return text[i + len(GEMMA4_QUOTE):end], end + len(GEMMA4_QUOTE)
+    if text[i] in "{[":
+        closing, items, obj = ("}" if text[i] == "{" else "]"), [], {}
+        i = _skip_space(text, i + 1)
+        while text[i] != closing:
+            if closing == "}":
+                colon = text.index(":", i)
+                key = text[i:colon].strip()
+                if key.startswith(GEMMA4_QUOTE) and key.endswith(GEMMA4_QUOTE) and len(key) > 2 * len(GEMMA4_QUOTE):
+                    key = key[len(GEMMA4_QUOTE):-len(GEMMA4_QUOTE)]
+                if not key:
+                    raise ValueError("an empty key")
+                obj[key], i = _gemma4_value(text, colon + 1)
+            else:
+                value, i = _gemma4_value(text, i)
+                items.append(value)
+            i = _skip_space(text, i)
+            if text[i] == ",":
+                i = _skip_space(text, i + 1)
+            elif text[i] != closing:
+                raise ValueError(f"expected ',' or {closing!r}")
+        return (obj if closing == "}" else items), i + 1
+    end = i
+    while end < len(text) and text[end] not in ",}]":
+        end += 1
+    word = text[i:end].strip()
+    if not word:
+        raise ValueError("a missing value")
+    try:
+        value = json.loads(word, parse_constant=_refuse_constant)
+    except ValueError:
+        value = word  # an unquoted word: its text
+    return value, end
+
+
+def _skip_space(text: str, i: int) -> int:
+    while text[i].isspace():
+        i += 1
+    return i
 
 
 def _call_from_json(body: str, require_arguments: bool) -> ToolCall | None:
@@ -280,22 +366,23 @@ class ToolCallStream:
         if self.fmt is ToolFormat.LLAMA3:
             return self._push_llama3()
         kept, calls = [], []
+        opening, closing = self.fmt.tags
         while True:
-            start = self._pending.find(CALL_OPEN)
+            start = self._pending.find(opening)
             if start < 0:
-                hold = _partial_suffix(self._pending, CALL_OPEN)
+                hold = _partial_suffix(self._pending, opening)
                 kept.append(self._pending[: len(self._pending) - hold])
                 self._pending = self._pending[len(self._pending) - hold:]
                 break
             kept.append(self._pending[:start])
             self._pending = self._pending[start:]
-            end = self._pending.find(CALL_CLOSE, max(len(CALL_OPEN), self._searched - len(CALL_CLOSE) + 1))
+            end = self._pending.find(closing, max(len(opening), self._searched - len(closing) + 1))
             if end < 0:
                 self._searched = len(self._pending)
                 break
             self._searched = 0
-            block_end = end + len(CALL_CLOSE)
-            call = _call_from_json(self._pending[len(CALL_OPEN):end], require_arguments=False)
+            block_end = end + len(closing)
+            call = _call_from_body(self._pending[len(opening):end], self.fmt)
             if call is None:
                 kept.append(self._pending[:block_end])
             else:
@@ -306,7 +393,7 @@ class ToolCallStream:
     def finish(self) -> StreamPiece:
         """Everything still held: an unclosed call (a call if its JSON is whole) or text."""
         rest, self._pending = self._pending, ""
-        content, calls = _parse_llama3(rest) if self.fmt is ToolFormat.LLAMA3 else _parse_tagged(rest)
+        content, calls = _parse_llama3(rest) if self.fmt is ToolFormat.LLAMA3 else _parse_tagged(rest, self.fmt)
         piece = self._piece(content, calls)
         if self._made_calls or not self._space:
             return piece
@@ -359,6 +446,9 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"no tool is named {name!r}" if name is not None else "a forced tool call needs tools")
+    if fmt is ToolFormat.GEMMA4:
+        raise ValueError("a forced tool call (tool_choice \"required\" or naming a function) is not supported in "
+                         "Gemma 4's call notation yet; use tool_choice \"auto\"")
     if fmt is ToolFormat.LLAMA3:
         before, after, separator, key = "", "", ";", "parameters"
     else:

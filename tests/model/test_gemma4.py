@@ -185,3 +185,22 @@ def test_the_doctors_cost_model_counts_each_layer_as_it_is(tiny_hf_dir, family):
     experts = sum(p.numel() for name, p in loaded.module.named_parameters() if ".experts." in name)
     assert cost.layer_matmul_params == sum(m.weight.numel() for m in matmuls) + experts * (
         c.num_experts_per_tok / c.num_experts if c.num_experts else 0)
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma4ForConditionalGeneration's directory (every published Gemma 4): the text model under
+    model.language_model.*, logits equal to transformers' for a text prompt; its towers are not read (no images)."""
+    text = hf_config("gemma4_e")
+    text.pad_token_id = 0  # the multimodal model masks image tokens to it
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None)).eval()
+    hf.save_pretrained(tmp_path)
+    ours = model.load(tmp_path)
+    assert ours.module.vision is None and ours.config.per_layer_input_size == 8
+    ids = prompt(20, seed=4)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    assert relative_error(Generator(ours.module, 64).step(ids), ref) < 1e-4

@@ -28,7 +28,8 @@ from server.tool_calls import (
     tool_format,
 )
 
-HERMES, LLAMA3, DEFAULT = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.DEFAULT
+HERMES, LLAMA3, GEMMA4, DEFAULT = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.GEMMA4, ToolFormat.DEFAULT
+GRAMMAR_FORMATS = [HERMES, LLAMA3, DEFAULT]  # the formats a forced call has a grammar for
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tool_calling.md"
 
 WEATHER = {"type": "function", "function": {
@@ -125,6 +126,7 @@ def test_the_format_comes_from_the_template(tokenizer):
     assert tool_format(QWEN_LIKE) is HERMES
     assert tool_format(LLAMA_LIKE) is LLAMA3
     assert tool_format('{{- "<|python_tag|>" + tool_call.name }}') is LLAMA3
+    assert tool_format("{{- '<|tool_call>call:' + call.name }}") is GEMMA4
     assert tool_format(tokenizer.chat_template) is DEFAULT  # SmolLM2's plain ChatML
     assert tool_format("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]") is DEFAULT  # a format not parsed
     assert tool_format(None) is DEFAULT
@@ -172,6 +174,34 @@ def test_a_malformed_call_stays_text(fmt):
     # Arguments written as JSON text (as OpenAI sends them) are read as the object they hold.
     quoted = '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
     assert named(parse_tool_calls(quoted, fmt)[1]) == [("f", {"x": 1})]
+
+
+def test_gemma4_style_replies():
+    """Gemma 4's notation: bare keys, <|"|>-quoted strings (commas, colons and braces inside them too), numbers,
+    booleans, null, lists and nested objects; two calls in a row; text before; a call that does not parse
+    stays text."""
+    q = '<|"|>'
+    text = (f"Checking both.<|tool_call>call:get_weather{{city:{q}Paris, {{France}}: 75001{q},unit:{q}celsius{q},"
+            f"days:3,detail:{{hourly:true,fields:[{q}rain{q},2.5,null]}}}}<tool_call|>"
+            "<|tool_call>call:get_time{}<tool_call|>")
+    content, calls = parse_tool_calls(text, GEMMA4)
+    assert content == "Checking both."
+    assert named(calls) == [("get_weather", {"city": "Paris, {France}: 75001", "unit": "celsius", "days": 3,
+                                             "detail": {"hourly": True, "fields": ["rain", 2.5, None]}}),
+                            ("get_time", {})]
+    # No closing tag (the reply stopped at <|tool_response>): the call counts when its notation is whole.
+    assert named(parse_tool_calls(f"<|tool_call>call:get_weather{{city:{q}Rome{q}}}", GEMMA4)[1]) == [
+        ("get_weather", {"city": "Rome"})]
+    for bad in (f"<|tool_call>call:get_weather{{city:{q}Rome}}<tool_call|>",  # an unclosed quote
+                "<|tool_call>call:get_weather{city}<tool_call|>",  # a key without a value
+                "<|tool_call>get_weather{}<tool_call|>",  # no call:
+                "<|tool_call>call:f[1]<tool_call|>"):  # arguments not an object
+        assert parse_tool_calls("Hm. " + bad, GEMMA4) == ("Hm. " + bad, [])
+
+
+def test_a_forced_call_in_gemma4s_notation_is_refused_by_name():
+    with pytest.raises(ValueError, match="not supported in Gemma 4's call notation"):
+        tool_call_grammar(TOOLS, None, False, GEMMA4)
 
 
 def test_llama3_style_replies():
@@ -282,6 +312,8 @@ FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool_", "</tool", "<", "<|python_tag|>", "<|py", "{", "}", ";", " ", "\n",
     "\n\n", "Sure.", "日本語", "👨‍👩‍👧", "e\u0301", '{"name"', '"arguments": {"x": 1}}', "NaN", *CALL_TEXTS,
     *[f"<tool_call>\n{call}\n</tool_call>" for call in CALL_TEXTS],
+    "<|tool_call>", "<tool_call|>", "<|tool", "<tool_call", '<|"|>', "call:f{", "call:get_time{}",
+    '<|tool_call>call:g{k:<|"|>a,b}<|"|>,n:[1,{x:true}]}<tool_call|>',
 ]  # fmt: skip
 
 
@@ -304,8 +336,9 @@ def check_stream(text: str, deltas: list[str], fmt: ToolFormat) -> None:
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_streaming_every_split_in_two_and_one_char_at_a_time(fmt):
-    texts = ['Sure 😀.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"bad"'
-             "\n</tool_call> <tool_c",
+    texts = [('Sure 😀.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"bad"'
+              "\n</tool_call> <tool_c"),
+             'Sure.<|tool_call>call:get_time{}<tool_call|> <|tool_call>call:f{k:<|"|>x}<|"|>}<tool_call|><|tool_c',
              ' <|python_tag|>{"name": "g", "parameters": {"k": "ü"}}; {"name": "f", "parameters": {}} ok',
              '  {"name": "g", "parameters": {}};']
     for text in texts:
@@ -370,7 +403,7 @@ def wire(fmt: ToolFormat, name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("fmt", GRAMMAR_FORMATS)
 def test_a_forced_call_grammar(fmt, lltokenizer, tokenizer):
     grammar = tool_call_grammar(TOOLS, None, False, fmt)
     valid = [wire(fmt, "get_weather", '{"city": "Paris"}'),
@@ -391,7 +424,7 @@ def test_a_forced_call_grammar(fmt, lltokenizer, tokenizer):
         assert not accepts(lltokenizer, tokenizer, grammar, text), text
 
 
-@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("fmt", GRAMMAR_FORMATS)
 def test_a_named_or_parallel_call_grammar(fmt, lltokenizer, tokenizer):
     weather, clock = wire(fmt, "get_weather", '{"city": "Paris"}'), wire(fmt, "get_time", "{}")
     named_only = tool_call_grammar(TOOLS, "get_time", False, fmt)

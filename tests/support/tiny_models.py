@@ -550,6 +550,42 @@ def make_tiny_thinking_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# Gemma 4's control tokens as its Hugging Face tokenizer holds them: special added tokens (ids 49,152 on, after
+# SmolLM2's vocabulary in the tiny model); ladder keeps the thinking, tool-call and quote markers in decoded text.
+GEMMA4_CHAT_TOKENS = ("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
+                      "<|tool_response>", "<tool_response|>", '<|"|>', "<|tool>", "<tool|>", "<|think|>")
+# A Gemma 4-style chat template, written for these tests: turns between <|turn>ROLE and <turn|>, tools declared
+# in the system turn, past calls in Gemma's notation, results as tool responses, and <|think|> when thinking
+# is on. The published templates say much more (their tool declarations especially); this is the markup only.
+GEMMA4_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- if tools or enable_thinking or messages[0].role == 'system' %}<|turn>system
+{% if enable_thinking %}<|think|>{% endif %}{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
+{%- for tool in tools or [] %}<|tool>declaration:{{ tool.function.name }}{}<tool|>{% endfor %}<turn|>
+{% endif %}
+{%- for m in messages if m.role != 'system' %}
+{%- if m.role == 'assistant' %}<|turn>model
+{% for call in m.tool_calls or [] %}<|tool_call>call:{{ call.function.name }}{}<tool_call|>{% endfor %}{{ m.content or '' }}<turn|>
+{% elif m.role == 'tool' %}<|tool_response>response:{{ m.content }}<tool_response|>
+{% else %}<|turn>{{ m.role }}
+{{ m.content }}<turn|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|turn>model
+{% endif %}"""
+
+
+def make_tiny_gemma4_chat_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Gemma 4 (the `gemma4` family's shape) over SmolLM2's vocabulary plus GEMMA4_CHAT_TOKENS as
+    special tokens, EOS <turn|>, and GEMMA4_CHAT_TEMPLATE: a stand-in for a Gemma 4 checkpoint's chat."""
+    import transformers
+
+    tokenizer = write_smollm2_tokenizer(directory, GEMMA4_CHAT_TOKENS, "<turn|>", GEMMA4_CHAT_TEMPLATE)
+    torch.manual_seed(seed)
+    config = hf_config("gemma4", vocab_size=tokenizer.backend.get_vocab_size())
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def write_smollm2_tokenizer(directory: Path, special_tokens: Sequence[str], eos_token: str, chat_template: str):
     """SmolLM2's tokenizer with `special_tokens` added (special, ids from 49,152 on) saved in `directory` as
     tokenizer.json and tokenizer_config.json with `eos_token` and `chat_template`; returns it."""

@@ -1,0 +1,111 @@
+"""Gemma 4's chat markup through the server, on a tiny random Gemma 4 whose tokenizer holds Gemma's control tokens
+as special tokens (as its Hugging Face tokenizer does): the thinking channel <|channel>thought ... <channel|>
+read as `reasoning_content`, calls in Gemma's notation <|tool_call>call:NAME{...}<tool_call|> read as OpenAI
+tool calls, whole and streamed, and what is refused. The replies are forced by grammars naming the markers as
+their single tokens (`<[id]>`), as the model writes them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from in_process_server import InProcessServer, make_state
+
+from model.tokenizer import Tokenizer
+from server.reasoning import ReasoningFormat
+
+NAME = "gemma4-chat"
+# Token ids of the tiny model's added tokens (tests/support/tiny_models.py GEMMA4_CHAT_TOKENS, from 49,152).
+TURN, TURN_END, CHANNEL, CHANNEL_END, CALL, CALL_END, RESPONSE, RESPONSE_END, QUOTE = range(49152, 49161)
+THOUGHT_THEN_WORD = (f'start: <[{CHANNEL}]> "thought\\n" /[a-z]{{2,6}}( [a-z]{{2,6}}){{1,3}}/ <[{CHANNEL_END}]> '
+                     '/[A-Z][a-z]{1,8}/')
+WEATHER_CALL = (f'start: <[{CALL}]> "call:get_weather{{city:" <[{QUOTE}]> "Paris, France" <[{QUOTE}]> ",days:3}}" '
+                f'<[{CALL_END}]>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tiny_models import make_tiny_gemma4_chat_model
+
+    return make_tiny_gemma4_chat_model(tmp_path_factory.mktemp("models") / "tiny-gemma4")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = InProcessServer(make_state(model_dir, served_model_name=NAME, max_model_len=512))
+    yield server
+    server.stop()
+
+
+def chat(server, **fields) -> httpx.Response:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, **fields}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def stream(server, **fields) -> list[dict]:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "stream": True, **fields}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_the_markers_a_reply_is_read_by_stay_in_its_text(model_dir):
+    tokenizer = Tokenizer.from_hf_dir(model_dir)
+    assert tokenizer.decode([TURN, CHANNEL, CALL, QUOTE, CALL_END, CHANNEL_END, TURN_END]) == \
+        '<|channel><|tool_call><|"|><tool_call|><channel|>'  # the turn markers stay special: dropped
+    assert TURN_END in tokenizer.stop_token_ids
+    assert ReasoningFormat.find(tokenizer) == ReasoningFormat("<|channel>", "<channel|>", CHANNEL, CHANNEL_END,
+                                                              "thought")
+
+
+def test_the_thinking_channel_is_reasoning_and_the_rest_content(server):
+    reply = chat(server, guided_grammar=THOUGHT_THEN_WORD, logprobs=True).json()
+    message = reply["choices"][0]["message"]
+    tokens = [entry["token"] for entry in reply["choices"][0]["logprobs"]["content"]]
+    assert tokens[0] == "<|channel>" and "<channel|>" in tokens
+    assert message["reasoning_content"] and message["reasoning_content"].islower()  # "thought" is not in it
+    assert not message["reasoning_content"].startswith("thought")
+    assert message["content"][0].isupper() and "<" not in message["content"]
+    assert "".join(tokens) == f"<|channel>thought\n{message['reasoning_content']}<channel|>{message['content']}"
+    events = stream(server, guided_grammar=THOUGHT_THEN_WORD)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+
+def test_a_call_in_gemmas_notation_is_an_openai_tool_call(server):
+    reply = chat(server, tools=TOOLS, guided_grammar=WEATHER_CALL).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris, France", "days": 3}
+    events = stream(server, tools=TOOLS, guided_grammar=WEATHER_CALL)
+    calls = [call for e in events for c in e["choices"] for call in c["delta"].get("tool_calls", ())]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris, France", "days": 3})]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_conversation_with_calls_and_results_renders_through_the_template(server):
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    reply = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": messages, "tools": TOOLS},
+                       timeout=60).json()
+    tokens = reply["tokens"]
+    assert CALL in tokens and RESPONSE in tokens and tokens.count(TURN) == 4  # system (tools), user, model, model
+
+
+def test_a_forced_tool_call_is_refused_in_one_line(server):
+    response = chat(server, tools=TOOLS, tool_choice="required")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and "Gemma 4's call notation" in error["message"]
