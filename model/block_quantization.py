@@ -36,6 +36,9 @@ def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
         if not config.is_sparse_layer(i):
             sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
             sources[mlp + "down_proj"] = [mlp + "down_proj.weight"]
+        if config.per_layer_input_size:  # Gemma 4's per-layer embedding's gate and projection
+            for name in (f"layers.{i}.per_layer_input_gate", f"layers.{i}.per_layer_projection"):
+                sources[name] = [name + ".weight"]
     return sources
 
 

@@ -66,8 +66,9 @@ def _hooked(module: nn.Module) -> bool:
 def _norms(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
     attn = layer.self_attn
     extra = [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if model.config.sandwich_norms else []
-    qk = [attn.q_norm, attn.k_norm] if model.config.qk_norm else []
-    return [layer.input_layernorm, layer.post_attention_layernorm, *extra, *qk]
+    qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    ple = [layer.post_per_layer_input_norm] if layer.post_per_layer_input_norm is not None else []
+    return [layer.input_layernorm, layer.post_attention_layernorm, *extra, *qk, *ple]
 
 
 def _base(linear: nn.Module) -> nn.Module:
@@ -94,8 +95,8 @@ def _linear_kind(linear: nn.Module) -> int | None:
 def step_support(model: nn.Module) -> str | None:
     """None if `model` (a LlamaForCausalLM) can run its layers as one C++ step, else why not, in words."""
     config = model.config
-    if not config.layers_alike:
-        return "the layers differ in shape, share caches or take per-layer inputs (Gemma 4)"
+    if config.experts_beside_mlp:
+        return "experts beside the MLP (Gemma 4 26B-A4B)"
     if cpu_extension.load() is None or not hasattr(torch.classes.ladder_cpu, "DecoderStep"):
         return "the C++ CPU kernels are not built here"
     if model.ops.name != "cpu" or model.device.type != "cpu":
@@ -121,6 +122,8 @@ def step_support(model: nn.Module) -> str | None:
             return f"layer {i}: a {type(mlp).__name__} (the step takes dense MLPs and W4A8 experts)"
         else:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if layer.per_layer_input_gate is not None:  # Gemma 4's per-layer embedding's two linears
+            linears = (*linears, layer.per_layer_input_gate, layer.per_layer_projection)
         for linear in linears:
             if _linear_kind(_base(linear)) is None:
                 return f"layer {i}: a {type(_base(linear)).__name__} linear (the step takes W4A8 and W8A8 linears)"
@@ -133,6 +136,11 @@ def step_support(model: nn.Module) -> str | None:
             return f"layer {i} has forward hooks"
         if any(n.weight.dtype != torch.float32 or n.eps != config.rms_norm_eps for n in norms):
             return f"layer {i}: norms not float32"
+        if layer.layer_scalar is not None and layer.layer_scalar.dtype != torch.float32:
+            return f"layer {i}: its scalar not float32"
+    if config.per_layer_input_size and (_hooked(model.per_layer_projection_norm)
+                                        or model.per_layer_projection_norm.weight.dtype != torch.float32):
+        return "the per-layer embeddings' norm has hooks or is not float32"
     if len(owners) > 1:
         return "LoRA wrappers of more than one LoRASlots"
     return None
@@ -148,7 +156,7 @@ class CpuDecoderStep:
         config = model.config
         tensors: list[torch.Tensor] = []
         ints = [config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-                int(config.hidden_act == "gelu_tanh")]
+                int(config.hidden_act == "gelu_tanh"), config.per_layer_input_size]
         empty = torch.empty(0)
         loras: list[tuple[int, int, LoRALinear]] = []  # (layer, linear 0-3, wrapper)
         # Every layer reads the windowed tables in a model whose layers are all windowed (a Mistral with
@@ -158,6 +166,14 @@ class CpuDecoderStep:
         mixed = model.local_attention is not None
         uniform_window = not mixed and bool(model.attention.sliding_window)
         nope = set(config.nope_layers)
+
+        def linear_tensors(linear: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+            kind = _linear_kind(linear)
+            bias = empty if linear.bias is None else linear.bias
+            if kind == 0:
+                return [linear.codes, linear.scales, empty, bias], [kind, linear.zero]
+            return [linear.packed, linear.wsum, linear.scale, bias], [kind, 0]
+
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
@@ -169,20 +185,29 @@ class CpuDecoderStep:
             for which, wrapped in enumerate((attn.qkv_proj, attn.o_proj, *dense)):
                 if type(wrapped) is LoRALinear:
                     loras.append((i, which, wrapped))
-                linear = _base(wrapped)
-                kind = _linear_kind(linear)
-                bias = empty if linear.bias is None else linear.bias
-                if kind == 0:
-                    tensors += [linear.codes, linear.scales, empty, bias]
-                else:
-                    tensors += [linear.packed, linear.wsum, linear.scale, bias]
-                ints += [kind, getattr(linear, "zero", 0)]
+                more_tensors, more_ints = linear_tensors(_base(wrapped))
+                tensors += more_tensors
+                ints += more_ints
             if moe:  # kind 2: the experts' stacks and the router in the gate_up and down places
                 tensors += [mlp.w13_codes, mlp.w13_scales, mlp.gate.weight.detach(), empty,
                             mlp.w2_codes, mlp.w2_scales, empty, empty]
                 ints += [2, mlp.w13_zero, 2, mlp.w2_zero, mlp.top_k, int(mlp.renormalize)]
             else:
                 ints += [0, 0]
+            # Gemma 4 (the model's shape else): the layer's own attention shape and MLP width, what its qkv
+            # projects and whose cache it reads, the values' norm; its scalar and per-layer embedding parts.
+            ints += [attn.head_dim, attn.num_kv_heads, config.layer_intermediate_size(i), attn.kv_outputs,
+                     attn.kv_source, int(attn.value_norm_eps is not None)]
+            tensors.append(empty if layer.layer_scalar is None else layer.layer_scalar.detach())
+            if layer.per_layer_input_gate is not None:
+                for linear in (layer.per_layer_input_gate, layer.per_layer_projection):
+                    more_tensors, more_ints = linear_tensors(linear)
+                    tensors += more_tensors
+                    ints += more_ints
+                tensors.append(layer.post_per_layer_input_norm.weight.detach())
+            else:
+                tensors += [empty] * 9
+                ints += [0, 0, 0, 0]
         tensors.append(model.norm.weight.detach())
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)
         for layer, which, wrapper in loras:
@@ -190,6 +215,7 @@ class CpuDecoderStep:
         # Whose rows the step reads (the one LoRASlots its wrappers share), or None: no adapters.
         self.lora: LoRASlots | None = loras[0][2].slots[0] if loras else None
         self.no_lora = torch.empty(0, dtype=torch.long)
+        self.no_inputs = torch.empty(0)
         self.scale = config.attention_scale
         self.window = (model.local_attention or model.attention).sliding_window or 0
 
@@ -207,15 +233,18 @@ class CpuDecoderStep:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, local_cos: torch.Tensor,
                  local_sin: torch.Tensor, kv_caches: list[torch.Tensor],
-                 plan: CpuAttentionPlan | tuple[CpuAttentionPlan, CpuAttentionPlan]) -> torch.Tensor:
+                 plan: CpuAttentionPlan | tuple[CpuAttentionPlan, CpuAttentionPlan],
+                 per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] embeddings, cos/sin [T, head_dim / 2] of the full and of the windowed layers, the
-        plan (a pair with windowed layers among full ones) -> the final norm's output [T, hidden]."""
+        plan (a pair with windowed layers among full ones), Gemma 4's per-layer inputs [T, layers, P] -> the
+        final norm's output [T, hidden]."""
         full, local = plan if isinstance(plan, tuple) else (plan, plan)
         rows = self.lora.rows_for(x.shape[0]) if self.lora is not None else None  # [T] LoRA slots, or None
         return self.step.forward(x, cos, sin, local_cos, local_sin, kv_caches, full.slot_mapping,
                                  full.row_block_tables, full.row_seq_lens, local.slot_mapping,
                                  local.row_block_tables, local.row_seq_lens, self.scale, self.window,
-                                 self.no_lora if rows is None else rows.contiguous())
+                                 self.no_lora if rows is None else rows.contiguous(),
+                                 self.no_inputs if per_layer_inputs is None else per_layer_inputs.contiguous())
 
     def set_profiling(self, on: bool) -> None:
         """Time each part of the coming steps inside C++ (a clock read between parts), or stop."""

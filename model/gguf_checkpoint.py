@@ -102,6 +102,8 @@ GEMMA4_LAYER_NAMES = {
     "post_ffw_norm_1": "post_feedforward_layernorm_1",
     "post_ffw_norm_2": "post_feedforward_layernorm_2",
 }
+# Gemma 4's per-layer embedding's gate and projection: linears of each layer beside the projections.
+GEMMA4_LINEAR_PARTS = frozenset({"inp_gate", "proj"})
 # Gemma 4's router scales, by (llama.cpp part, kind): the parameters' own names.
 GEMMA4_ROUTER_SCALES = {("ffn_gate_inp", "scale"): "router.scale", ("ffn_down_exps", "scale"): "router.per_expert_scale"}
 LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)")
@@ -114,8 +116,9 @@ def linear_gguf_names(types: dict[str, str]) -> list[str]:
     """The file's tensors that become linear layers: the projections, and the LM head (the token
     embedding when the file ties them)."""
     projections = {**LAYER_NAMES, **PHI3_FUSED_NAMES}
+    linear = {part for part, name in projections.items() if name.endswith("_proj")} | GEMMA4_LINEAR_PARTS
     names = [name for name in types if (match := LAYER_PATTERN.fullmatch(name)) and match.group(3) == "weight"
-             and match.group(2) in projections and projections[match.group(2)].endswith("_proj")]
+             and match.group(2) in linear]
     return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
 
 

@@ -89,7 +89,8 @@ class Attention(nn.Module):
         if not self.kv_outputs:  # the source layer's keys and values, already normed and rotated
             q = self.q_norm(qkv)[0] if self.q_norm is not None else qkv
             k, v = shared_kv[self.kv_source]
-            q = rotate_ref(q, cos, sin)
+            # the queries alone through the model's rotation (a view of no heads as its keys)
+            q = self.ops.apply_rotary(q, q[:, :0], cos, sin)[0] if self.ops.name == "cpu" else rotate_ref(q, cos, sin)
             # Writing the source's keys and values again into the cache they share leaves it as it was.
             out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)
             return self.o_proj(out.reshape(-1, self.q_size))
@@ -102,8 +103,7 @@ class Attention(nn.Module):
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         if self.value_norm_eps is not None:  # Gemma 4: each value head RMS-normalised, without a weight
-            v32 = v.float()
-            v = (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).to(v.dtype)
+            v = self.ops.rms_norm(v, torch.ones(self.head_dim, dtype=v.dtype, device=v.device), self.value_norm_eps)
         if self.rotates:
             q, k = self.ops.apply_rotary(q, k, cos, sin)
         if shared_kv is not None:
@@ -339,7 +339,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                 local = cos, sin
             else:
                 local = rotary_cos_sin_ref(positions, self.local_inv_freq)
-            return self.cpu_step(x, cos, sin, *local, kv_caches, plan)
+            per_layer = self.per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
+            return self.cpu_step(x, cos, sin, *local, kv_caches, plan, per_layer)
         residual = None
         if self.config.layers_alike:
             if self.local_attention is None:

@@ -7,10 +7,12 @@
 // Each part runs the same function as its custom op (cpu_kernels.h), in the order the eager module
 // (model/llama.py) calls them, so the hidden states equal the eager model's bit for bit
 // (tests/model/test_cpu_step.py), and they keep its batch invariance: every row is computed alone. The
-// layouts it covers: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 (q/k norms, sandwich
-// norms, GeGLU, sliding-window layers with their own rotary tables and KV blocks beside full ones), each
-// linear W4A8 (a GGUF's blocks) or W8A8, with or without LoRA slots (set_lora: a row's adapter added to the
-// linear's output by lora_add_rows, as the eager LoRALinear adds it).
+// layouts it covers: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 3 (q/k norms, sandwich
+// norms, GeGLU, sliding-window layers with their own rotary tables and KV blocks beside full ones) and Gemma 4
+// (each layer its own head size and KV heads, values from the keys' projection, normed values, layers that
+// read an earlier layer's cache, per-layer embeddings gated into each layer's output, a scale on the whole
+// stream), each linear W4A8 (a GGUF's blocks) or W8A8, with or without LoRA slots (set_lora: a row's adapter
+// added to the linear's output by lora_add_rows, as the eager LoRALinear adds it).
 //
 // DecoderStep(tensors, ints, eps), built once per model (model/cpu_step.py):
 //   tensors: per layer kTensorsPerLayer, in order: input_layernorm, post_attention_layernorm,
@@ -20,15 +22,21 @@
 //            tensor. Then the final norm [hidden].
 //            A mixture-of-experts layer (kind 2 for gate_up and down) puts its experts' W4A8 stacks there:
 //            gate_up (w13 codes, w13 scales, the float32 router [E, hidden], -), down (w2 codes, w2 scales, -, -).
-//   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), then per layer: windowed (1:
-//            the layer reads the local tables and rotates by the local cos/sin), per linear kind (0 W4A8,
-//            1 W8A8, 2 a MoE layer's experts) and zero (W4A8's implied offset), then top_k and renormalize
-//            (a MoE layer's; 0 else).
-// forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2], kv_caches (one [2, blocks,
-//   block_size, kv_heads, head_dim] per layer, all float32, all bfloat16 or all float16: keys and values
-//   are rounded to the cache's type as they are written, as torch's conversion rounds them), slot_mapping [T],
-//   block_tables [T, max_blocks], seq_lens [T] and the same three for the windowed layers, scale, window,
-//   lora_slots ([T] int64, each row's LoRA slot or -1; empty: no adapter this step)) -> final hidden [T, hidden].
+//            Then Gemma 4's: layer_scalar [1], the per-layer embedding's gate [P, hidden] and projection
+//            [hidden, P] (four tensors each, as above) and its norm [hidden] (empty all: not Gemma 4).
+//   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), P (Gemma 4's per-layer embedding
+//            size; 0: none), then per layer: windowed (1: the layer reads the local tables and rotates by the
+//            local cos/sin), per linear kind (0 W4A8, 1 W8A8, 2 a MoE layer's experts) and zero (W4A8's
+//            implied offset), then top_k and renormalize (a MoE layer's; 0 else), then the layer's head_dim,
+//            kv_heads, intermediate, projections (2: q/k/v; 1: q/k, values the keys' projection; 0: q only, the
+//            layer reads layer `source`'s cache, written by that layer), source, value_norm (1: values
+//            RMS-normalised without a weight), and the kinds and zeros of the per-layer gate and projection.
+// forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2] (of the full and windowed layers'
+//   head sizes), kv_caches (one [2, blocks, block_size, kv_heads, head_dim] per layer, all float32, all
+//   bfloat16 or all float16: keys and values are rounded to the cache's type as they are written, as torch's
+//   conversion rounds them), slot_mapping [T], block_tables [T, max_blocks], seq_lens [T] and the same three
+//   for the windowed layers, scale, window, lora_slots ([T] int64, each row's LoRA slot or -1; empty: no
+//   adapter this step), per_layer_inputs ([T, layers, P] float32; empty without)) -> final hidden [T, hidden].
 //   Each row is a decode row: token t sees seq_lens[t] keys, its own included; a windowed layer the last
 //   `window` of them.
 #include <ATen/ATen.h>
@@ -46,8 +54,9 @@
 namespace ladder {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 22;
-constexpr int64_t kIntsPerLayer = 11;
+constexpr int64_t kTensorsPerLayer = 32;
+constexpr int64_t kIntsPerLayer = 21;
+constexpr int64_t kHeaderInts = 7;
 
 // The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
 enum Part { kNorms, kQkv, kRotary, kAttention, kO, kGateUp, kAct, kDown, kExperts, kParts };
@@ -124,6 +133,13 @@ struct Layer {
   bool windowed = false;
   bool moe = false;  // the MLP is `experts`, not gate_up and down
   Experts experts;
+  // Gemma 4 (the model's defaults else): this layer's attention shape and MLP width, what its qkv linear
+  // projects (2: q/k/v, 1: q/k with values from the keys, 0: q alone over layer `source`'s cache), the values'
+  // norm, the scale on its output, and its per-layer embedding's gate, projection and norm.
+  int64_t head_dim = 0, kv_heads = 0, inter = 0, projections = 2, source = 0;
+  bool value_norm = false;
+  at::Tensor scalar, ple_norm;
+  Linear ple_gate, ple_proj;
 };
 
 Experts make_experts(const std::vector<at::Tensor>& t, int64_t at, const int64_t* z, int64_t hidden) {
@@ -153,14 +169,15 @@ void rows(int64_t T, int64_t width, const Fn& fn) {
 }
 
 // Writes T rows' keys and values (float32, row t's at qkv + t * QKV + QS and + QS + KS, KS floats each) into
-// their slots of a cache of element type C, then runs the decode attention of the rows over it.
+// their slots of a cache of element type C (unless `write` is false: a layer reading another's cache), then runs
+// the decode attention of the rows over it.
 template <typename C>
 void write_and_attend(const at::Tensor& cache, const float* qkv, int64_t T, int64_t QS, int64_t KS, int64_t QKV,
                       const int64_t* slots, const at::Tensor& tables, const at::Tensor& lens, int64_t H, int64_t KVH,
-                      int64_t D, float scale, int64_t window, float* out) {
+                      int64_t D, float scale, int64_t window, float* out, bool write = true) {
   C* kc = cache.data_ptr<C>();
   C* vc = kc + cache.size(1) * cache.size(2) * KS;
-  for (int64_t t = 0; t < T; ++t) {  // std::copy converts: c10's float -> 16-bit rounds to nearest even
+  for (int64_t t = 0; write && t < T; ++t) {  // std::copy converts: c10's float -> 16-bit rounds to nearest even
     const float* row = qkv + t * QKV;
     std::copy(row + QS, row + QS + KS, kc + slots[t] * KS);
     std::copy(row + QS + KS, row + QKV, vc + slots[t] * KS);
@@ -184,15 +201,15 @@ struct Tables {
 class DecoderStep : public torch::CustomClassHolder {
  public:
   DecoderStep(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, double eps) : eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(ints.size() >= 6, "DecoderStep: ints = hidden, heads, kv_heads, head_dim, intermediate, gelu, ...");
+    TORCH_CHECK(ints.size() >= kHeaderInts,
+                "DecoderStep: ints = hidden, heads, kv_heads, head_dim, intermediate, gelu, P, ...");
     hidden_ = ints[0], heads_ = ints[1], kv_heads_ = ints[2], head_dim_ = ints[3], inter_ = ints[4];
-    gelu_ = ints[5] != 0;
+    gelu_ = ints[5] != 0, ple_ = ints[6];
     const int64_t layers = static_cast<int64_t>(tensors.size() - 1) / kTensorsPerLayer;
     TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kTensorsPerLayer + 1 &&
-                static_cast<int64_t>(ints.size()) == 6 + kIntsPerLayer * layers, "DecoderStep: ", layers,
-                " layers need ", layers * kTensorsPerLayer + 1, " tensors and ", 6 + kIntsPerLayer * layers, " ints");
-    TORCH_CHECK(heads_ % kv_heads_ == 0 && head_dim_ % 2 == 0, "DecoderStep: heads a multiple of kv_heads, even head_dim");
-    const int64_t q = heads_ * head_dim_, qkv = q + 2 * kv_heads_ * head_dim_;
+                static_cast<int64_t>(ints.size()) == kHeaderInts + kIntsPerLayer * layers, "DecoderStep: ", layers,
+                " layers need ", layers * kTensorsPerLayer + 1, " tensors and ", kHeaderInts + kIntsPerLayer * layers,
+                " ints");
     auto norm = [&](const at::Tensor& w, int64_t size, bool required) {
       if (!required && w.numel() == 0) return at::Tensor();
       TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == size, "DecoderStep: float32 norm weights [", size, "]");
@@ -201,46 +218,68 @@ class DecoderStep : public torch::CustomClassHolder {
     for (int64_t i = 0; i < layers; ++i) {
       const auto& t = tensors;
       const int64_t at = i * kTensorsPerLayer;
-      const int64_t* z = ints.data() + 6 + kIntsPerLayer * i;
+      const int64_t* z = ints.data() + kHeaderInts + kIntsPerLayer * i;
+      const int64_t D = z[11], KVH = z[12], I = z[13], projections = z[14];
+      TORCH_CHECK(D > 0 && D % 2 == 0 && KVH > 0 && heads_ % KVH == 0 && I > 0 && projections >= 0 &&
+                  projections <= 2 && z[15] >= 0 && z[15] <= i && (projections == 0) == (z[15] != i),
+                  "DecoderStep: layer ", i, ": heads a multiple of kv_heads, even head_dim, a source layer before it");
+      const int64_t q = heads_ * D, kv = KVH * D;
       Layer layer{norm(t[at], hidden_, true), norm(t[at + 1], hidden_, true), norm(t[at + 2], hidden_, false),
-                  norm(t[at + 3], hidden_, false), norm(t[at + 4], head_dim_, false), norm(t[at + 5], head_dim_, false),
-                  make_linear(t, at + 6, z[1], z[2], qkv, hidden_), make_linear(t, at + 10, z[3], z[4], hidden_, q),
-                  Linear{}, Linear{}, z[0] != 0};
+                  norm(t[at + 3], hidden_, false), norm(t[at + 4], D, false), norm(t[at + 5], D, false),
+                  make_linear(t, at + 6, z[1], z[2], q + projections * kv, hidden_),
+                  make_linear(t, at + 10, z[3], z[4], hidden_, q), Linear{}, Linear{}, z[0] != 0};
       layer.moe = z[5] == 2;
       TORCH_CHECK(layer.moe == (z[7] == 2), "DecoderStep: a MoE layer's gate_up and down are both kind 2");
       if (layer.moe) {
         layer.experts = make_experts(t, at + 14, z, hidden_);
       } else {
-        layer.gate_up = make_linear(t, at + 14, z[5], z[6], 2 * inter_, hidden_);
-        layer.down = make_linear(t, at + 18, z[7], z[8], hidden_, inter_);
+        layer.gate_up = make_linear(t, at + 14, z[5], z[6], 2 * I, hidden_);
+        layer.down = make_linear(t, at + 18, z[7], z[8], hidden_, I);
+      }
+      layer.head_dim = D, layer.kv_heads = KVH, layer.inter = I, layer.projections = projections;
+      layer.source = z[15], layer.value_norm = z[16] != 0;
+      layer.scalar = norm(t[at + 22], 1, false);
+      if (ple_) {
+        layer.ple_gate = make_linear(t, at + 23, z[17], z[18], ple_, hidden_);
+        layer.ple_proj = make_linear(t, at + 27, z[19], z[20], hidden_, ple_);
+        layer.ple_norm = norm(t[at + 31], hidden_, true);
       }
       TORCH_CHECK(layer.pre_feedforward_norm.defined() == layer.post_feedforward_norm.defined() &&
-                  layer.q_norm.defined() == layer.k_norm.defined(), "DecoderStep: sandwich norms and q/k norms in pairs");
+                  (!layer.k_norm.defined() || layer.q_norm.defined()) && (!ple_ || layer.scalar.defined()),
+                  "DecoderStep: sandwich norms in pairs, a k norm beside a q norm, per-layer inputs with a scalar");
+      max_qs_ = std::max(max_qs_, q), max_qkv_ = std::max(max_qkv_, q + 2 * kv), max_i_ = std::max(max_i_, I);
+      max_d_ = std::max(max_d_, D);
       layers_.push_back(std::move(layer));
     }
     final_norm_ = norm(tensors.back(), hidden_, true);
+    ones_.assign(max_d_, 1.f);
   }
 
   at::Tensor forward(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                      const at::Tensor& local_cos_in, const at::Tensor& local_sin_in,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots, const at::Tensor& tables,
                      const at::Tensor& lens, const at::Tensor& local_slots, const at::Tensor& local_tables,
-                     const at::Tensor& local_lens, double scale, int64_t window, const at::Tensor& lora_slots) {
-    const int64_t H = hidden_, D = head_dim_, half = D / 2, QS = heads_ * D, KS = kv_heads_ * D;
-    const int64_t QKV = QS + 2 * KS, I = inter_;
+                     const at::Tensor& local_lens, double scale, int64_t window, const at::Tensor& lora_slots,
+                     const at::Tensor& per_layer_inputs) {
+    const int64_t H = hidden_;
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                 "DecoderStep: x [T, ", H, "] float32 on the CPU");
     const int64_t T = x_in.size(0);
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "DecoderStep: one KV cache per layer");
+    const int64_t L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == L, "DecoderStep: one KV cache per layer");
     const auto cache_type = kv_caches.empty() ? at::kFloat : kv_caches[0].scalar_type();
     TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf,
                 "DecoderStep: a float32, bfloat16 or float16 KV cache");
     const auto x = x_in.contiguous();
+    // The rotations' widths: the full layers' head size and the windowed ones' (Gemma 4's differ).
+    int64_t full_half = 0, local_half = 0;
+    for (const auto& layer : layers_) (layer.windowed ? local_half : full_half) = layer.head_dim / 2;
     std::vector<at::Tensor> rotary;
     for (const auto* c : {&cos_in, &sin_in, &local_cos_in, &local_sin_in}) {
       rotary.push_back(c->contiguous());
-      TORCH_CHECK(rotary.back().scalar_type() == at::kFloat && rotary.back().numel() == T * half,
-                  "DecoderStep: cos, sin [T, head_dim / 2] float32");
+      const int64_t half = rotary.size() <= 2 ? full_half : local_half;
+      TORCH_CHECK(rotary.back().scalar_type() == at::kFloat && (half == 0 || rotary.back().numel() == T * half),
+                  "DecoderStep: cos, sin [T, head_dim / 2] float32 of each kind of layer");
     }
     const Tables full(slots, tables, lens, T), local(local_slots, local_tables, local_lens, T);
     const int64_t* lora_rows = nullptr;  // each row's LoRA slot (-1: none), or no LoRA this step
@@ -249,28 +288,41 @@ class DecoderStep : public torch::CustomClassHolder {
                   lora_slots.is_contiguous(), "DecoderStep: lora_slots [T] int64 contiguous");
       lora_rows = lora_slots.data_ptr<int64_t>();
     }
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    const float* ple = nullptr;  // [T, L, P]
+    if (ple_) {
+      TORCH_CHECK(per_layer_inputs.scalar_type() == at::kFloat && per_layer_inputs.is_contiguous() &&
+                  per_layer_inputs.numel() == T * L * ple_, "DecoderStep: per_layer_inputs [T, ", L, ", ", ple_,
+                  "] float32 contiguous");
+      ple = per_layer_inputs.data_ptr<float>();
+    }
+    for (int64_t i = 0; i < L; ++i) {
       const auto& c = kv_caches[i];
-      TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == kv_heads_ && c.size(4) == D &&
-                  c.scalar_type() == cache_type && c.is_contiguous(), "DecoderStep: kv caches [2, blocks, block_size, ",
-                  kv_heads_, ", ", D, "] contiguous, all of one dtype");
-      const int64_t* sp = (layers_[i].windowed ? local : full).slots.data_ptr<int64_t>();
+      const Layer& layer = layers_[i];
+      TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == layer.kv_heads && c.size(4) == layer.head_dim &&
+                  c.scalar_type() == cache_type && c.is_contiguous(), "DecoderStep: layer ", i, "'s kv cache [2, "
+                  "blocks, block_size, ", layer.kv_heads, ", ", layer.head_dim, "] contiguous, all of one dtype");
+      TORCH_CHECK(layer.projections || c.data_ptr() == kv_caches[layer.source].data_ptr(),
+                  "DecoderStep: layer ", i, " reads layer ", layer.source, "'s cache: the same tensor");
+      const int64_t* sp = (layer.windowed ? local : full).slots.data_ptr<int64_t>();
       for (int64_t t = 0; t < T; ++t)
         TORCH_CHECK(sp[t] >= 0 && sp[t] < c.size(1) * c.size(2), "DecoderStep: slot ", sp[t], " outside layer ", i,
                     "'s cache");
-      TORCH_CHECK(layers_[i].input_norm.scalar_type() == at::kFloat, "DecoderStep: the model's norms are no longer float32");
+      TORCH_CHECK(layer.input_norm.scalar_type() == at::kFloat, "DecoderStep: the model's norms are no longer float32");
     }
 
     residual_.resize(T * H), h_.resize(T * H), y_.resize(T * H);
-    qkv_.resize(T * QKV), attn_.resize(T * QS), gate_up_.resize(T * 2 * I), act_.resize(T * I);
+    qkv_.resize(T * max_qkv_), attn_.resize(T * max_qs_), gate_up_.resize(T * 2 * max_i_), act_.resize(T * max_i_);
+    if (ple_) ple_gate_.resize(T * 2 * ple_), ple_act_.resize(T * ple_);
     float* res = residual_.data();
     float* h = h_.data();
     float* y = y_.data();  // a sublayer's output, before it joins the residual stream
     float* qkv = qkv_.data();
     auto data = [](const at::Tensor& t) { return t.data_ptr<float>(); };
     std::copy(x.data_ptr<float>(), x.data_ptr<float>() + T * H, y);  // the embeddings: layer 0's residual
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    for (int64_t i = 0; i < L; ++i) {
       const Layer& layer = layers_[i];
+      const int64_t D = layer.head_dim, half = D / 2, KVH = layer.kv_heads, QS = heads_ * D, KS = KVH * D;
+      const int64_t QKV = QS + 2 * KS, I = layer.inter, P = layer.projections;
       const Tables& plan = layer.windowed ? local : full;
       const float* cp = data(rotary[layer.windowed ? 2 : 0]);
       const float* snp = data(rotary[layer.windowed ? 3 : 1]);
@@ -284,34 +336,50 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       });
       clock.lap(kNorms);
-      layer.qkv.run(h, T, qkv, s4_, s8_, lora_rows, base_);
+      if (P == 2) {  // q | k | v rows, as the attention reads them
+        layer.qkv.run(h, T, qkv, s4_, s8_, lora_rows, base_);
+      } else {  // q | k (values: the keys' projection, copied before the keys' norm) or q alone
+        projected_.resize(T * (QS + P * KS));
+        layer.qkv.run(h, T, projected_.data(), s4_, s8_, lora_rows, base_);
+        for (int64_t t = 0; t < T; ++t) {
+          const float* src = projected_.data() + t * (QS + P * KS);
+          std::copy(src, src + QS + P * KS, qkv + t * QKV);
+          if (P == 1) std::copy(src + QS, src + QS + KS, qkv + t * QKV + QS + KS);
+        }
+      }
       clock.lap(kQkv);
-      if (layer.q_norm.defined()) {  // each head normalised before its rotation, in place
-        rows(T, QS + KS, [&](int64_t t) {
+      if (layer.q_norm.defined() || layer.value_norm) {  // each head normalised before its rotation, in place
+        rows(T, QS + 2 * KS, [&](int64_t t) {
           float* row = qkv + t * QKV;
-          for (int64_t j = 0; j < heads_; ++j) rms_norm_row(row + j * D, data(layer.q_norm), eps_, D, row + j * D);
-          for (int64_t j = 0; j < kv_heads_; ++j)
-            rms_norm_row(row + QS + j * D, data(layer.k_norm), eps_, D, row + QS + j * D);
+          if (layer.q_norm.defined())
+            for (int64_t j = 0; j < heads_; ++j) rms_norm_row(row + j * D, data(layer.q_norm), eps_, D, row + j * D);
+          if (layer.k_norm.defined() && P)
+            for (int64_t j = 0; j < KVH; ++j)
+              rms_norm_row(row + QS + j * D, data(layer.k_norm), eps_, D, row + QS + j * D);
+          if (layer.value_norm && P)
+            for (int64_t j = 0; j < KVH; ++j)
+              rms_norm_row(row + QS + KS + j * D, ones_.data(), eps_, D, row + QS + KS + j * D);
         });
         clock.lap(kNorms);
       }
       rows(T, QS + KS, [&](int64_t t) {
         rotate_rows(qkv + t * QKV, 1, heads_, QKV, D, cp + t * half, snp + t * half, half);
-        rotate_rows(qkv + t * QKV + QS, 1, kv_heads_, QKV, D, cp + t * half, snp + t * half, half);
+        if (P) rotate_rows(qkv + t * QKV + QS, 1, KVH, QKV, D, cp + t * half, snp + t * half, half);
       });
       clock.lap(kRotary);
       const int64_t* sp = plan.slots.data_ptr<int64_t>();
       const float sc = static_cast<float>(scale);
       const int64_t w = layer.windowed ? window : 0;
+      const at::Tensor& cache = kv_caches[i];  // a layer without keys of its own reads its source's (the same)
       if (cache_type == at::kFloat)
-        write_and_attend<float>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, kv_heads_, D,
-                                sc, w, attn_.data());
+        write_and_attend<float>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc, w,
+                                attn_.data(), P != 0);
       else if (cache_type == at::kBFloat16)
-        write_and_attend<c10::BFloat16>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_,
-                                        kv_heads_, D, sc, w, attn_.data());
+        write_and_attend<c10::BFloat16>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc,
+                                        w, attn_.data(), P != 0);
       else
-        write_and_attend<c10::Half>(kv_caches[i], qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, kv_heads_,
-                                    D, sc, w, attn_.data());
+        write_and_attend<c10::Half>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc, w,
+                                    attn_.data(), P != 0);
       clock.lap(kAttention);
       layer.o.run(attn_.data(), T, y, s4_, s8_, lora_rows, base_);
       clock.lap(kO);
@@ -341,6 +409,10 @@ class DecoderStep : public torch::CustomClassHolder {
         rows(T, H, [&](int64_t t) { rms_norm_row(y + t * H, data(layer.post_feedforward_norm), eps_, H, y + t * H); });
         clock.lap(kNorms);
       }
+      if (layer.scalar.defined()) {  // Gemma 4: the stream made whole here, its per-layer input added, scaled
+        gemma4_tail(layer, i, T, ple, res, y);
+        clock.lap(kNorms);
+      }
     }
     Clock clock(profiling_ ? profile_.data() : nullptr);
     auto out = at::empty({T, H}, x.options());
@@ -350,6 +422,32 @@ class DecoderStep : public torch::CustomClassHolder {
     });
     clock.lap(kNorms);
     return out;
+  }
+
+  // The end of a Gemma 4 layer, as model/llama.py's DecoderLayer ends it: res = res + y; with per-layer inputs
+  // res += norm(proj(gelu_tanh(gate(res)) * input)); res *= the layer's scalar; y = 0 (the next layer's
+  // residual add then adds nothing: its norm sees res exactly).
+  void gemma4_tail(const Layer& layer, int64_t i, int64_t T, const float* ple, float* res, float* y) {
+    const int64_t H = hidden_, L = static_cast<int64_t>(layers_.size());
+    for (int64_t j = 0; j < T * H; ++j) res[j] = res[j] + y[j];
+    if (ple) {
+      // [gate | input] rows for the gated activation, as the eager layer concatenates them
+      layer.ple_gate.run(res, T, ple_act_.data(), s4_, s8_, nullptr, base_);
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy(ple_act_.data() + t * ple_, ple_act_.data() + (t + 1) * ple_, ple_gate_.data() + t * 2 * ple_);
+        const float* input = ple + (t * L + i) * ple_;
+        std::copy(input, input + ple_, ple_gate_.data() + t * 2 * ple_ + ple_);
+      }
+      gelu_tanh_and_mul_rows(ple_gate_.data(), T, ple_, ple_act_.data());
+      layer.ple_proj.run(ple_act_.data(), T, y, s4_, s8_, nullptr, base_);
+      rows(T, H, [&](int64_t t) {
+        rms_norm_row(y + t * H, layer.ple_norm.data_ptr<float>(), eps_, H, y + t * H);
+        for (int64_t d = 0; d < H; ++d) res[t * H + d] = res[t * H + d] + y[t * H + d];
+      });
+    }
+    const float scalar = layer.scalar.data_ptr<float>()[0];
+    for (int64_t j = 0; j < T * H; ++j) res[j] = res[j] * scalar;
+    std::fill(y, y + T * H, 0.f);
   }
 
   // y [T, H] = the MoE block of rows h [T, H]: the router and the routing by the ATen calls the eager block
@@ -414,12 +512,15 @@ class DecoderStep : public torch::CustomClassHolder {
   };
 
   float eps_;
-  int64_t hidden_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0;
+  int64_t hidden_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, ple_ = 0;
+  int64_t max_qs_ = 0, max_qkv_ = 0, max_i_ = 0, max_d_ = 0;  // the widest layer's, for the buffers
   bool gelu_ = false;
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
+  std::vector<float> ones_;  // a weight of ones: the values' norm has none
   // Kept from step to step (one step at a time per model: the engine's loop).
   std::vector<float> residual_, h_, y_, qkv_, attn_, gate_up_, act_, base_;  // base_: a linear's output before LoRA
+  std::vector<float> projected_, ple_gate_, ple_act_;  // Gemma 4: a q/k projection, the per-layer gate and output
   W4A8Scratch s4_;
   W8A8Scratch s8_;
   bool profiling_ = false;

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import k_quant_model, make_hf_model, write_gguf
 
 import model
 from engine.llm import LLM
@@ -16,7 +17,6 @@ from model.cpu_step import step_support
 from model.lora import TARGETS, LoRAAdapter, LoRAWeight, target_shape
 from model.lora_slots import LoRASlots
 from model.sequences import Sequences
-from tiny_models import k_quant_model, make_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels do not build here")
 
@@ -102,6 +102,23 @@ def test_tiny_w4a8_models_equal_the_eager_layers(tmp_path, family, qtype):
     _assert_same(module, TURNS, max_len=64)
 
 
+def test_a_gemma4_file_in_w4a8_equals_the_eager_layers(tmp_path):
+    """Gemma 4's small shape from a Q4_0 file: its per-layer embedding's gate and projection W4A8 too, every
+    linear in the step."""
+    import transformers
+    from tiny_models import hf_config
+
+    cfg = hf_config("gemma4_e", hidden_size=256, intermediate_size=512, head_dim=64, global_head_dim=128,
+                    hidden_size_per_layer_input=64)
+    torch.manual_seed(0)
+    write_gguf(transformers.AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "m.gguf", "Q4_0", "gemma4")
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    assert type(module.layers[0].per_layer_projection).__name__ == "W4A8Linear"
+    long_turns = [[list(range(3, 40)), [7, 7, 8]]] + [[[t], [t + 1]] for t in range(50, 56)]
+    _assert_same(module, TURNS, max_len=64)
+    _assert_same(module, long_turns, max_len=64)
+
+
 def test_a_k_quant_mix_equals_the_eager_layers(tmp_path):
     """6-bit codes with their sub-scales in the step: a Q4_K_M-like file's Q6_K v fused beside Q4_K q and k
     (6-bit with d and m), its Q6_K down and LM head (6-bit with d alone)."""
@@ -129,11 +146,13 @@ def test_w4a8_experts_equal_the_eager_layers(tmp_path, family, arch, qtype):
     module.layers[0].mlp.expert_offset = 0
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gemma4_e", "qwen3", "smollm3", "phi3"])
 def test_tiny_w8a8_models_equal_the_eager_layers(tiny_hf_dir, family):
     """W8A8 linears; Qwen3's q/k norms; Gemma 3's sandwich norms, q/k norms, GeGLU, scaled embedding and a
-    16-token window on its first layer (its own rotary base) beside a full layer; SmolLM3's fourth layer
-    without rotary embeddings (NoPE); Phi-3's rotation of part of each head, LongRoPE-scaled."""
+    16-token window on its first layer (its own rotary base) beside a full layer; Gemma 4's full-attention
+    layers with heads of their own size, one KV head whose values are its keys, normed values and a scaled
+    stream, and its small models' per-layer embeddings and layers reading the first two's caches; SmolLM3's
+    fourth layer without rotary embeddings (NoPE); Phi-3's rotation of part of each head, LongRoPE-scaled."""
     module = model.load(tiny_hf_dir(family), quantization="w8a8").module
     long_turns = [[list(range(3, 40)), [7, 7, 8]]] + [[[t], [t + 1]] for t in range(50, 56)]
     _assert_same(module, TURNS, max_len=64)
@@ -235,8 +254,11 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
     slots, tables, lens = torch.tensor([10**9]), torch.zeros(1, 2, dtype=torch.long), torch.tensor([1])
     no_lora = torch.empty(0, dtype=torch.long)
 
+    no_inputs = torch.empty(0)  # no per-layer inputs (Gemma 4's)
+
     def forward(x, caches, slots, lora=no_lora):
-        return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0, lora)
+        return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0, lora,
+                            no_inputs)
 
     with pytest.raises(RuntimeError, match="slot 1000000000 outside layer 0's cache"):
         forward(x, seqs.kv_caches, slots)
