@@ -9,13 +9,16 @@ It runs the same kernel functions as the eager ops, in the eager order, so its h
 eager model's bit for bit (tests/model/test_cpu_step.py); the eager module stays the definition and runs
 whenever the step cannot. `step_support(model)` says why a model cannot (None: it can). The step covers
 the decoders `ladder serve` runs on a CPU by default: float32 activations; W4A8 (a GGUF's blocks) or W8A8
-linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, and Gemma 3's (q/k norms,
-sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables); LoRA slots on the
+linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, Gemma 3's (q/k norms,
+sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables) and Gemma 4's dense ones
+(each layer's own head size and KV heads, values from the keys, normed values, layers reading an earlier
+layer's cache, per-layer embeddings, the scaled stream: their per-layer inputs are computed in Python and
+passed in); LoRA slots on the
 linears (model/lora_slots.py: each row's adapter added after its linear, as the eager wrapper adds it, from
 the wrapper's own tensors, so an adapter loaded into a slot later is read); mixtures of experts whose
 experts are W4A8 (the router and routing through ATen's own calls, as the eager block makes them). Not
-covered: float or weight-only int8 linears and experts, a rank's part of the experts, any other wrapper or
-hook (tensor-parallel all-reduces). Per step it takes a float32, bfloat16 or float16 cache
+covered: float or weight-only int8 linears and experts, a rank's part of the experts, Gemma 4's experts beside
+its MLPs, any other wrapper or hook (tensor-parallel all-reduces). Per step it takes a float32, bfloat16 or float16 cache
 (`--kv-cache-dtype`) and plans whose every token is a kernel row (`CpuAttentionPlan` without a gathered
 part: chunks up to 1,024 tokens).
 
