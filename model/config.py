@@ -36,6 +36,13 @@ GEMMA3_TEXT_DEFAULTS = {
     "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
 }
+# Gemma4TextConfig's defaults, for a config.json that leaves fields out (transformers fills them so).
+GEMMA4_TEXT_DEFAULTS = {
+    "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131_072, "sliding_window": 512, "tie_word_embeddings": True, "bos_token_id": 2,
+    "eos_token_id": 1, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+}
 # What a layer's `layer_types` entry may be (Hugging Face's names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -313,6 +320,8 @@ class ModelConfig:
             return cls.from_hf({"model_type": "llama", **text})
         if model_type == "gemma3_text":  # hub configs leave out the fields that keep their defaults
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if model_type == "gemma4_text":
+            cfg = {**GEMMA4_TEXT_DEFAULTS, **cfg}
         arch = HF_MODEL_TYPES.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -480,7 +489,7 @@ def _gemma4_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
         "value_norm": True,
         "layer_scalars": True,
         "per_layer_input_size": per_layer,
-        "per_layer_vocab_size": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if per_layer else 0,
+        "per_layer_vocab_size": int(cfg["vocab_size_per_layer_input"]) if per_layer else 0,
         "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
         "double_wide_shared_mlp": bool(cfg.get("use_double_wide_mlp", False)),
         **experts,
