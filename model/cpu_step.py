@@ -17,8 +17,9 @@ passed in); LoRA slots on the
 linears (model/lora_slots.py: each row's adapter added after its linear, as the eager wrapper adds it, from
 the wrapper's own tensors, so an adapter loaded into a slot later is read); mixtures of experts whose
 experts are W4A8 (the router and routing through ATen's own calls, as the eager block makes them). Not
-covered: float or weight-only int8 linears and experts, a rank's part of the experts, Gemma 4's experts beside
-its MLPs, any other wrapper or hook (tensor-parallel all-reduces). Per step it takes a float32, bfloat16 or float16 cache
+covered: float or weight-only int8 linears and experts, a rank's part of the experts, any other wrapper or
+hook (tensor-parallel all-reduces). Gemma 4's experts beside its MLPs (26B-A4B) run in it when they are W4A8,
+their router through the ATen calls the eager router makes. Per step it takes a float32, bfloat16 or float16 cache
 (`--kv-cache-dtype`) and plans whose every token is a kernel row (`CpuAttentionPlan` without a gathered
 part: chunks up to 1,024 tokens).
 
@@ -39,7 +40,7 @@ from torch.nn.modules import module as nn_module
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
 from model.lora_slots import LoRALinear, LoRASlots
-from model.moe import W4A8SparseMoeBlock
+from model.moe import W4A8Gemma4Experts, W4A8SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
 from model.quantization import W8A8Linear
 from model.w4a8_linear import W4A8Linear
@@ -71,7 +72,9 @@ def _norms(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
     extra = [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if model.config.sandwich_norms else []
     qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     ple = [layer.post_per_layer_input_norm] if layer.post_per_layer_input_norm is not None else []
-    return [layer.input_layernorm, layer.post_attention_layernorm, *extra, *qk, *ple]
+    beside = ([layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_1,
+               layer.post_feedforward_layernorm_2] if layer.experts is not None else [])
+    return [layer.input_layernorm, layer.post_attention_layernorm, *extra, *qk, *ple, *beside]
 
 
 def _base(linear: nn.Module) -> nn.Module:
@@ -98,8 +101,6 @@ def _linear_kind(linear: nn.Module) -> int | None:
 def step_support(model: nn.Module) -> str | None:
     """None if `model` (a LlamaForCausalLM) can run its layers as one C++ step, else why not, in words."""
     config = model.config
-    if config.experts_beside_mlp:
-        return "experts beside the MLP (Gemma 4 26B-A4B)"
     if cpu_extension.load() is None or not hasattr(torch.classes.ladder_cpu, "DecoderStep"):
         return "the C++ CPU kernels are not built here"
     if model.ops.name != "cpu" or model.device.type != "cpu":
@@ -127,6 +128,13 @@ def step_support(model: nn.Module) -> str | None:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if layer.per_layer_input_gate is not None:  # Gemma 4's per-layer embedding's two linears
             linears = (*linears, layer.per_layer_input_gate, layer.per_layer_projection)
+        if layer.experts is not None:  # Gemma 4's experts beside the MLP: W4A8 ones, a float32 router
+            router = layer.router
+            floats = (router.proj.weight, router.scale, router.per_expert_scale)
+            if type(layer.experts) is not W4A8Gemma4Experts or type(router.proj) is not nn.Linear \
+                    or any(t.dtype != torch.float32 for t in floats) \
+                    or _hooked(router) or _hooked(router.proj) or _hooked(layer.experts):
+                return f"layer {i}: experts beside the MLP that are not W4A8, or a router other than float32"
         for linear in linears:
             if _linear_kind(_base(linear)) is None:
                 return f"layer {i}: a {type(_base(linear)).__name__} linear (the step takes W4A8 and W8A8 linears)"
@@ -210,6 +218,17 @@ class CpuDecoderStep:
                 tensors.append(layer.post_per_layer_input_norm.weight.detach())
             else:
                 tensors += [empty] * 9
+                ints += [0, 0, 0, 0]
+            if layer.experts is not None:  # Gemma 4's experts beside the MLP: router, stacks, three norms
+                router, experts = layer.router, layer.experts
+                tensors += [router.proj.weight.detach(), router.scale.detach(), router.per_expert_scale.detach(),
+                            experts.w13_codes, experts.w13_scales, experts.w2_codes, experts.w2_scales,
+                            layer.pre_feedforward_layernorm_2.weight.detach(),
+                            layer.post_feedforward_layernorm_1.weight.detach(),
+                            layer.post_feedforward_layernorm_2.weight.detach()]
+                ints += [1, router.top_k, experts.w13_zero, experts.w2_zero]
+            else:
+                tensors += [empty] * 10
                 ints += [0, 0, 0, 0]
         tensors.append(model.norm.weight.detach())
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)

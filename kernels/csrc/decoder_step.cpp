@@ -23,14 +23,18 @@
 //            A mixture-of-experts layer (kind 2 for gate_up and down) puts its experts' W4A8 stacks there:
 //            gate_up (w13 codes, w13 scales, the float32 router [E, hidden], -), down (w2 codes, w2 scales, -, -).
 //            Then Gemma 4's: layer_scalar [1], the per-layer embedding's gate [P, hidden] and projection
-//            [hidden, P] (four tensors each, as above) and its norm [hidden] (empty all: not Gemma 4).
+//            [hidden, P] (four tensors each, as above) and its norm [hidden]; then 26B-A4B's experts beside
+//            the MLP: the router's float32 proj [E, hidden], scale [hidden] and per-expert scale [E], the
+//            experts' W4A8 stacks (w13 codes, scales, w2 codes, scales) and the norms of their input, of the
+//            MLP's output and of theirs [hidden] (empty all: not Gemma 4, or not its experts).
 //   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), P (Gemma 4's per-layer embedding
 //            size; 0: none), then per layer: windowed (1: the layer reads the local tables and rotates by the
 //            local cos/sin), per linear kind (0 W4A8, 1 W8A8, 2 a MoE layer's experts) and zero (W4A8's
 //            implied offset), then top_k and renormalize (a MoE layer's; 0 else), then the layer's head_dim,
 //            kv_heads, intermediate, projections (2: q/k/v; 1: q/k, values the keys' projection; 0: q only, the
 //            layer reads layer `source`'s cache, written by that layer), source, value_norm (1: values
-//            RMS-normalised without a weight), and the kinds and zeros of the per-layer gate and projection.
+//            RMS-normalised without a weight), and the kinds and zeros of the per-layer gate and projection;
+//            then experts beside the MLP (1: Gemma 4's), their top_k and the w13 and w2 zeros.
 // forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2] (of the full and windowed layers'
 //   head sizes), kv_caches (one [2, blocks, block_size, kv_heads, head_dim] per layer, all float32, all
 //   bfloat16 or all float16: keys and values are rounded to the cache's type as they are written, as torch's
@@ -45,6 +49,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -54,8 +59,8 @@
 namespace ladder {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 32;
-constexpr int64_t kIntsPerLayer = 21;
+constexpr int64_t kTensorsPerLayer = 42;
+constexpr int64_t kIntsPerLayer = 25;
 constexpr int64_t kHeaderInts = 7;
 
 // The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
@@ -127,6 +132,14 @@ struct Experts {
   bool renormalize = false;
 };
 
+// Gemma 4's experts beside a dense MLP (26B-A4B): its router's tensors and the experts' W4A8 stacks.
+struct BesideExperts {
+  at::Tensor proj, scale, per_expert_scale, w13_codes, w13_scales, w2_codes, w2_scales;
+  at::Tensor input_norm, mlp_norm, experts_norm;  // pre_feedforward_layernorm_2, post_..._1, post_..._2
+  W4A8Stack w13{}, w2{};
+  int64_t top_k = 0;
+};
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm, q_norm, k_norm;
   Linear qkv, o, gate_up, down;
@@ -140,6 +153,8 @@ struct Layer {
   bool value_norm = false;
   at::Tensor scalar, ple_norm;
   Linear ple_gate, ple_proj;
+  bool beside = false;  // Gemma 4's experts beside the MLP
+  BesideExperts experts2;
 };
 
 Experts make_experts(const std::vector<at::Tensor>& t, int64_t at, const int64_t* z, int64_t hidden) {
@@ -243,6 +258,25 @@ class DecoderStep : public torch::CustomClassHolder {
         layer.ple_gate = make_linear(t, at + 23, z[17], z[18], ple_, hidden_);
         layer.ple_proj = make_linear(t, at + 27, z[19], z[20], hidden_, ple_);
         layer.ple_norm = norm(t[at + 31], hidden_, true);
+      }
+      layer.beside = z[21] != 0;
+      if (layer.beside) {
+        BesideExperts& x = layer.experts2;
+        x.proj = t[at + 32].contiguous(), x.scale = norm(t[at + 33], hidden_, true);
+        x.w13_codes = t[at + 35].contiguous(), x.w13_scales = t[at + 36].contiguous();
+        x.w2_codes = t[at + 37].contiguous(), x.w2_scales = t[at + 38].contiguous();
+        TORCH_CHECK(x.w2_codes.dim() == 4, "DecoderStep: w2 codes [E, NBLK, KB, CB] expected");
+        const int64_t inter = x.w2_codes.size(2) * 32;
+        x.w13 = w4a8_stack(x.w13_codes, x.w13_scales, 2 * inter, z[23], "DecoderStep: w13");
+        x.w2 = w4a8_stack(x.w2_codes, x.w2_scales, hidden_, z[24], "DecoderStep: w2");
+        x.per_expert_scale = norm(t[at + 34], x.w13.E, true);
+        TORCH_CHECK(x.w13.E == x.w2.E && x.w13.KB * 32 == hidden_ && x.proj.scalar_type() == at::kFloat &&
+                    x.proj.dim() == 2 && x.proj.size(0) == x.w13.E && x.proj.size(1) == hidden_,
+                    "DecoderStep: Gemma 4's router [E, hidden] float32 and expert stacks of its E");
+        x.input_norm = norm(t[at + 39], hidden_, true), x.mlp_norm = norm(t[at + 40], hidden_, true);
+        x.experts_norm = norm(t[at + 41], hidden_, true);
+        x.top_k = z[22];
+        TORCH_CHECK(x.top_k >= 1 && x.top_k <= x.w13.E, "DecoderStep: top_k in 1..E");
       }
       TORCH_CHECK(layer.pre_feedforward_norm.defined() == layer.post_feedforward_norm.defined() &&
                   (!layer.k_norm.defined() || layer.q_norm.defined()) && (!ple_ || layer.scalar.defined()),
@@ -405,6 +439,10 @@ class DecoderStep : public torch::CustomClassHolder {
         layer.down.run(act_.data(), T, y, s4_, s8_, lora_rows, base_);
         clock.lap(kDown);
       }
+      if (layer.beside) {  // Gemma 4's experts: y = mlp_norm(y) + experts_norm(experts(input_norm(res)))
+        run_beside_experts(layer.experts2, res, T, y);
+        clock.lap(kExperts);
+      }
       if (layer.post_feedforward_norm.defined()) {
         rows(T, H, [&](int64_t t) { rms_norm_row(y + t * H, data(layer.post_feedforward_norm), eps_, H, y + t * H); });
         clock.lap(kNorms);
@@ -422,6 +460,33 @@ class DecoderStep : public torch::CustomClassHolder {
     });
     clock.lap(kNorms);
     return out;
+  }
+
+  // Gemma 4's experts beside the MLP, as model/moe.py's Gemma4Router and W4A8Gemma4Experts and the eager layer
+  // compute them: the routing by the same ATen calls on a copy of the residual stream `res` (unit RMS in float32,
+  // times scale and hidden^-0.5, the router, softmax, top k, renormalised, times each expert's scale), the
+  // experts (GeGLU) on input_norm(res), and y = mlp_norm(y) + experts_norm(experts).
+  void run_beside_experts(const BesideExperts& x, const float* res, int64_t T, float* y) {
+    const int64_t H = hidden_;
+    auto stream = at::empty({T, H}, at::kFloat);
+    std::copy(res, res + T * H, stream.data_ptr<float>());
+    const auto normed = stream * at::rsqrt(stream.pow(2).mean(-1, true) + eps_);
+    const auto logits = at::linear(normed * x.scale * std::pow(static_cast<double>(H), -0.5), x.proj);
+    auto [weights, chosen] = at::topk(at::softmax(logits.to(at::kFloat), -1), x.top_k, -1);
+    weights = weights / weights.sum(-1, true);
+    weights = (weights * x.per_expert_scale.index({chosen})).contiguous(), chosen = chosen.contiguous();
+    experts_in_.resize(T * H), experts_out_.resize(T * H);
+    rows(T, H, [&](int64_t t) {
+      rms_norm_row(res + t * H, x.input_norm.data_ptr<float>(), eps_, H, experts_in_.data() + t * H);
+    });
+    w4a8_experts_rows(experts_in_.data(), T, H, weights.data_ptr<float>(), chosen.data_ptr<int64_t>(), x.top_k, x.w13,
+                      x.w2, 0, experts_out_.data(), s4_, true);
+    rows(T, H, [&](int64_t t) {
+      rms_norm_row(y + t * H, x.mlp_norm.data_ptr<float>(), eps_, H, y + t * H);
+      float* e = experts_out_.data() + t * H;
+      rms_norm_row(e, x.experts_norm.data_ptr<float>(), eps_, H, e);
+      for (int64_t d = 0; d < H; ++d) y[t * H + d] = y[t * H + d] + e[d];
+    });
   }
 
   // The end of a Gemma 4 layer, as model/llama.py's DecoderLayer ends it: res = res + y; with per-layer inputs
@@ -521,6 +586,7 @@ class DecoderStep : public torch::CustomClassHolder {
   // Kept from step to step (one step at a time per model: the engine's loop).
   std::vector<float> residual_, h_, y_, qkv_, attn_, gate_up_, act_, base_;  // base_: a linear's output before LoRA
   std::vector<float> projected_, ple_gate_, ple_act_;  // Gemma 4: a q/k projection, the per-layer gate and output
+  std::vector<float> experts_in_, experts_out_;  // Gemma 4's experts beside the MLP: their input and output
   W4A8Scratch s4_;
   W8A8Scratch s8_;
   bool profiling_ = false;
