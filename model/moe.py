@@ -221,7 +221,9 @@ def is_moe_checkpoint(path: Path) -> bool:
     config.json or its tensor names alone; False for anything unreadable (loading it says why)."""
     try:
         if path.is_dir():
-            return json.loads((path / "config.json").read_text()).get("model_type") in MOE_ARCHITECTURES
+            config = json.loads((path / "config.json").read_text())
+            text = config.get("text_config") or config  # Gemma 4's experts: enable_moe_block in its text model's
+            return config.get("model_type") in MOE_ARCHITECTURES or bool(text.get("enable_moe_block"))
         if path.is_file() and path.suffix.lower() == ".gguf":
             from model.gguf_checkpoint import tensor_types  # the gguf package, only for GGUF files
 

@@ -47,6 +47,15 @@ def test_layers_that_share_a_cache_hold_the_same_tensor_and_it_is_counted_once(s
     assert windowed[2] is windowed[0] and windowed[0].shape[1] == 3 and windowed[1].shape[1] == 8
 
 
+def test_auto_quantization_of_26b_a4b_takes_what_its_experts_take(tiny_hf_dir):
+    """`auto` on a CPU: a directory with experts beside its MLPs is a mixture of experts (float, as the other
+    MoE directories; W8A8's calibration covers dense MLPs only), the dense shapes W8A8."""
+    from model.quantization import resolve_quantization
+
+    assert resolve_quantization("auto", "float32", "cpu", tiny_hf_dir(GEMMA4_MOE)) == "none"
+    assert resolve_quantization("auto", "float32", "cpu", tiny_hf_dir("gemma4")) in ("w8a8", "none")
+
+
 @pytest.mark.parametrize("family", ["gemma4", "gemma4_e", GEMMA4_MOE])
 def test_w8a8_runs_close_to_float(tiny_hf_dir, family):
     """W8A8 (the C++ step for the dense shapes: tests/model/test_cpu_step.py checks it bit for bit against the
