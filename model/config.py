@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -416,21 +416,28 @@ def _gemma3_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
     else:
         full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
         local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"unsupported rope_type {local['rope_type']!r} for the sliding-window layers")
     num_layers = int(cfg["num_hidden_layers"])
     layer_types = cfg.get("layer_types")
     if layer_types is None:  # transformers 4.x: every sliding_window_pattern-th layer is a full one
         pattern = int(cfg.get("sliding_window_pattern", 6))
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    return full, _gemma_fields(cfg, hidden, layer_types, local) | {
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256))}
+
+
+def _gemma_fields(cfg: Mapping[str, Any], hidden: int, layer_types: Sequence[str],
+                  local: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields Gemma 3 and Gemma 4 share: layer kinds, the sliding-window layers' RoPE (`local`,
+    unscaled), GeGLU, sandwich norms, the scaled embedding, the final logit cap."""
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_type {local['rope_type']!r} for the sliding-window layers")
     softcap = cfg.get("final_logit_softcapping")
-    return full, {
+    return {
         "layer_types": tuple(layer_types),
         "rope_local_theta": float(local.get("rope_theta", 10_000.0)),
         "hidden_act": "gelu_tanh",
         "sandwich_norms": True,
         "embedding_scale": hidden**0.5,
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
         "final_logit_softcapping": float(softcap) if softcap else None,
     }
 
@@ -471,18 +478,9 @@ def _gemma4_fields(cfg: Mapping[str, Any], hidden: int) -> tuple[dict[str, Any],
     full = dict(params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                  "rope_theta": 1_000_000.0})
     local = dict(params.get("sliding_attention") or {"rope_theta": 10_000.0})
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"unsupported rope_type {local['rope_type']!r} for the sliding-window layers")
-    softcap = cfg.get("final_logit_softcapping")
     per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
-    return full, {
-        "layer_types": tuple(layer_types),
-        "rope_local_theta": float(local.get("rope_theta", 10_000.0)),
-        "hidden_act": "gelu_tanh",
-        "sandwich_norms": True,
-        "embedding_scale": hidden**0.5,
+    return full, _gemma_fields(cfg, hidden, layer_types, local) | {
         "query_pre_attn_scalar": 1.0,  # scores are q . k unscaled
-        "final_logit_softcapping": float(softcap) if softcap else None,
         "global_head_dim": int(head_dim) if head_dim else None,
         "global_num_kv_heads": int(kv_heads) if kv_heads else None,
         "attention_k_eq_v": k_eq_v,

@@ -97,6 +97,17 @@ class Int8SparseMoeBlock(nn.Module):
                         self.top_k, self.renormalize, expert_offset=self.expert_offset)
 
 
+def register_expert_stacks(module: nn.Module, w13: list[BlockWeight], w2: list[BlockWeight]) -> None:
+    """Each expert's blocks packed as the dense W4A8 layers pack theirs, stacked: `module`'s w13_codes,
+    w13_scales, w2_codes and w2_scales buffers, and the zero and bits of each stack (one format a stack)."""
+    for name, experts in (("w13", w13), ("w2", w2)):
+        packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub) for w in experts]
+        module.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
+        module.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
+        setattr(module, f"{name}_zero", experts[0].zero)
+        setattr(module, f"{name}_bits", experts[0].bits)
+
+
 class W4A8SparseMoeBlock(nn.Module):
     """SparseMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`): per expert, its 4-, 5-
     or 8-bit codes and float16 scales packed as the dense W4A8 layers pack theirs, activations quantized per
@@ -109,12 +120,7 @@ class W4A8SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = gate
-        for name, experts in (("w13", w13), ("w2", w2)):
-            packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub) for w in experts]
-            self.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
-            self.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
-            setattr(self, f"{name}_zero", experts[0].zero)
-            setattr(self, f"{name}_bits", experts[0].bits)
+        register_expert_stacks(self, w13, w2)
         self.expert_offset = 0  # as SparseMoeBlock's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
@@ -175,12 +181,7 @@ class W4A8Gemma4Experts(nn.Module):
     def __init__(self, w13: list[BlockWeight], w2: list[BlockWeight]) -> None:
         """w13: each expert's gate rows then up rows [2I, H] (one format for all experts); w2: its down rows."""
         super().__init__()
-        for name, experts in (("w13", w13), ("w2", w2)):
-            packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub) for w in experts]
-            self.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
-            self.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
-            setattr(self, f"{name}_zero", experts[0].zero)
-            setattr(self, f"{name}_bits", experts[0].bits)
+        register_expert_stacks(self, w13, w2)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return w4a8_experts(x.float().contiguous(), weights.float().contiguous(), experts.contiguous(),
