@@ -58,6 +58,34 @@ def test_a_stream_in_any_pieces_splits_as_the_whole(pieces, cuts, opened):
     assert "".join(c for _, c in streamed) == whole_content
 
 
+GEMMA4 = ReasoningFormat("<|channel>", "<channel|>", 1, 2, "thought")
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("<|channel>thought\nLet me see.<channel|>Blue.", "Let me see.", "Blue."),
+    ("<|channel>thought\n<channel|>Blue.", "", "Blue."),  # thinking off: an empty block
+    ("<|channel>thoughtful words<channel|>x", "ful words", "x"),  # the name, then what follows it
+    ("<|channel>though", "though", ""),  # cut inside the name: never closed, so all reasoning
+    ("<|channel>other\nx<channel|>y", "other\nx", "y"),  # not the name: kept
+])
+def test_gemma4s_channel_loses_its_name(text, reasoning, content):
+    assert Reasoning(GEMMA4, False).whole(text) == (reasoning, content)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(["<|channel>", "<channel|>", "thought", "th", "ought", "\n", " ", "a",
+                                        "<|chan", "nel>", "<channel"]), max_size=14),
+       cuts=st.lists(st.integers(0, 200), max_size=8), opened=st.booleans())
+def test_a_gemma4_stream_in_any_pieces_splits_as_the_whole(pieces, cuts, opened):
+    text = "".join(pieces)
+    whole_reasoning, whole_content = Reasoning(GEMMA4, opened).whole(text)
+    split = Reasoning(GEMMA4, opened).split()
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    streamed = [split.push(text[a:b]) for a, b in itertools.pairwise(bounds)] + [split.finish()]
+    assert "".join(r for r, _ in streamed) == (whole_reasoning or "")
+    assert "".join(c for _, c in streamed) == whole_content
+
+
 def test_the_engine_counts_reasoning_tokens_from_the_start_marker_to_the_end_marker():
     """Request.note_reasoning: the block's tokens of the output, markers counted (usage's), and the tokens
     inside it (the budget's)."""
