@@ -49,9 +49,13 @@ def test_the_split_of_a_whole_reply(text, opened, reasoning, content):
                                         "bc", "</think", "think>"]), max_size=14),
        cuts=st.lists(st.integers(0, 200), max_size=8), opened=st.booleans())
 def test_a_stream_in_any_pieces_splits_as_the_whole(pieces, cuts, opened):
-    text = "".join(pieces)
-    whole_reasoning, whole_content = Reasoning(FMT, opened).whole(text)
-    split = Reasoning(FMT, opened).split()
+    assert_stream_splits_as_the_whole(FMT, "".join(pieces), cuts, opened)
+
+
+def assert_stream_splits_as_the_whole(fmt: ReasoningFormat, text: str, cuts: list[int], opened: bool) -> None:
+    """`text` pushed in pieces cut at `cuts` (taken modulo its length) splits as the whole text does."""
+    whole_reasoning, whole_content = Reasoning(fmt, opened).whole(text)
+    split = Reasoning(fmt, opened).split()
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     streamed = [split.push(text[a:b]) for a, b in itertools.pairwise(bounds)] + [split.finish()]
     assert "".join(r for r, _ in streamed) == (whole_reasoning or "")
@@ -77,13 +81,7 @@ def test_gemma4s_channel_loses_its_name(text, reasoning, content):
                                         "<|chan", "nel>", "<channel"]), max_size=14),
        cuts=st.lists(st.integers(0, 200), max_size=8), opened=st.booleans())
 def test_a_gemma4_stream_in_any_pieces_splits_as_the_whole(pieces, cuts, opened):
-    text = "".join(pieces)
-    whole_reasoning, whole_content = Reasoning(GEMMA4, opened).whole(text)
-    split = Reasoning(GEMMA4, opened).split()
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    streamed = [split.push(text[a:b]) for a, b in itertools.pairwise(bounds)] + [split.finish()]
-    assert "".join(r for r, _ in streamed) == (whole_reasoning or "")
-    assert "".join(c for _, c in streamed) == whole_content
+    assert_stream_splits_as_the_whole(GEMMA4, "".join(pieces), cuts, opened)
 
 
 def test_the_engine_counts_reasoning_tokens_from_the_start_marker_to_the_end_marker():
