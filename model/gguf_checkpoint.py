@@ -353,7 +353,10 @@ class GGUFCheckpoint:
         per_layer_size = int(self._get("embedding_length_per_layer_input", 0) or 0)
         per_layer_vocab = 0
         if per_layer_size:
-            table = next(t for t in self.reader.tensors if t.name == "per_layer_token_embd.weight")
+            table = next((t for t in self.reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+            if table is None:
+                raise ModelLoadError(f"{self.path}: embedding_length_per_layer_input is set and "
+                                     "per_layer_token_embd.weight is missing")
             per_layer_vocab = int(table.shape[1])
         return {
             "head_dim": head_swa, "num_kv_heads": kv_swa, "intermediate_size": ff[0],
