@@ -147,6 +147,7 @@ def load(
             module.vision = read_vision(path, raw_config, safetensors_files(path), tower_dtype, device,
                                         pan_and_scan)
     else:  # a .gguf file (check_source)
+        from model.block_embedding import BlockEmbedding
         from model.gguf_checkpoint import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
@@ -163,11 +164,8 @@ def load(
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size, skip | set(tables))
         for name, table in tables.items():
-            from model.block_embedding import BlockEmbedding
-
-            module_name = name.removesuffix(".weight")
-            setattr(module, module_name, BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]),
-                                                        torch_dtype, device))
+            setattr(module, name.removesuffix(".weight"),
+                    BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]), torch_dtype, device))
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         read_score_rows(module, checkpoint, tokenizer, str(path))
         if mmproj is not None:
