@@ -170,8 +170,11 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
 
 
 def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                 head_dim: int, global_head_dim: int, per_layer: int, shared: int, seed: int = 0) -> None:
-    """A Gemma 4 text model of the small models' kind (module docstring), as llama.cpp's converter lays it out."""
+                 head_dim: int, global_head_dim: int, per_layer: int, shared: int, seed: int = 0, experts: int = 0,
+                 experts_used: int = 0, expert_intermediate: int = 0) -> None:
+    """A Gemma 4 text model of the small models' kind (module docstring), as llama.cpp's converter lays it out;
+    with `experts`, 26B-A4B's kind instead: experts beside each dense MLP (gate and up as one stack, float32
+    router and scales), no per-layer embeddings or shared caches (pass per_layer=0, shared=0)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "gemma4")
     swa = [(i + 1) % 5 != 0 for i in range(layers)]
@@ -197,6 +200,10 @@ def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate
     writer.add_rope_dimension_count_swa(head_dim)
     writer.add_final_logit_softcapping(30.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(experts_used)
+        writer.add_expert_feed_forward_length(expert_intermediate)
     copy_tokenizer(writer)
     vocab = len(tokenizer_source().metadata["tokenizer.ggml.tokens"])
     writer.add_vocab_size(vocab)
@@ -204,21 +211,26 @@ def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated),
                                                     dtype=np.float32))
 
-    def linear(name: str, rows: int, cols: int, layer: int | None) -> None:
-        kind = tensor_kind(preset, name.split(".")[-2] if layer is not None else name.split(".")[0], layer)
-        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    def linear(name: str, rows: int, cols: int, layer: int | None, stack: int = 0) -> None:
+        kind = tensor_kind(preset, name.split(".")[-2].removesuffix("_exps") if layer is not None
+                           else name.split(".")[0], layer)
+        raw = random_blocks(kind, max(stack, 1) * rows, cols, rng)
+        writer.add_tensor(name, raw.reshape(stack, rows, -1) if stack else raw,
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
 
     def norm(name: str, size: int) -> None:
         writer.add_tensor(name, np.ones(size, dtype=np.float32))
 
     linear("token_embd.weight", vocab, hidden, None)  # tied to the LM head, as Gemma's
     norm("output_norm.weight", hidden)
-    linear("per_layer_token_embd.weight", vocab, layers * per_layer, None)
-    linear("per_layer_model_proj.weight", layers * per_layer, hidden, None)
-    norm("per_layer_proj_norm.weight", per_layer)
+    if per_layer:
+        linear("per_layer_token_embd.weight", vocab, layers * per_layer, None)
+        linear("per_layer_model_proj.weight", layers * per_layer, hidden, None)
+        norm("per_layer_proj_norm.weight", per_layer)
     for i in range(layers):
         d = head_dim if swa[i] else global_head_dim
-        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"):
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", *(("post_norm",) if per_layer
+                                                                                       else ())):
             norm(f"blk.{i}.{name}.weight", hidden)
         norm(f"blk.{i}.attn_q_norm.weight", d)
         writer.add_tensor(f"blk.{i}.layer_output_scale.weight", np.full(1, 0.5, dtype=np.float32))
@@ -232,8 +244,18 @@ def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate
         linear(f"blk.{i}.ffn_gate.weight", width, hidden, i)
         linear(f"blk.{i}.ffn_up.weight", width, hidden, i)
         linear(f"blk.{i}.ffn_down.weight", hidden, width, i)
-        linear(f"blk.{i}.inp_gate.weight", per_layer, hidden, i)
-        linear(f"blk.{i}.proj.weight", hidden, per_layer, i)
+        if per_layer:
+            linear(f"blk.{i}.inp_gate.weight", per_layer, hidden, i)
+            linear(f"blk.{i}.proj.weight", hidden, per_layer, i)
+        if experts:  # the router (float32: tokens spread over experts), its scales, the stacks, three norms
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight",
+                              rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05)
+            norm(f"blk.{i}.ffn_gate_inp.scale", hidden)
+            norm(f"blk.{i}.ffn_down_exps.scale", experts)
+            linear(f"blk.{i}.ffn_gate_up_exps.weight", 2 * expert_intermediate, hidden, i, experts)
+            linear(f"blk.{i}.ffn_down_exps.weight", hidden, expert_intermediate, i, experts)
+            for name in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                norm(f"blk.{i}.{name}.weight", hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -258,6 +280,8 @@ def main() -> int:
     parser.add_argument("--global-head-dim", type=int, default=512)
     parser.add_argument("--per-layer", type=int, default=256)
     parser.add_argument("--shared-layers", type=int, default=20)
+    parser.add_argument("--expert-intermediate", type=int, default=512,
+                        help="with --gemma4 --experts: each expert's width (26B-A4B's experts beside the MLP)")
     args = parser.parse_args()
     if args.hidden % 256 or args.intermediate % 256:
         parser.error("--hidden and --intermediate must be multiples of 256 (K-quant rows)")
@@ -265,8 +289,10 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     if args.gemma4:
         write_gemma4(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
-                     args.head_dim or args.hidden // args.heads, args.global_head_dim, args.per_layer,
-                     args.shared_layers)
+                     args.head_dim or args.hidden // args.heads, args.global_head_dim,
+                     0 if args.experts else args.per_layer, 0 if args.experts else args.shared_layers,
+                     experts=args.experts, experts_used=args.experts_used,
+                     expert_intermediate=args.expert_intermediate)
     else:
         write(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
               args.head_dim, args.experts, args.experts_used, reranker=args.reranker)
