@@ -133,7 +133,7 @@ void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* o
 
 namespace {
 
-void check_rows(const at::Tensor& x, const at::Tensor& w) {
+void check_norm_inputs(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(-1) == w.numel(), "x [..., D] contiguous, weight [D]");
@@ -144,7 +144,7 @@ int64_t row_grain(int64_t D) { return std::max<int64_t>(1, 32768 / std::max<int6
 
 // ladder::rms_norm: x [..., D] float32 contiguous -> rms_norm(x) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_rows(x, w);
+  check_norm_inputs(x, w);
   auto out = at::empty_like(x);
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* op = out.data_ptr<float>();
@@ -157,7 +157,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // ladder::fused_add_rms_norm: (rms_norm(x + residual) * weight, x + residual).
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                        const at::Tensor& w, double eps) {
-  check_rows(x, w);
+  check_norm_inputs(x, w);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
               residual.device().is_cpu(), "residual: x's shape, float32, contiguous");
   auto sum = at::empty_like(x);
