@@ -46,12 +46,17 @@ PPL_BOUND |= {f"onnx-{p}": bound for p, bound in PPL_BOUND.items()}
 def artifacts(tiny_dir, tmp_path_factory):
     """Every torch-compile precision by name, and the ONNX ones as onnx-<precision>: each a LoadedArtifact
     as `ladder compile` verified it (loaded back from its files), which the serving tests share."""
+    from model.loader import load
+
     root = tmp_path_factory.mktemp("artifacts")
+    eager = load(str(tiny_dir), dtype=torch.float32)  # one fp32 eager reference serves the seven builds
+    reference = parity.reference(eager.module, *parity.encode_inputs(eager.tokenizer, eager.config.vocab_size))
     built = {}
     for backend, precision in BUILDS:
         name = precision if backend == "torch-compile" else f"onnx-{precision}"
         built[name] = run(CompileOptions(model=str(tiny_dir), backend=backend, precision=precision,
-                                         out=root / name, max_model_len=256, max_num_seqs=8, run_bench=False))
+                                         out=root / name, max_model_len=256, max_num_seqs=8, run_bench=False),
+                          reference=reference)
     return built
 
 
