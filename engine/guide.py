@@ -233,10 +233,16 @@ def _llguidance_json(backend: tokenizers.Tokenizer) -> str:
         return text
     kept = []
     for token in data.get("added_tokens") or ():
-        if movable(token["content"], token.get("special", False)) and vocab.get(token["content"], token["id"]) == \
-                token["id"]:
-            vocab[token["content"]] = token["id"]
-        else:
+        if vocab.get(token["content"], token["id"]) != token["id"]:  # its spelling is another token's: as it is
+            kept.append(token)
+            continue
+        # Every added token enters the vocabulary under its id, the special ones too (they stay added tokens,
+        # so llguidance still takes them for special): the tokenizers library numbers an added token that is
+        # not in the vocabulary anew, after the vocabulary's size, so moving the movable ones alone would
+        # shift the ids of the added tokens after them (a tiny Gemma 4's <|turn> read as token 49159, not
+        # 49152, and its <|"|> as <turn|>).
+        vocab[token["content"]] = token["id"]
+        if not movable(token["content"], token.get("special", False)):
             kept.append(token)
     data["added_tokens"] = kept
     return json.dumps(data, ensure_ascii=False)

@@ -362,7 +362,7 @@ def create_app(state: ServerState) -> FastAPI:
                                param=guide_field)
             try:
                 guide, guide_field = tools.guide(), "tool_choice"
-            except ValueError as e:  # a format without a forced-call grammar (Gemma 4's notation)
+            except ValueError as e:  # no tool of that name, or a schema the notation of its calls cannot follow
                 raise APIError(400, str(e), param="tool_choice") from None
         reservation = state.admission.reserve(body.n)
         try:

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.gemma4_call_grammar import gemma4_call_grammar
+
 __all__ = ["ToolFormat", "ToolCall", "StreamPiece", "ToolCallStream", "tool_format", "prepare_chat",
            "default_tool_prompt", "parse_tool_calls", "tool_call_grammar", "new_call_id"]
 
@@ -447,8 +449,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
     if not functions:
         raise ValueError(f"no tool is named {name!r}" if name is not None else "a forced tool call needs tools")
     if fmt is ToolFormat.GEMMA4:
-        raise ValueError("a forced tool call (tool_choice \"required\" or naming a function) is not supported in "
-                         "Gemma 4's call notation yet; use tool_choice \"auto\"")
+        return gemma4_call_grammar(functions, parallel)
     if fmt is ToolFormat.LLAMA3:
         before, after, separator, key = "", "", ";", "parameters"
     else:

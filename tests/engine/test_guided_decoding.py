@@ -176,3 +176,25 @@ def test_text_the_vocabulary_cannot_write_is_refused_not_a_server_error(llm):
         assert out.text == "abc" if out.error is None else "requires byte 0xF2 next" in out.error
         seen.add(out.error is None)
     assert seen == {True, False}
+
+
+def test_added_tokens_keep_their_ids_in_the_guides_vocabulary(llm):
+    """Qwen 2.5's layout: added tokens after the vocabulary, special ones (<|im_end|>) before and after ones
+    that are text (<tool_call>), which the guides' tokenizer moves into the vocabulary. Every id still names
+    its own token there, with its own bytes, special or not (the tokenizers library numbers anew an added
+    token it does not find in the vocabulary: the special ones after a moved one were read one id off)."""
+    import llguidance
+    import tokenizers
+
+    from engine.guide import _llguidance_json
+
+    backend = tokenizers.Tokenizer.from_str(llm.tokenizer.backend.to_str())
+    first = backend.get_vocab_size(with_added_tokens=True)
+    added = [("<|x_end|>", True), ("<tool_call>", False), ("</tool_call>", False), ("<|x_pad|>", True)]
+    for text, special in added:
+        (backend.add_special_tokens if special else backend.add_tokens)([text])
+    assert [backend.token_to_id(text) for text, _ in added] == list(range(first, first + len(added)))
+    lltokenizer = llguidance.LLTokenizer(_llguidance_json(backend), n_vocab=first + len(added))
+    for i, (text, special) in enumerate(added):
+        assert lltokenizer.is_special_token(first + i) == special, text
+        assert lltokenizer.decode_bytes([first + i]) == text.encode(), text

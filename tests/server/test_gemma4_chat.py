@@ -1,7 +1,7 @@
 """Gemma 4's chat markup through the server, on a tiny random Gemma 4 whose tokenizer holds Gemma's control tokens
 as special tokens (as its Hugging Face tokenizer does): the thinking channel <|channel>thought ... <channel|>
 read as `reasoning_content`, calls in Gemma's notation <|tool_call>call:NAME{...}<tool_call|> read as OpenAI
-tool calls, whole and streamed, and what is refused. The replies are forced by grammars naming the markers as
+tool calls, whole and streamed, forced calls written in that notation, and what is refused. The replies are forced by grammars naming the markers as
 their single tokens (`<[id]>`), as the model writes them."""
 
 from __future__ import annotations
@@ -104,8 +104,61 @@ def test_a_conversation_with_calls_and_results_renders_through_the_template(serv
     assert CALL in tokens and RESPONSE in tokens and tokens.count(TURN) == 4  # system (tools), user, model, model
 
 
-def test_a_forced_tool_call_is_refused_in_one_line(server):
-    response = chat(server, tools=TOOLS, tool_choice="required")
+# A forced call's arguments: an enum and a boolean, so that even a random model's call ends within max_tokens.
+SETTINGS = {"type": "function", "function": {"name": "set_units", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "hourly": {"type": "boolean"}},
+    "required": ["hourly", "unit"]}}}
+
+
+def test_a_forced_call_is_written_in_gemmas_notation_and_follows_the_schema(server):
+    clock = {"type": "function", "function": {"name": "get_time"}}  # no parameters: "{}"
+    for choice in ("required", {"type": "function", "function": {"name": "set_units"}}):
+        reply = chat(server, tools=[clock, SETTINGS], tool_choice=choice, logprobs=True).json()
+        choice_ = reply["choices"][0]
+        assert choice_["finish_reason"] == "tool_calls", reply
+        text = "".join(entry["token"] for entry in choice_["logprobs"]["content"])
+        # The turn's end closes a reply that may hold more calls; a single call's grammar ends with the call.
+        assert text.startswith("<|tool_call>call:") and text.removesuffix("<turn|>").endswith("<tool_call|>")
+        calls = choice_["message"]["tool_calls"]
+        assert len(calls) == text.count("<|tool_call>") and (len(calls) == 1 or choice == "required")  # parallel
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_time":
+                assert choice == "required" and arguments == {}
+            else:
+                assert call["function"]["name"] == "set_units"
+                assert arguments["unit"] in ("celsius", "fahrenheit") and isinstance(arguments["hourly"], bool)
+    events = stream(server, tools=[clock, SETTINGS], tool_choice={"type": "function",
+                                                                  "function": {"name": "set_units"}})
+    calls = [c for e in events for ch in e["choices"] for c in ch["delta"].get("tool_calls", ())]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("set_units", arguments)]  # the same call as the whole reply's (greedy)
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_forced_call_takes_the_markers_as_the_model_writes_them(model_dir):
+    """The model writes <|tool_call> and <|"|> as single tokens: the grammar's literals allow those tokens."""
+    import llguidance
+
+    from engine.guide import Guide, GuideCompiler
+    from server.tool_calls import ToolFormat, tool_call_grammar
+
+    tokenizer = Tokenizer.from_hf_dir(model_dir)
+    grammar = tool_call_grammar([SETTINGS], None, False, ToolFormat.GEMMA4)
+    matcher = GuideCompiler(tokenizer, tokenizer.vocab_size).compile(Guide("lark", grammar)).matcher()
+    ids = tokenizer.encode('<|tool_call>call:set_units{hourly:true,unit:<|"|>celsius<|"|>}<tool_call|>',
+                           add_special_tokens=False)
+    assert ids.count(QUOTE) == 2 and ids[0] == CALL and ids[-1] == CALL_END
+    for token in ids:
+        assert matcher.consume_token(token), tokenizer.decode([token])
+    assert matcher.is_accepting()
+    assert isinstance(matcher, llguidance.LLMatcher)
+
+
+def test_a_strict_tool_whose_schema_the_notation_cannot_enforce_is_refused_in_one_line(server):
+    strict = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "minLength": 2}}}}}
+    response = chat(server, tools=[strict], tool_choice="required")
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["param"] == "tool_choice" and "Gemma 4's call notation" in error["message"]
+    assert error["param"] == "tool_choice" and "'minLength'" in error["message"] and "\n" not in error["message"]

@@ -29,7 +29,7 @@ from server.tool_calls import (
 )
 
 HERMES, LLAMA3, GEMMA4, DEFAULT = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.GEMMA4, ToolFormat.DEFAULT
-GRAMMAR_FORMATS = [HERMES, LLAMA3, DEFAULT]  # the formats a forced call has a grammar for
+GRAMMAR_FORMATS = [HERMES, LLAMA3, DEFAULT]  # the formats whose calls are JSON (Gemma 4's: tests below)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tool_calling.md"
 
 WEATHER = {"type": "function", "function": {
@@ -199,9 +199,6 @@ def test_gemma4_style_replies():
         assert parse_tool_calls("Hm. " + bad, GEMMA4) == ("Hm. " + bad, [])
 
 
-def test_a_forced_call_in_gemma4s_notation_is_refused_by_name():
-    with pytest.raises(ValueError, match="not supported in Gemma 4's call notation"):
-        tool_call_grammar(TOOLS, None, False, GEMMA4)
 
 
 def test_llama3_style_replies():
@@ -456,3 +453,96 @@ def test_a_grammar_keeps_schema_references_and_strictness(lltokenizer, tokenizer
         grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar([tool], None, False, DEFAULT))
         matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
         assert matcher.is_error() == strict
+
+
+# -- a forced call in Gemma 4's notation (server/gemma4_call_grammar.py) ----------------------------
+
+Q = '<|"|>'
+
+
+def gemma(name: str, arguments: str) -> str:
+    return f"<|tool_call>call:{name}{arguments}<tool_call|>"
+
+
+def test_a_forced_call_in_gemma4s_notation(lltokenizer, tokenizer):
+    forecast = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"},
+            "unit": {"enum": ["celsius", "fahrenheit"]}, "fields": {"type": "array", "items": {"type": "string"}},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                      "required": ["lat", "lon"]},
+            "note": {"type": ["string", "null"]}, "extra": {}}}}}
+    grammar = tool_call_grammar([forecast, CLOCK], None, False, GEMMA4)
+    # What the template writes for these arguments (keys sorted, strings between quotes) is what it allows.
+    valid = {
+        gemma("forecast", f"{{city:{Q}Paris{Q}}}"): {"city": "Paris"},
+        gemma("forecast", f"{{city:{Q}a <b> {{c}}, d:e{Q},days:-3,hourly:false,unit:{Q}celsius{Q}}}"):
+            {"city": "a <b> {c}, d:e", "days": -3, "hourly": False, "unit": "celsius"},
+        gemma("forecast", f"{{city:{Q}{Q},extra:{{k:[1,{Q}x{Q},null]}},fields:[{Q}rain{Q},{Q}wind{Q}],"
+                          f"note:null,where:{{lat:48.85,lon:2.35e0}}}}"):
+            {"city": "", "extra": {"k": [1, "x", None]}, "fields": ["rain", "wind"], "note": None,
+             "where": {"lat": 48.85, "lon": 2.35}},
+        gemma("get_time", "{}"): {},
+    }
+    for text, arguments in valid.items():
+        assert accepts(lltokenizer, tokenizer, grammar, text), text
+        [call] = parse_tool_calls(text, GEMMA4)[1]  # what the grammar lets out, the parser reads
+        assert json.loads(call.arguments) == arguments
+    invalid = [gemma("forecast", "{days:3}"),  # the required key missing
+               gemma("forecast", f"{{days:3,city:{Q}Paris{Q}}}"),  # keys out of the template's order
+               gemma("forecast", "{city:7}"),  # the wrong type
+               gemma("forecast", f"{{city:{Q}Paris{Q},days:2.5}}"),  # a number where an integer is asked
+               gemma("forecast", f"{{city:{Q}Paris{Q},unit:{Q}kelvin{Q}}}"),  # not in the enum
+               gemma("forecast", f"{{city:{Q}Paris{Q},where:{{lat:1}}}}"),  # a nested required key missing
+               gemma("forecast", f"{{city:{Q}Par{Q}is{Q}}}"),  # a quote inside a string
+               gemma("forecast", f"{{city: {Q}Paris{Q}}}"),  # whitespace
+               gemma("forecast", f'{{"city":{Q}Paris{Q}}}'),  # a JSON key
+               gemma("forecast", f"{{city:{Q}Paris{Q},wind:1}}"),  # a key the schema does not have
+               gemma("get_time", "{a:1}"),  # a tool without parameters takes no arguments
+               gemma("get_tme", "{}"),  # no such tool
+               "Sure. " + gemma("get_time", "{}"),  # text before the call
+               gemma("get_time", "{}") * 2]  # a second call when not parallel
+    for text in invalid:
+        assert not accepts(lltokenizer, tokenizer, grammar, text), text
+
+
+def test_a_named_or_parallel_call_in_gemma4s_notation(lltokenizer, tokenizer):
+    weather, clock = gemma("get_weather", f"{{city:{Q}Paris{Q}}}"), gemma("get_time", "{}")
+    named_only = tool_call_grammar(TOOLS, "get_time", False, GEMMA4)
+    assert accepts(lltokenizer, tokenizer, named_only, clock)
+    assert not accepts(lltokenizer, tokenizer, named_only, weather)
+    parallel = tool_call_grammar(TOOLS, None, True, GEMMA4)
+    assert accepts(lltokenizer, tokenizer, parallel, weather + clock + weather)  # back to back, as the template
+    assert named(parse_tool_calls(weather + clock, GEMMA4)[1]) == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_time", {})]
+    assert not accepts(lltokenizer, tokenizer, parallel, weather + "\n" + clock)
+
+
+def test_a_gemma4_grammar_follows_references_and_refuses_for_strict_tools(lltokenizer, tokenizer):
+    tree = {"type": "object", "properties": {"label": {"type": "string"},
+                                             "children": {"type": "array", "items": {"$ref": "#/$defs/Tree"}}},
+            "required": ["label"]}
+    grow = {"type": "function", "function": {"name": "grow", "parameters": {
+        "type": "object", "$defs": {"Tree": tree}, "properties": {"root": {"$ref": "#/$defs/Tree"},
+                                                                  "depth": {"anyOf": [{"type": "integer"},
+                                                                                      {"const": "all"}]}},
+        "required": ["root"]}}}
+    grammar = tool_call_grammar([grow], None, False, GEMMA4)
+    nested = f"{{root:{{children:[{{label:{Q}b{Q}}},{{children:[],label:{Q}c{Q}}}],label:{Q}a{Q}}}}}"
+    assert accepts(lltokenizer, tokenizer, grammar, gemma("grow", nested))
+    assert accepts(lltokenizer, tokenizer, grammar, gemma("grow", f"{{depth:{Q}all{Q},{nested[1:]}"))
+    assert accepts(lltokenizer, tokenizer, grammar, gemma("grow", f"{{depth:-1,{nested[1:]}"))
+    assert not accepts(lltokenizer, tokenizer, grammar, gemma("grow", "{root:{children:[{}]}}"))
+    # A keyword the notation's grammar does not enforce: ignored for an ordinary tool, refused for a strict one.
+    odd = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+$"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": odd}}
+    assert accepts(lltokenizer, tokenizer, tool_call_grammar([tool], None, False, GEMMA4), gemma("f", f"{{s:{Q}1{Q}}}"))
+    with pytest.raises(ValueError, match="'pattern'"):
+        tool_call_grammar([{"type": "function", "function": {**tool["function"], "strict": True}}], None, False,
+                          GEMMA4)
+    for bad, message in (({"$ref": "https://example.com/s.json"}, "not a local"), ({"$ref": "#/$defs/Nope"},
+                                                                                    "names no definition")):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": bad}}}}
+        with pytest.raises(ValueError, match=message):
+            tool_call_grammar([tool], None, False, GEMMA4)
