@@ -420,13 +420,15 @@ class GGUFCheckpoint:
             weight = unpermute_rotary(weight, self.config.num_kv_heads)
         return weight
 
-    def block_embedding_tables(self) -> dict[str, GGUFTensor]:
-        """The embedding tables kept as the file's blocks (model/block_embedding.py): Gemma 4's per-layer table
-        when it is of a quantized type, under its module's state-dict name ({} otherwise)."""
-        tensor = next((t for t in self.reader.tensors if t.name == "per_layer_token_embd.weight"), None)
-        if tensor is None or tensor.tensor_type.name in FLOAT_TYPES:
-            return {}
-        return {"embed_tokens_per_layer.weight": tensor}
+    def block_embedding_tables(self, tokens: bool = False) -> dict[str, GGUFTensor]:
+        """The embedding tables kept as the file's blocks (model/block_embedding.py), under their modules'
+        state-dict names: Gemma 4's per-layer table, and with `tokens` the token embedding (when the LM head
+        does not need it as floats: W4A8 reads its own copy of the blocks), each when of a quantized type."""
+        names = {"per_layer_token_embd.weight": "embed_tokens_per_layer.weight"}
+        if tokens:
+            names["token_embd.weight"] = "embed_tokens.weight"
+        return {names[t.name]: t for t in self.reader.tensors
+                if t.name in names and t.tensor_type.name not in FLOAT_TYPES}
 
     def read_blocks(self) -> LazyTensors[BlockWeight]:
         """Every linear weight as its raw blocks, read when it is asked for, under Hugging Face names (the

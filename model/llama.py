@@ -286,12 +286,13 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """What the layers compute in and pass between them: the embedding's dtype (float32 when quantized)."""
-        return self.embed_tokens.weight.dtype
+        """What the layers compute in and pass between them: the final norm's dtype (float32 when quantized;
+        the embedding may be a GGUF file's blocks, model/block_embedding.py)."""
+        return self.norm.weight.dtype
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -408,7 +409,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
     def token_logits(self, hidden: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
         """hidden [hidden] float32 (a row `sample_logits_and_hidden` returned) -> the logits [T] float32 of
         `token_ids`, as sampling that row would see them: a reranker's "no" and "yes"."""
-        row = hidden.to(self.device, self.embed_tokens.weight.dtype)[None]  # the activations' dtype
+        row = hidden.to(self.device, self.activation_dtype)[None]
         logits = self.compute_logits(row)[0, list(token_ids)]
         for k, token in enumerate(token_ids):  # a reranker file's own rows for these tokens (model/loader.py)
             own = self.score_rows.get(token)

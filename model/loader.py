@@ -57,7 +57,7 @@ def read_score_rows(module, checkpoint, tokenizer: Tokenizer, source: str) -> No
     if missing:
         raise ModelLoadError(f"{source}: its classifier labels {missing} are not tokens of its vocabulary; only "
                              "rerankers whose head is LM-head rows (Qwen3-Reranker's yes and no) are read")
-    dtype = module.embed_tokens.weight.dtype
+    dtype = module.activation_dtype
     module.score_rows = {ids[label]: row.to(module.device, dtype) for label, row in rows.items()}
     if "output.weight" not in checkpoint.tensor_names:
         log.warning("%s: a reranker file (classifier rows %s): /v1/rerank scores with them; its LM head, not in "
@@ -160,7 +160,9 @@ def load(
             blocks = checkpoint.read_blocks()  # a file without them fails here, before any dequantizing
             # The float weights of the layers W4A8 replaces are left unread.
             skip = replaced_weights(config)
-        tables = checkpoint.block_embedding_tables()  # looked up from the file's blocks, never made float
+        # Looked up from the file's blocks, never made float: Gemma 4's per-layer table, and under W4A8 the token
+        # embedding (its float32 table was 0.7 GB for Gemma 3 270M, 5.6 GB for a 31B: a quarter of that as Q8_0).
+        tables = checkpoint.block_embedding_tables(tokens=quantization == "w4a8")
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size, skip | set(tables))
         for name, table in tables.items():
