@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-
 Q8_0 = 8  # GGML's type number: the token embedding's type in many files, dequantized here in torch
 
 
