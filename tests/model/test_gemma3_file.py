@@ -134,6 +134,10 @@ def test_w4a8_reads_each_block_type_of_the_file(ours):
     assert seen == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     head, _ = weights(w4a8.module.lm_head)
     assert torch.equal(head, ours.module.lm_head.weight)  # the Q8_0 embedding, tied
+    # The embedding itself stays the file's Q8_0 rows (0.18 GB, not 0.67 GB of float32), looked up exactly.
+    assert type(w4a8.module.embed_tokens).__name__ == "BlockEmbedding"
+    ids = torch.tensor([0, 2, 107, 1000, 262_143, 2])
+    assert torch.equal(w4a8.module.embed_tokens(ids), ours.module.embed_tokens(ids))
 
 
 def test_a_guide_whose_text_spells_an_added_tag_runs(ours):
