@@ -14,6 +14,7 @@ instead of three or two; the loader concatenates the weights).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -204,6 +205,14 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar, None
 
 
+@functools.cache
+def rounded_to(scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`scale` as a 0-d CPU tensor of `dtype` (a scalar to ops on any device, traced as a constant): transformers
+    rounds Gemma's embedding scale to the table's dtype before multiplying (sqrt(640) is 25.25 in bfloat16,
+    not 25.298: the residual stream 0.2% off its bfloat16 reference otherwise). float32 products are as before."""
+    return torch.tensor(scale, dtype=dtype)
+
+
 class LlamaForCausalLM(nn.Module, BaseStepModel):
     def __init__(self, config: ModelConfig, block_size: int = 16, ops: Ops | None = None) -> None:
         """`ops`: the kernels every layer uses (kernels/ops.py); by default those for torch's default device."""
@@ -330,7 +339,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             cos, sin = cos * self.rotary_scale, sin * self.rotary_scale
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
-            x = x * self.config.embedding_scale
+            x = x * rounded_to(self.config.embedding_scale, x.dtype)
         if input_embeds is not None:  # an image's embeddings in its tokens' places (unscaled, as trained)
             x = x.index_copy(0, input_embeds.rows, input_embeds.values.to(x.dtype))
         if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self.decoder_step() is not None:

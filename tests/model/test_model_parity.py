@@ -10,6 +10,7 @@ import model
 from model.attention_metadata import AttentionMetadata
 from greedy_checks import NUM_GREEDY, assert_same_greedy
 from model.generator import Generator
+from model.precision import parse_dtype
 from tiny_models import FAMILIES, GEMMA4_MOE, MOE_FAMILIES, hf_config, make_hf_model, write_gguf
 
 
@@ -146,6 +147,25 @@ def test_bf16_logits_stay_close_to_fp32(family, tiny_hf_dir):
     ref = Generator(ours.module, 64).step(ids)
     # bfloat16's rounding grows with depth: four layers in some tiny models, two in the others.
     assert relative_error(Generator(low.module, 64).step(ids), ref) < (4e-2 if family in FOUR_LAYERS else 3e-2)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemmas_embedding_scale_is_rounded_to_the_dtype_as_transformers_rounds_it(family, tmp_path):
+    """Width 80: sqrt(80) is 8.9375 in bfloat16, not 8.944. The first layer's input is transformers' bit for
+    bit in bfloat16 (the scale applied unrounded put it 0.07% off, and the logits 0.8% and 2.3% from
+    transformers' bfloat16 ones against 0.6% and 1.4% now), and as before in float32."""
+    config = hf_config(family)
+    getattr(config, "text_config", config).hidden_size = 80
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ids = prompt(12, seed=3)
+    for dtype in ("bf16", "fp32"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=parse_dtype(dtype)).eval()
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[0][0]
+        ours, seen = model.load(tmp_path, dtype=dtype), []
+        ours.module.layers[0].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+        Generator(ours.module, 32).step(ids)
+        assert torch.equal(seen[0], ref), dtype
 
 
 def test_phi3_takes_longrope_long_factors_past_its_original_context(tiny_hf_dir):
