@@ -163,7 +163,7 @@ def test_gemmas_embedding_scale_is_rounded_to_the_dtype_as_transformers_rounds_i
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[0][0]
         ours, seen = model.load(tmp_path, dtype=dtype), []
-        ours.module.layers[0].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+        ours.module.layers[0].register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0]))
         Generator(ours.module, 32).step(ids)
         assert torch.equal(seen[0], ref), dtype
 
