@@ -33,7 +33,11 @@ import model
 from model.generator import Generator
 
 ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
-          "gemma4_e": "gemma4", "gemma4_moe": "gemma4", "smollm3": "smollm3", "phi3": "phi3"}
+          "gemma4_e": "gemma4", "gemma4_moe": "gemma4", "smollm3": "smollm3", "phi3": "phi3",
+          "qwen3_yarn": "qwen3", "llama3_yarn": "llama"}
+# *_yarn: the family with YaRN (factor 4 over an original context of 32: every pair's frequency it changes
+# matters within the 40-token prompt), as Qwen 3 configs ask for past 32k tokens.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def write_file(family: str, directory: Path) -> Path:
@@ -44,8 +48,10 @@ def write_file(family: str, directory: Path) -> Path:
         cfg = hf_config(family, vocab_size=49152, hidden_size=256, intermediate_size=512, head_dim=64,
                         global_head_dim=128, **sizes.get(family, {}))
     else:
-        cfg = hf_config(family, vocab_size=49152)
+        cfg = hf_config(family.removesuffix("_yarn"), vocab_size=49152)
         cfg.hidden_size, cfg.intermediate_size = 256, 512
+    if family.endswith("_yarn"):
+        cfg.rope_parameters = {**YARN, "rope_theta": cfg.rope_parameters["rope_theta"]}
     if family == "gemma3":  # llama.cpp scales Gemma 3's queries by head_dim
         cfg.query_pre_attn_scalar = cfg.head_dim
     if family == "phi3":  # 3/4 of a 64-dim head rotates: 24 LongRoPE factors

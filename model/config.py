@@ -59,6 +59,25 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (`rope_type: yarn`; Qwen 2.5/3 and SmolLM3 past their trained context): each pair's frequency
+    between its interpolated (divided by `factor`) and its original value, by where its wavelength falls
+    between `beta_fast` and `beta_slow` rotations over the original context; cos and sin are scaled by
+    ModelConfig.rope_attention_factor (0.1 ln(factor) + 1 unless given)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded out to whole pairs (transformers' default; llama.cpp's)
+
+
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's default scale of cos and sin: 0.1 mscale ln(factor) + 1 (1 for no growth)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -113,7 +132,8 @@ class ModelConfig:
     # rope_attention_factor either way.
     rope_long_freq_factors: tuple[float, ...] | None = None
     rope_original_max_position_embeddings: int | None = None
-    rope_attention_factor: float | None = None
+    rope_attention_factor: float | None = None  # LongRoPE's and YaRN's scale of cos and sin
+    rope_yarn: YarnScaling | None = None
     # Gemma 4. The full-attention layers' head size and KV heads when they differ from the sliding ones' (31B:
     # 512 and 4 against 256 and 16); with attention_k_eq_v those layers' values are their keys' projection.
     global_head_dim: int | None = None
@@ -290,6 +310,8 @@ class ModelConfig:
         fields = dict(data)
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        if fields.get("rope_yarn") is not None:
+            fields["rope_yarn"] = YarnScaling(**fields["rope_yarn"])
         for name in ("rope_freq_factors", "rope_long_freq_factors", "layer_types", "dense_layers", "nope_layers"):
             if fields.get(name) is not None:
                 fields[name] = tuple(fields[name])
@@ -354,8 +376,10 @@ class ModelConfig:
             extra["rope_proportion"] = float(rope.get("partial_rotary_factor", 1.0))
         elif rope_type in ("longrope", "su") and arch == "phi3":
             extra |= _longrope_fields(cfg, rope)
+        elif rope_type == "yarn" and arch not in ("gemma3", "gemma4", "phi3"):
+            extra |= _yarn_fields(cfg, rope)
         elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3; "
+            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn; "
                              "longrope for phi3)")
         if arch == "phi3":
             partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
@@ -506,6 +530,23 @@ def _longrope_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[st
     return {"rope_freq_factors": tuple(float(x) for x in rope["short_factor"]),
             "rope_long_freq_factors": tuple(float(x) for x in rope["long_factor"]),
             "rope_original_max_position_embeddings": original, "rope_attention_factor": float(attention_factor)}
+
+
+def _yarn_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, Any]:
+    """YaRN as transformers reads it: factor (else the context's growth over the original one), the two
+    betas (32 and 1 when absent or 0), truncate, and the attention factor: given, or from mscale and
+    mscale_all_dim when both are, else 0.1 ln(factor) + 1."""
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = yarn_attention_factor(factor, float(mscale)) / yarn_attention_factor(factor, mscale_all_dim)
+    if attention_factor is None:
+        attention_factor = yarn_attention_factor(factor)
+    yarn = YarnScaling(factor, original, float(rope.get("beta_fast") or 32.0), float(rope.get("beta_slow") or 1.0),
+                       bool(rope.get("truncate", True)))
+    return {"rope_yarn": yarn, "rope_attention_factor": float(attention_factor)}
 
 
 def _smollm3_nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 import torch
 
-from model.config import ModelConfig
+from model.config import ModelConfig, YarnScaling, yarn_attention_factor
 from model.errors import ModelLoadError, one_line
 from model.gguf_blocks import FLOAT_TYPES, BlockWeight, block_weight, how_read, is_block_type, w4a8_bytes
 from model.gguf_file import GGUFFile, GGUFTensor
@@ -193,7 +193,8 @@ class GGUFCheckpoint:
                 f"{self.path}: unknown architecture {self.gguf_arch!r} (supported: {', '.join(ARCHITECTURES)})"
             )
         scaling = self._get("rope.scaling.type")
-        if scaling not in (None, "none") and not (scaling == "linear" and self.gguf_arch == "gemma3"):
+        if scaling not in (None, "none") and not (scaling == "linear" and self.gguf_arch == "gemma3") and \
+                not (scaling == "yarn" and self.gguf_arch not in ("gemma3", "gemma4", "phi3")):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling {scaling!r}")
         hidden = int(self._require("embedding_length"))
         num_heads = int(self._require("attention.head_count"))
@@ -212,6 +213,8 @@ class GGUFCheckpoint:
         extra |= self._moe_fields()
         if self.gguf_arch == "phi3":
             extra |= self._phi3_fields(hidden, num_heads)
+        if scaling == "yarn":
+            extra |= self._yarn_fields()
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
             extra["nope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
@@ -419,6 +422,20 @@ class GGUFCheckpoint:
         elif self.gguf_arch in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rotary(weight, self.config.num_kv_heads)
         return weight
+
+    def _yarn_fields(self) -> dict[str, Any]:
+        """YaRN: the factor, the original context, the betas (the file's, else 32 and 1), and cos and sin
+        scaled as llama.cpp scales them: 0.1 ln(factor) + 1, times `rope.scaling.attn_factor` (llama.cpp sets
+        the scale from the factor and applies no yarn_attn_factor key; its 0.3.36 reads no betas either)."""
+        factor = float(self._require("rope.scaling.factor"))
+        yarn = YarnScaling(factor, int(self._require("rope.scaling.original_context_length")),
+                           float(self._get("rope.scaling.yarn_beta_fast", 32.0)),
+                           float(self._get("rope.scaling.yarn_beta_slow", 1.0)))
+        log_mul = float(self._get("rope.scaling.yarn_log_multiplier", 0.0))  # transformers' mscale_all_dim
+        # With a log multiplier (mscale_all_dim), as llama.cpp takes it: mscale 1 over it (Ministral 3: 1 over 1).
+        attention_factor = yarn_attention_factor(factor) / (yarn_attention_factor(factor, log_mul) if log_mul else 1.0)
+        attention_factor *= float(self._get("rope.scaling.attn_factor", 1.0))
+        return {"rope_yarn": yarn, "rope_attention_factor": attention_factor}
 
     def block_embedding_tables(self, tokens: bool = False) -> dict[str, GGUFTensor]:
         """The embedding tables kept as the file's blocks (model/block_embedding.py), under their modules'

@@ -13,7 +13,7 @@ import math
 import torch
 
 from kernels.rotary import rope_frequencies
-from model.config import ModelConfig
+from model.config import ModelConfig, YarnScaling
 
 
 def rotary_scale(config: ModelConfig) -> torch.Tensor | None:
@@ -53,6 +53,8 @@ def inverse_frequencies(config: ModelConfig, long_context: bool = False) -> torc
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** exponents)
     inv_freq = rope_frequencies(config.head_dim, config.rope_theta)
+    if config.rope_yarn is not None:
+        return yarn_frequencies(config.rope_yarn, config.head_dim, config.rope_theta)
     if config.rope_linear_factor is not None:
         return inv_freq / config.rope_linear_factor
     if config.rope_freq_factors is not None:
@@ -74,3 +76,22 @@ def inverse_frequencies(config: ModelConfig, long_context: bool = False) -> torc
 
 
 
+
+
+def yarn_frequencies(yarn: YarnScaling, dim: int, base: float) -> torch.Tensor:
+    """[dim / 2] float32: YaRN's frequencies. A pair that turns more than `beta_fast` times over the original
+    context keeps its frequency, one that turns fewer than `beta_slow` times is divided by `factor`, and
+    those between are blended along a linear ramp over the pair index (in transformers' float32 arithmetic)."""
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index whose wavelength fits `turns` times
+        return dim * math.log(yarn.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(yarn.beta_fast), pair_turning(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width: a step
+    kept = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    wavelengths = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # over 2 pi
+    return 1.0 / (yarn.factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept

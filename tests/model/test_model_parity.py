@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -147,6 +149,34 @@ def test_bf16_logits_stay_close_to_fp32(family, tiny_hf_dir):
     ref = Generator(ours.module, 64).step(ids)
     # bfloat16's rounding grows with depth: four layers in some tiny models, two in the others.
     assert relative_error(Generator(low.module, 64).step(ids), ref) < (4e-2 if family in FOUR_LAYERS else 3e-2)
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3", "qwen3"), ("llama3", "llama"), ("smollm3", "smollm3")])
+def test_yarn_rotates_as_transformers_from_a_directory_and_a_gguf(family, arch, tmp_path):
+    """YaRN (factor 4 over an original context of 32, betas 16 and 2 from the config; a 100-token prompt): the
+    same logits as transformers from config.json and from a GGUF of the same weights, and not those of the
+    unscaled rotation (the check would pass vacuously otherwise)."""
+    cfg = hf_config(family)
+    plain = dict(cfg.rope_parameters)
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": plain["rope_theta"], "factor": 4.0,
+                           "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0}
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", "F32", arch)
+    ids = prompt(100, seed=7)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for source in (tmp_path / "hf", tmp_path / "m.gguf"):
+        ours = model.load(source)
+        yarn = ours.config.rope_yarn
+        assert (yarn.factor, yarn.original_max_position_embeddings, yarn.beta_fast, yarn.beta_slow) == (4, 32, 16, 2)
+        assert ours.config.rope_attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+        assert relative_error(Generator(ours.module, 128).step(ids), ref) < 1e-4, source
+    unscaled = model.load(tmp_path / "m.gguf")
+    unscaled.module.config = unscaled.config.replace(rope_yarn=None, rope_attention_factor=None)
+    unscaled.module.make_rotary(unscaled.module.device)
+    assert relative_error(Generator(unscaled.module, 128).step(ids), ref) > 1e-2
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])

@@ -375,6 +375,14 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
             writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
             writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key in ("beta_fast", "beta_slow"):
+            if rope.get(key) is not None:
+                getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if vocab is not None:
