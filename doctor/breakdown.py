@@ -44,6 +44,7 @@ from kernels.timing import synchronize
 from model import llama
 from model.attention.base import BaseAttention
 from model.attention.install import wrapped
+from model.block_embedding import BlockEmbedding
 from model.cpu_step import CpuDecoderStep
 from model.moe import Int8SparseMoeBlock, SparseMoeBlock, W4A8SparseMoeBlock
 
@@ -192,7 +193,7 @@ def phase_of(name: str, module: nn.Module) -> str | None:
         return "experts"
     if isinstance(module, llama.RMSNorm):
         return "rms_norm"
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, nn.Embedding | BlockEmbedding):  # a float table, or a GGUF file's rows (W4A8)
         return "embedding"
     return LINEAR_KINDS.get(name.rsplit(".", 1)[-1])
 

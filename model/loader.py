@@ -165,8 +165,8 @@ def load(
         tables = checkpoint.block_embedding_tables(tokens=quantization == "w4a8")
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size, skip | set(tables))
-        for name, table in tables.items():
-            setattr(module, name.removesuffix(".weight"),
+        for state_name, table in tables.items():  # (`name` is the model's: its served name)
+            setattr(module, state_name.removesuffix(".weight"),
                     BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]), torch_dtype, device))
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         read_score_rows(module, checkpoint, tokenizer, str(path))

@@ -101,6 +101,7 @@ def test_w4a8_over_the_files_blocks_serves_the_models_tokens_in_a_batch(gguf_fil
         assert w4a8.config.kv_shared_layers == 2 and w4a8.config.per_layer_input_size == 256
         assert type(w4a8.module.embed_tokens_per_layer).__name__ == "BlockEmbedding"
         assert type(model.load(gguf_file).module.embed_tokens_per_layer).__name__ == "BlockEmbedding"
+        assert w4a8.name == gguf_file.stem  # the served name (it was the table's state-dict name)
         assert w4a8.module.decoder_step() is not None, w4a8.module.cpu_step_reason  # every linear in W4A8
     assert relative_error(Generator(w4a8.module, 64).step(ids), ref) < 0.05
     prompts = [prompt(n, seed=10 + n) for n in (5, 19, 33)]
