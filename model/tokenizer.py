@@ -163,6 +163,7 @@ class Tokenizer:
             raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama, "
                                  "gemma4)")
         add_gguf_added_tokens(backend, tokens, types)
+        backend = _with_visible_markers(backend)  # Mistral's control tokens [TOOL_CALLS], [ARGS] in a GGUF
 
         def id_at(key: str) -> int | None:
             index = metadata.get(f"tokenizer.ggml.{key}")
@@ -374,9 +375,10 @@ class Tokenizer:
 
 
 # Control tokens a reply's text must keep for the server to read it (Gemma 4's thinking channel, tool calls and
-# string quotes): decoding keeps them, as llama.cpp's converter marks them in a GGUF (user-defined, not control).
+# string quotes, as llama.cpp's converter marks them in a GGUF: user-defined, not control; Mistral's tool calls):
+# decoding keeps them.
 VISIBLE_MARKERS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                             "<tool_response|>", '<|"|>'})
+                             "<tool_response|>", '<|"|>', "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"})
 
 
 def _with_visible_markers(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:

@@ -2,7 +2,7 @@
 template variables that show it the tools, the calls parsed out of its reply (whole or streamed), and a
 grammar that forces a call.
 
-Four formats cover the families ladder serves (docs/tool_calling.md):
+Five formats cover the families ladder serves (docs/tool_calling.md):
 
 - HERMES (Qwen 2/2.5/3, Hermes): the template renders tools, calls and results itself; a call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
@@ -10,6 +10,9 @@ Four formats cover the families ladder serves (docs/tool_calling.md):
   in Gemma's own notation: bare keys, strings between ``<|"|>`` quotes, numbers, booleans, lists and objects.
 - LLAMA3 (Llama 3.1/3.2/3.3): the template renders them itself; a call is the bare JSON object
   ``{"name": ..., "parameters": {...}}``, perhaps after ``<|python_tag|>``, several joined by ``;``.
+- MISTRAL (Mistral Small 3.x, Devstral, Ministral 3, Magistral, Mistral Nemo): the template renders them
+  itself; calls follow ``[TOOL_CALLS]`` to the end of the reply: ``NAME[ARGS]{...}`` each (perhaps with
+  ``[CALL_ID]id`` before ``[ARGS]``), or, from older templates, a JSON list of ``{"name", "arguments"}``.
 - DEFAULT (any other template, e.g. SmolLM2's plain ChatML): ladder lists the tools in a system message
   and asks for HERMES's wire format; calls and results become plain text turns.
 """
@@ -33,6 +36,7 @@ __all__ = ["ToolFormat", "ToolCall", "StreamPiece", "ToolCallStream", "tool_form
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 NO_PARAMETERS = {"type": "object", "properties": {}}
 # A call (or several) that the tagged formats write; an unclosed last call counts when its JSON is whole
@@ -48,6 +52,7 @@ class ToolFormat(enum.Enum):
     HERMES = "hermes"
     LLAMA3 = "llama3"
     GEMMA4 = "gemma4"
+    MISTRAL = "mistral"
     DEFAULT = "default"
 
     @property
@@ -56,7 +61,10 @@ class ToolFormat(enum.Enum):
         return (GEMMA4_OPEN, GEMMA4_CLOSE) if self is ToolFormat.GEMMA4 else (CALL_OPEN, CALL_CLOSE)
 
 
-def new_call_id() -> str:
+def new_call_id(fmt: ToolFormat | None = None) -> str:
+    """An id for a call. MISTRAL's: 9 letters and digits, the only ids Mistral's templates accept back."""
+    if fmt is ToolFormat.MISTRAL:
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
@@ -67,19 +75,21 @@ class ToolCall:
     arguments: str  # JSON text of an object
 
     @classmethod
-    def new(cls, name: str, arguments: str) -> ToolCall:
-        return cls(new_call_id(), name, arguments)
+    def new(cls, name: str, arguments: str, fmt: ToolFormat | None = None) -> ToolCall:
+        return cls(new_call_id(fmt), name, arguments)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def tool_format(chat_template: str | None) -> ToolFormat:
-    """The format a chat template speaks. A template that renders tools some other way (Mistral's
-    ``[TOOL_CALLS]``...) gets DEFAULT too: ladder's own prompt asks for a format that ladder parses."""
+    """The format a chat template speaks. A template that renders tools some other way gets DEFAULT:
+    ladder's own prompt asks for a format that ladder parses."""
     template = chat_template or ""
     if GEMMA4_OPEN in template:
         return ToolFormat.GEMMA4
+    if MISTRAL_CALLS in template:
+        return ToolFormat.MISTRAL
     if CALL_OPEN in template:
         return ToolFormat.HERMES
     if PYTHON_TAG in template or "ipython" in template:  # "Environment: ipython" in 3.1, 3.2 and 3.3
@@ -190,8 +200,60 @@ def _json_or_text(text: Any) -> Any:
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]:
     """The content outside the calls (None when only whitespace) and the calls of a finished reply. A
     call that does not parse (bad JSON, no name, arguments not an object) stays in the content."""
-    content, calls = _parse_llama3(text) if fmt is ToolFormat.LLAMA3 else _parse_tagged(text, fmt)
+    content, calls = _parse_whole(text, fmt)
     return (content if content.strip() else None), calls
+
+
+def _parse_whole(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
+    if fmt is ToolFormat.LLAMA3:
+        return _parse_llama3(text)
+    if fmt is ToolFormat.MISTRAL:
+        return _parse_mistral(text)
+    return _parse_tagged(text, fmt)
+
+
+def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
+    """Each ``[TOOL_CALLS]`` segment (to the next one, or the end) holds calls; one that does not parse
+    whole stays in the content with its marker."""
+    first = text.find(MISTRAL_CALLS)
+    if first < 0:
+        return text, []
+    kept, calls = [text[:first]], []
+    segments = text[first + len(MISTRAL_CALLS):].split(MISTRAL_CALLS)
+    for segment in segments:
+        parsed = _mistral_segment(segment)
+        if parsed is None:
+            kept.append(MISTRAL_CALLS + segment)
+        else:
+            calls.extend(parsed)
+    return "".join(kept), calls
+
+
+def _mistral_segment(segment: str) -> list[ToolCall] | None:
+    """``NAME[ARGS]{...}`` (one or more, ``[CALL_ID]id`` allowed before ``[ARGS]``) or a JSON list of calls;
+    None unless the whole segment is that."""
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    body = segment.strip()
+    try:
+        if body.startswith("["):  # the older templates' list of {"name": ..., "arguments": {...}}
+            value, end = decoder.raw_decode(body)
+            listed = [_call_from_value(v, require_arguments=False) for v in value] if isinstance(value, list) else []
+            ok = listed and all(listed) and not body[end:].strip()
+            return [ToolCall.new(c.name, c.arguments, ToolFormat.MISTRAL) for c in listed] if ok else None
+        calls, at = [], 0
+        while at < len(body):
+            args = body.find(MISTRAL_ARGS, at)
+            if args < 0:
+                return None
+            name = body[at:args].split(MISTRAL_ID)[0].strip()
+            value, at = decoder.raw_decode(body, args + len(MISTRAL_ARGS))
+            if not name or not isinstance(value, dict):
+                return None
+            calls.append(ToolCall.new(name, json.dumps(value, ensure_ascii=False), ToolFormat.MISTRAL))
+            at = len(body) - len(body[at:].lstrip())
+        return calls or None
+    except (ValueError, RecursionError):
+        return None
 
 
 def _parse_tagged(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
@@ -367,6 +429,8 @@ class ToolCallStream:
         self._pending += text
         if self.fmt is ToolFormat.LLAMA3:
             return self._push_llama3()
+        if self.fmt is ToolFormat.MISTRAL:
+            return self._push_mistral()
         kept, calls = [], []
         opening, closing = self.fmt.tags
         while True:
@@ -395,7 +459,7 @@ class ToolCallStream:
     def finish(self) -> StreamPiece:
         """Everything still held: an unclosed call (a call if its JSON is whole) or text."""
         rest, self._pending = self._pending, ""
-        content, calls = _parse_llama3(rest) if self.fmt is ToolFormat.LLAMA3 else _parse_tagged(rest, self.fmt)
+        content, calls = _parse_whole(rest, self.fmt)
         piece = self._piece(content, calls)
         if self._made_calls or not self._space:
             return piece
@@ -411,6 +475,17 @@ class ToolCallStream:
         if self._llama3_holds:
             return StreamPiece("")
         text, self._pending = self._pending, ""
+        return self._piece(text, [])
+
+    def _push_mistral(self) -> StreamPiece:
+        """Text before ``[TOOL_CALLS]`` is sent as it comes; from the marker on, the reply is held and its
+        calls are read at the end (they run to it)."""
+        start = self._pending.find(MISTRAL_CALLS)
+        if start >= 0:
+            text, self._pending = self._pending[:start], self._pending[start:]
+        else:
+            hold = _partial_suffix(self._pending, MISTRAL_CALLS)
+            text, self._pending = self._pending[: len(self._pending) - hold], self._pending[len(self._pending) - hold:]
         return self._piece(text, [])
 
     def _piece(self, text: str, calls: list[ToolCall]) -> StreamPiece:
@@ -450,6 +525,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
         raise ValueError(f"no tool is named {name!r}" if name is not None else "a forced tool call needs tools")
     if fmt is ToolFormat.GEMMA4:
         return gemma4_call_grammar(functions, parallel)
+    if fmt is ToolFormat.MISTRAL:
+        return _mistral_call_grammar(functions, parallel)
     if fmt is ToolFormat.LLAMA3:
         before, after, separator, key = "", "", ";", "parameters"
     else:
@@ -461,6 +538,17 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
         # root of its own JSON schema, so its "$ref": "#/$defs/..." still resolve.
         head = f'{before}{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "{key}": '
         lines.append(f"call_{i}: {_lark_literal(head)} arguments_{i} {_lark_literal('}' + after)}")
+        lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"
+
+
+def _mistral_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    """``[TOOL_CALLS]NAME[ARGS]{...}``, back to back when ``parallel``, as Mistral's templates write calls."""
+    lines = ["start: call call*" if parallel else "start: call",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        head = f"{MISTRAL_CALLS}{function['name']}{MISTRAL_ARGS}"
+        lines.append(f"call_{i}: {_lark_literal(head)} arguments_{i}")
         lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 

@@ -151,6 +151,21 @@ def spm() -> Tokenizer:
     return Tokenizer.from_gguf_metadata(meta, "tiny-spm.gguf")
 
 
+def test_mistrals_tool_call_markers_stay_in_the_text_from_a_gguf() -> None:
+    """Mistral's converter marks [TOOL_CALLS] and [ARGS] control tokens; a reply's text must keep them for the
+    server to read its calls, while [INST] and </s> stay special (dropped when decoding)."""
+    tokens = ["<unk>", "<s>", "</s>", "[INST]", "[TOOL_CALLS]", "[ARGS]"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += _SPM_PIECES
+    types = [2, 3, 3, 3, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES)
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [0.0] * 262 + [-float(i) for i in range(len(_SPM_PIECES))],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    mistral = Tokenizer.from_gguf_metadata(meta, "tiny-mistral.gguf")
+    ids = mistral.encode("[INST]hi[TOOL_CALLS]hello[ARGS]a</s>", add_special_tokens=False)
+    assert ids[0] == 3 and 4 in ids and 5 in ids  # each marker one token
+    assert mistral.decode(ids) == "hi[TOOL_CALLS] hello[ARGS] a"  # (SentencePiece's space after an added token)
+
+
 def test_sentencepiece_vocab(spm: Tokenizer) -> None:
     assert spm.add_bos_token and spm.bos_token_id == 1
     names = lambda ids: [spm.id_to_token(i) for i in ids]  # noqa: E731

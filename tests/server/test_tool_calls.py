@@ -29,7 +29,8 @@ from server.tool_calls import (
 )
 
 HERMES, LLAMA3, GEMMA4, DEFAULT = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.GEMMA4, ToolFormat.DEFAULT
-GRAMMAR_FORMATS = [HERMES, LLAMA3, DEFAULT]  # the formats whose calls are JSON (Gemma 4's: tests below)
+MISTRAL = ToolFormat.MISTRAL
+GRAMMAR_FORMATS = [HERMES, LLAMA3, MISTRAL, DEFAULT]  # the formats whose calls are JSON (Gemma 4's: tests below)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tool_calling.md"
 
 WEATHER = {"type": "function", "function": {
@@ -128,7 +129,8 @@ def test_the_format_comes_from_the_template(tokenizer):
     assert tool_format('{{- "<|python_tag|>" + tool_call.name }}') is LLAMA3
     assert tool_format("{{- '<|tool_call>call:' + call.name }}") is GEMMA4
     assert tool_format(tokenizer.chat_template) is DEFAULT  # SmolLM2's plain ChatML
-    assert tool_format("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]") is DEFAULT  # a format not parsed
+    assert tool_format("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]") is DEFAULT  # no calls written
+    assert tool_format(MISTRAL_LIKE) is MISTRAL
     assert tool_format(None) is DEFAULT
 
 
@@ -199,6 +201,33 @@ def test_gemma4_style_replies():
         assert parse_tool_calls("Hm. " + bad, GEMMA4) == ("Hm. " + bad, [])
 
 
+
+
+def test_mistral_style_replies():
+    weather = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'
+    content, calls = parse_tool_calls(weather, MISTRAL)
+    assert content is None and named(calls) == [("get_weather", {"city": "Paris", "days": [1, 2]})]
+    assert re.fullmatch("[A-Za-z0-9]{9}", calls[0].id)  # the ids Mistral's templates take back
+    # Devstral's and Ministral 3's calls each after the marker; Mistral Small 3.2's with an id; Nemo's list.
+    two = '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city":"Rome"}'
+    assert named(parse_tool_calls(two, MISTRAL)[1]) == [("get_time", {}), ("get_weather", {"city": "Rome"})]
+    assert named(parse_tool_calls('[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}', MISTRAL)[1]) == [("get_time", {})]
+    listed = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time"}]'
+    assert named(parse_tool_calls(listed, MISTRAL)[1]) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    content, calls = parse_tool_calls("Let me look. [TOOL_CALLS]get_time[ARGS]{}", MISTRAL)
+    assert content == "Let me look. " and named(calls) == [("get_time", {})]
+    for bad in ('[TOOL_CALLS]get_time{}', '[TOOL_CALLS]get_time[ARGS]{"a": ', '[TOOL_CALLS][ARGS]{}',
+                '[TOOL_CALLS]f[ARGS][1]', '[TOOL_CALLS]f[ARGS]{} and more'):
+        assert parse_tool_calls("Hm. " + bad, MISTRAL) == ("Hm. " + bad, [])
+    assert parse_tool_calls("no calls [TOOL", MISTRAL) == ("no calls [TOOL", [])
+
+
+def test_a_mistral_template_renders_tools_and_calls_itself():
+    messages, variables = prepare_chat(CONVERSATION, TOOLS, MISTRAL)
+    text = render_chat_template(MISTRAL_LIKE, messages, **variables)
+    assert text.startswith("[AVAILABLE_TOOLS]" + json.dumps(TOOLS, ensure_ascii=False) + "[/AVAILABLE_TOOLS]")
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Tokyo"}' in text
+    assert "[TOOL_RESULTS]18 C, sunny[/TOOL_RESULTS]" in text
 
 
 def test_llama3_style_replies():
@@ -301,6 +330,18 @@ def test_template_variables_reach_the_template_on_both_encode_paths(tokenizer, c
         assert custom.decode(ids, skip_special_tokens=False) == text
 
 
+# Mistral's templates (Devstral, Ministral 3), reduced: tools listed, each call after [TOOL_CALLS], results.
+MISTRAL_LIKE = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif -%}
+{%- for message in messages %}
+{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]
+{%- elif message.role == 'assistant' %}{{ message.content }}
+{%- for call in message.tool_calls or [] %}[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments | tojson }}
+{%- endfor %}</s>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}{% endif %}
+{%- endfor %}"""
+
 # -- streaming ---------------------------------------------------------------------------------
 
 CALL_TEXTS = ['{"name": "get_weather", "arguments": {"city": "Zürich 🇨🇭"}}', '{"name": "get_time"}',
@@ -311,6 +352,8 @@ FRAGMENTS = [
     *[f"<tool_call>\n{call}\n</tool_call>" for call in CALL_TEXTS],
     "<|tool_call>", "<tool_call|>", "<|tool", "<tool_call", '<|"|>', "call:f{", "call:get_time{}",
     '<|tool_call>call:g{k:<|"|>a,b}<|"|>,n:[1,{x:true}]}<tool_call|>',
+    "[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[CALL_ID]x1y2z3w4v", "get_time[ARGS]{}", '[TOOL_CALLS]f[ARGS]{"q": "[ARGS]"}',
+    '[TOOL_CALLS][{"name": "g", "arguments": {}}]',
 ]  # fmt: skip
 
 
@@ -337,7 +380,8 @@ def test_streaming_every_split_in_two_and_one_char_at_a_time(fmt):
               "\n</tool_call> <tool_c"),
              'Sure.<|tool_call>call:get_time{}<tool_call|> <|tool_call>call:f{k:<|"|>x}<|"|>}<tool_call|><|tool_c',
              ' <|python_tag|>{"name": "g", "parameters": {"k": "ü"}}; {"name": "f", "parameters": {}} ok',
-             '  {"name": "g", "parameters": {}};']
+             '  {"name": "g", "parameters": {}};',
+             'Sure [x].[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"k": "ü"}[TOOL_CA']
     for text in texts:
         for cut in range(len(text) + 1):
             check_stream(text, [text[:cut], text[cut:]], fmt)
@@ -397,6 +441,8 @@ def accepts(lltokenizer, tokenizer: Tokenizer, grammar: str, text: str) -> bool:
 def wire(fmt: ToolFormat, name: str, arguments: str) -> str:
     if fmt is LLAMA3:
         return f'{{"name": "{name}", "parameters": {arguments}}}'
+    if fmt is MISTRAL:
+        return f"[TOOL_CALLS]{name}[ARGS]{arguments}"
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
@@ -428,12 +474,12 @@ def test_a_named_or_parallel_call_grammar(fmt, lltokenizer, tokenizer):
     assert accepts(lltokenizer, tokenizer, named_only, clock)
     assert not accepts(lltokenizer, tokenizer, named_only, weather)
     parallel = tool_call_grammar(TOOLS, None, True, fmt)
-    separator = ";" if fmt is LLAMA3 else "\n"
+    separator = {LLAMA3: ";", MISTRAL: ""}.get(fmt, "\n")  # Mistral's calls each begin with [TOOL_CALLS]
     both = separator.join([weather, clock, weather])
     assert accepts(lltokenizer, tokenizer, parallel, both)
     assert named(parse_tool_calls(both, fmt)[1]) == [("get_weather", {"city": "Paris"}), ("get_time", {}),
                                                      ("get_weather", {"city": "Paris"})]
-    assert not accepts(lltokenizer, tokenizer, parallel, both + separator)
+    assert not accepts(lltokenizer, tokenizer, parallel, both + (separator or "\n"))
     with pytest.raises(ValueError, match="no tool is named"):
         tool_call_grammar(TOOLS, "nope", False, fmt)
 
