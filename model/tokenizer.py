@@ -375,10 +375,12 @@ class Tokenizer:
 
 
 # Control tokens a reply's text must keep for the server to read it (Gemma 4's thinking channel, tool calls and
-# string quotes, as llama.cpp's converter marks them in a GGUF: user-defined, not control; Mistral's tool calls):
+# string quotes, as llama.cpp's converter marks them in a GGUF: user-defined, not control; Mistral's tool calls
+# and Magistral's thinking):
 # decoding keeps them.
 VISIBLE_MARKERS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                             "<tool_response|>", '<|"|>', "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"})
+                             "<tool_response|>", '<|"|>', "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]",
+                             "[/THINK]"})
 
 
 def _with_visible_markers(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:

@@ -2,7 +2,7 @@
 
 Qwen3, QwQ and DeepSeek-R1's distillations write their reasoning first, inside one <think> ... </think>
 block, then the answer; Gemma 4 inside <|channel>thought ... <channel|> (the channel's name, "thought", is not
-reasoning). The server answers chat requests with the block's text in `message.reasoning_content`
+reasoning); Magistral and Ministral 3's reasoning models inside [THINK] ... [/THINK]. The server answers chat requests with the block's text in `message.reasoning_content`
 (streamed as `delta.reasoning_content`) and the rest in `content`, where tool calls are looked for, as vLLM's
 reasoning parsers and llama.cpp's server do. A block counts when the reply starts with it, or when the
 prompt opened it (templates that start the reply's thinking themselves, such as QwQ's and newer
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from model.tokenizer import Tokenizer
 
 # The spellings reasoning models use for their block (Qwen3, QwQ, DeepSeek-R1 and their distillations; Gemma
-# 4), and the text that opens the block before its reasoning.
-MARKERS = (("<think>", "</think>", ""), ("<|channel>", "<channel|>", "thought"))
+# 4; Magistral), and the text that opens the block before its reasoning.
+MARKERS = (("<think>", "</think>", ""), ("<|channel>", "<channel|>", "thought"), ("[THINK]", "[/THINK]", ""))
 PARSERS = ("auto", "none", "think")
 # vLLM's `--reasoning-parser` names for the same format, taken as they are.
-ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gemma4": "think"}
+ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gemma4": "think", "mistral": "think"}
 
 
 @dataclass(frozen=True)

@@ -152,18 +152,22 @@ def spm() -> Tokenizer:
 
 
 def test_mistrals_tool_call_markers_stay_in_the_text_from_a_gguf() -> None:
-    """Mistral's converter marks [TOOL_CALLS] and [ARGS] control tokens; a reply's text must keep them for the
-    server to read its calls, while [INST] and </s> stay special (dropped when decoding)."""
-    tokens = ["<unk>", "<s>", "</s>", "[INST]", "[TOOL_CALLS]", "[ARGS]"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += _SPM_PIECES
-    types = [2, 3, 3, 3, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES)
+    """Mistral's converter marks [TOOL_CALLS], [ARGS], [THINK] and [/THINK] control tokens; a reply's text must
+    keep them for the server to read its calls and its reasoning, while [INST] and </s> stay special (dropped
+    when decoding)."""
+    tokens = ["<unk>", "<s>", "</s>", "[INST]", "[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]"]
+    tokens += [f"<0x{b:02X}>" for b in range(256)] + _SPM_PIECES
+    types = [2, 3, 3, 3, 3, 3, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES)
     meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.scores": [0.0] * 262 + [-float(i) for i in range(len(_SPM_PIECES))],
+            "tokenizer.ggml.scores": [0.0] * 264 + [-float(i) for i in range(len(_SPM_PIECES))],
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
     mistral = Tokenizer.from_gguf_metadata(meta, "tiny-mistral.gguf")
     ids = mistral.encode("[INST]hi[TOOL_CALLS]hello[ARGS]a</s>", add_special_tokens=False)
     assert ids[0] == 3 and 4 in ids and 5 in ids  # each marker one token
     assert mistral.decode(ids) == "hi[TOOL_CALLS] hello[ARGS] a"  # (SentencePiece's space after an added token)
+    from server.reasoning import ReasoningFormat  # Magistral's thinking, found as Qwen3's <think> is
+
+    assert ReasoningFormat.find(mistral) == ReasoningFormat("[THINK]", "[/THINK]", 6, 7)
 
 
 def test_sentencepiece_vocab(spm: Tokenizer) -> None:
