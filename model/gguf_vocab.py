@@ -26,14 +26,30 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's Tekken (Nemo, Small 3.x, Devstral, Ministral 3) and o200k (Phi-4-mini, "gpt-4o"): words split at
+# case changes, as their tokenizer.json writes them (llama.cpp emulates these with lookaheads).
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # The regexes llama.cpp applies, in order, for each `tokenizer.ggml.pre` value; anything else gets GPT-2's.
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (r"\p{N}", _GPT2_SPLIT) for name in ("smollm", "starcoder", "refact", "codeshell")},
     **{name: (_LLAMA3_SPLIT,) for name in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx")},
     **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen")},
+    "tekken": (_TEKKEN_SPLIT,),
+    **{name: (_GPT4O_SPLIT,) for name in ("gpt-4o", "llama4")},
 }
-# llama.cpp's Llama-3 pre-tokenizer also looks whole words up in the vocabulary before merging.
-_IGNORE_MERGES = frozenset({"llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx"})
+# llama.cpp's Llama-3 and Tekken pre-tokenizers also look whole words up in the vocabulary before merging.
+_IGNORE_MERGES = frozenset({"llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx", "tekken"})
+# The byte-level vocabularies whose prompts llama.cpp begins with BOS when the file does not say.
+BOS_BY_DEFAULT = frozenset({"llama3", "llama-bpe", "llama-v3", "tekken"})
 # Control tokens that end a turn; llama.cpp stops on these too, even when they are not the EOS id (Gemma 4:
 # <turn|>, and <|tool_response> after a tool call).
 END_OF_TURN = frozenset(

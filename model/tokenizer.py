@@ -21,6 +21,7 @@ import tokenizers
 from model.chat_template import BUILTIN_TEMPLATES, compile_chat_template, render_chat_template
 from model.errors import ModelLoadError, one_line
 from model.gguf_vocab import (
+    BOS_BY_DEFAULT,
     CONTROL,
     END_OF_TURN,
     NORMAL,
@@ -152,7 +153,7 @@ class Tokenizer:
         types = (types + [NORMAL] * len(tokens))[: len(tokens)]
         if kind == "gpt2":
             backend = byte_level_bpe(metadata, tokens, source)
-            add_bos_default = False
+            add_bos_default = metadata.get("tokenizer.ggml.pre") in BOS_BY_DEFAULT  # as llama.cpp defaults it
         elif kind == "llama":
             backend = sentencepiece_bpe(metadata, tokens, types)
             add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies

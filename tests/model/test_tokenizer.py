@@ -127,6 +127,23 @@ def test_decode_of_encode_gives_the_text_back(tok: Tokenizer) -> None:
     assert tok.encode("<|im_start|>user<|im_end|>")[0] == 1  # matched whole, not spelled out
 
 
+@pytest.mark.parametrize("pre,pieces,bos", [
+    # Mistral's Tekken and Phi-4-mini's o200k split words where their case changes; the others do not.
+    ("tekken", ["camel", "Case", "ĠXMLHttp", "Request", "ĠI", "'M", "Ġwe", "'ll", "Ġ", "1", "2", "3"], True),
+    ("gpt-4o", ["camel", "Case", "ĠXMLHttp", "Request", "ĠI'M", "Ġwe'll", "Ġ", "123"], False),
+    ("llama-bpe", ["camelCase", "ĠXMLHttpRequest", "ĠI", "'M", "Ġwe", "'ll", "Ġ", "123"], True),
+    ("smollm", ["camelCase", "ĠXMLHttpRequest", "ĠI", "'", "M", "Ġwe", "'ll", "Ġ", "1", "2", "3"], False),
+])
+def test_a_byte_level_vocabulary_splits_as_its_pre_tokenizer_says(metadata, pre, pieces, bos) -> None:
+    """llama.cpp's rules for `tokenizer.ggml.pre` over SmolLM2's vocabulary, BOS where llama.cpp adds it when
+    the file does not say (benchmarks/peer_tokenize.py --pre: the same tokens as llama.cpp's server)."""
+    unsaid = {key: value for key, value in metadata.items() if key != "tokenizer.ggml.add_bos_token"}
+    tokenizer = Tokenizer.from_gguf_metadata({**unsaid, "tokenizer.ggml.pre": pre}, f"{pre}.gguf")
+    text = "camelCase XMLHttpRequest I'M we'll 123"
+    assert [piece for piece, _ in tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)] == pieces
+    assert tokenizer.add_bos_token == bos and (tokenizer.encode(text)[0] == tokenizer.bos_token_id) == bos
+
+
 def test_unsupported_gguf_tokenizer_model() -> None:
     with pytest.raises(ModelLoadError, match=r"weird\.gguf.*'bert'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "weird.gguf")

@@ -222,17 +222,18 @@ def random_raw_blocks(qtype, rows: int, cols: int, rng):
 
 
 def copy_smollm2_tokenizer(writer, special_tokens: Sequence[str] = (), eos_token: str | None = None,
-                           chat_template: str | None = None) -> None:
+                           chat_template: str | None = None, pre: str | None = None) -> None:
     """The embedded model's tokenizer (tokens, merges, chat template) into a GGUF being written, with
     `special_tokens` added after its vocabulary as control tokens (as llama.cpp's converter writes a
-    tokenizer's special added tokens), and another EOS token or chat template if given."""
+    tokenizer's special added tokens), and another EOS token, chat template or pre-tokenizer name
+    (`tokenizer.ggml.pre`: another family's splitting rules over the same vocabulary) if given."""
     from model.default import default_model_path
     from model.gguf_checkpoint import GGUFCheckpoint
 
     meta = GGUFCheckpoint(default_model_path()).metadata
     tokens = [*meta["tokenizer.ggml.tokens"], *special_tokens]
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_tokenizer_pre(pre or meta["tokenizer.ggml.pre"])
     writer.add_token_list(tokens)
     writer.add_token_types([*meta["tokenizer.ggml.token_type"], *[3] * len(special_tokens)])
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
