@@ -27,14 +27,14 @@ from bench_report import write_report  # benchmarks/, this script's directory
 from peer_embeddings import ROOT, llama_server, start, stop
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
-from tiny_models import hf_config, write_gguf  # the tests' model builders
+from tiny_models import hf_config, ministral3_config, write_gguf  # the tests' model builders
 
 import model
 from model.generator import Generator
 
 ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
           "gemma4_e": "gemma4", "gemma4_moe": "gemma4", "smollm3": "smollm3", "phi3": "phi3",
-          "qwen3_yarn": "qwen3", "llama3_yarn": "llama"}
+          "qwen3_yarn": "qwen3", "llama3_yarn": "llama", "ministral3": "mistral3"}
 # *_yarn: the family with YaRN (factor 4 over an original context of 32: every pair's frequency it changes
 # matters within the 40-token prompt), as Qwen 3 configs ask for past 32k tokens.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
@@ -47,6 +47,9 @@ def write_file(family: str, directory: Path) -> Path:
         sizes = {"gemma4_e": {"hidden_size_per_layer_input": 64}, "gemma4_moe": {"moe_intermediate_size": 128}}
         cfg = hf_config(family, vocab_size=49152, hidden_size=256, intermediate_size=512, head_dim=64,
                         global_head_dim=128, **sizes.get(family, {}))
+    elif family == "ministral3":  # YaRN and the attention temperature past 64 tokens (the prompt has 40)
+        cfg = ministral3_config(vocab_size=49152, original_context=64)
+        cfg.hidden_size, cfg.intermediate_size = 256, 512
     else:
         cfg = hf_config(family.removesuffix("_yarn"), vocab_size=49152)
         cfg.hidden_size, cfg.intermediate_size = 256, 512

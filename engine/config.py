@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from model.pooling import POOLING_KINDS
 from model.precision import parse_dtype, parse_kv_cache_dtype, resolve_dtype
 from model.quantization import resolve_quantization
 from parallel.layout import ATTENTION_SPLITS
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # On a CPU the cache shares memory with everything else; a bounded default keeps start-up quick.
@@ -303,6 +306,14 @@ def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
                          f"{model.max_position_embeddings} tokens")
+    limit = model.attention_temperature_length
+    if model.attention_temperature_beta and limit and max_model_len > limit:
+        if config.max_model_len is not None:
+            raise ValueError(f"max_model_len {max_model_len}: past {limit} tokens this model scales its queries by "
+                             f"position (Llama 4's attention temperature), which ladder does not; use {limit} or less")
+        log.warning("serving at most %d tokens a sequence: past them this model scales its queries by position "
+                    "(Llama 4's attention temperature), which ladder does not", limit)
+        max_model_len = limit
     return max_model_len
 
 

@@ -27,7 +27,7 @@ MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3",
                            *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
-HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "ministral3": "mistral"}
 # A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
 # defaults, which the multimodal checkpoints' text_config relies on).
 GEMMA3_TEXT_DEFAULTS = {
@@ -134,6 +134,10 @@ class ModelConfig:
     rope_original_max_position_embeddings: int | None = None
     rope_attention_factor: float | None = None  # LongRoPE's and YaRN's scale of cos and sin
     rope_yarn: YarnScaling | None = None
+    # Llama 4's attention temperature (Ministral 3): queries scaled by 1 + beta ln(1 + floor(position / length)),
+    # which is 1 below `length` tokens. ladder serves such a model up to `length` (engine/config.py).
+    attention_temperature_beta: float | None = None
+    attention_temperature_length: int | None = None
     # Gemma 4. The full-attention layers' head size and KV heads when they differ from the sliding ones' (31B:
     # 512 and 4 against 256 and 16); with attention_k_eq_v those layers' values are their keys' projection.
     global_head_dim: int | None = None
@@ -336,6 +340,11 @@ class ModelConfig:
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"],
                     "model_type": "gemma4_text"}
             return cls.from_hf(text)
+        if model_type == "mistral3" and "text_config" in cfg:
+            # Mistral Small 3.1/3.2 and Ministral 3: a Mistral or Ministral 3 text model beside a Pixtral tower
+            # (not read: images to these are refused as for any text model).
+            text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
+            return cls.from_hf({"model_type": "mistral", **text})
         if model_type in ("idefics3", "smolvlm") and "text_config" in cfg:
             # SmolVLM (Idefics3): a Llama-family text model with a vision tower beside it (model/vision.py).
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
@@ -378,6 +387,9 @@ class ModelConfig:
             extra |= _longrope_fields(cfg, rope)
         elif rope_type == "yarn" and arch not in ("gemma3", "gemma4", "phi3"):
             extra |= _yarn_fields(cfg, rope)
+        if rope.get("llama_4_scaling_beta"):  # Ministral 3's attention temperature, past its original context
+            extra["attention_temperature_beta"] = float(rope["llama_4_scaling_beta"])
+            extra["attention_temperature_length"] = int(rope["original_max_position_embeddings"])
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn; "
                              "longrope for phi3)")

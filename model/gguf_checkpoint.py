@@ -36,11 +36,11 @@ T = TypeVar("T")
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
-                 "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3"}
+                 "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3", "mistral3": "mistral"}
 # Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
 PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
-PERMUTED_ARCHITECTURES = ("llama", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "smollm3", "mistral3")
 # llama.cpp's SmolLM3: every fourth layer without rotary embeddings (a fixed step, not in the file).
 SMOLLM3_NOPE_STEP = 4
 # Mixtral checkpoints are written as "llama" too, with {arch}.expert_count > 0.
@@ -215,6 +215,11 @@ class GGUFCheckpoint:
             extra |= self._phi3_fields(hidden, num_heads)
         if scaling == "yarn":
             extra |= self._yarn_fields()
+        temperature = self._get("attention.temperature_scale")
+        if temperature:  # Ministral 3's (llama.cpp's mistral3): past the original context, as YaRN's is
+            extra["attention_temperature_beta"] = float(temperature)
+            extra["attention_temperature_length"] = int(self._get("rope.scaling.original_context_length")
+                                                        or self._require("context_length"))
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
             extra["nope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)

@@ -179,6 +179,43 @@ def test_yarn_rotates_as_transformers_from_a_directory_and_a_gguf(family, arch, 
     assert relative_error(Generator(unscaled.module, 128).step(ids), ref) > 1e-2
 
 
+def test_ministral3_from_its_directories_and_a_gguf(tmp_path):
+    """Ministral 3 (Mistral's layers, YaRN without a cos/sin scale, Llama 4's attention temperature past the
+    original 32 tokens): transformers' logits for a 30-token prompt from the text model's directory, from the
+    multimodal Mistral3ForConditionalGeneration's (its Pixtral tower not read) and from a GGUF of arch mistral3;
+    served up to the original context (the temperature is 1 there), a longer one refused in one line."""
+    from engine.config import EngineConfig, plan_kv_cache
+    from tiny_models import ministral3_config
+
+    torch.manual_seed(0)
+    text = ministral3_config()
+    hf = transformers.AutoModelForCausalLM.from_config(text).eval()
+    hf.save_pretrained(tmp_path / "text")
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, head_dim=16, image_size=32, patch_size=16)
+    both = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=5, tie_word_embeddings=False)).eval()
+    both.model.language_model.load_state_dict(hf.model.state_dict())
+    both.lm_head.load_state_dict(hf.lm_head.state_dict())
+    both.save_pretrained(tmp_path / "multimodal")
+    write_gguf(hf, tmp_path / "m.gguf", "F32", "mistral3")
+    ids = prompt(30, seed=2)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for source in (tmp_path / "text", tmp_path / "multimodal", tmp_path / "m.gguf"):
+        ours = model.load(source)
+        assert ours.config.architecture == "mistral" and ours.config.rope_yarn.factor == 4
+        assert ours.config.attention_temperature_beta == pytest.approx(0.1)  # (a GGUF's float32)
+        assert ours.config.attention_temperature_length == 32
+        assert ours.config.rope_attention_factor == pytest.approx(1.0)  # mscale over mscale_all_dim
+        assert relative_error(Generator(ours.module, 32).step(ids), ref) < 1e-4, source
+    assert plan_kv_cache(EngineConfig(kv_cache_memory_gib=0.01), ours.config, torch.float32,
+                         torch.device("cpu"))[1] == 32  # the model's 128 tokens cut to 32
+    with pytest.raises(ValueError, match="max_model_len 64: past 32 tokens this model scales its queries"):
+        plan_kv_cache(EngineConfig(kv_cache_memory_gib=0.01, max_model_len=64), ours.config, torch.float32,
+                      torch.device("cpu"))
+
+
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 def test_gemmas_embedding_scale_is_rounded_to_the_dtype_as_transformers_rounds_it(family, tmp_path):
     """Width 80: sqrt(80) is 8.9375 in bfloat16, not 8.944. The first layer's input is transformers' bit for

@@ -90,6 +90,20 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
     raise ValueError(family)
 
 
+def ministral3_config(vocab_size: int = 320, original_context: int = 32):
+    """A tiny Ministral 3 text config (transformers' Ministral3Config): Mistral's layers, YaRN with mscale and
+    mscale_all_dim 1 (no scale of cos and sin), Llama 4's attention temperature past `original_context`."""
+    import transformers
+
+    rope = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": original_context, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1}
+    return transformers.Ministral3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4 * original_context, rope_parameters=rope,
+        tie_word_embeddings=False)
+
+
 def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int = 320):
     """Write a random model of `family` to `directory` (config.json + model.safetensors); return it."""
     import transformers
@@ -384,6 +398,9 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         for key in ("beta_fast", "beta_slow"):
             if rope.get(key) is not None:
                 getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
+    if arch == "mistral3":  # as llama.cpp's converter writes Ministral 3
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if vocab is not None:
@@ -459,7 +476,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
         held[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
         if arch == "gemma3" and name.endswith("norm.weight"):
             raw = raw + 1.0  # llama.cpp's files store Gemma's norm scale (1 + w)
-        if arch in ("llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("llama", "smollm3", "mistral3") and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             raw = llama_cpp_permute(raw, heads)
         raw = np.ascontiguousarray(raw)
