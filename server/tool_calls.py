@@ -543,12 +543,14 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
 
 
 def _mistral_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
-    """``[TOOL_CALLS]NAME[ARGS]{...}``, back to back when ``parallel``, as Mistral's templates write calls."""
+    """``[TOOL_CALLS]NAME[ARGS]{...}``, back to back when ``parallel``, as Mistral's templates write calls;
+    ``[CALL_ID]`` and an id of 9 letters and digits may come before ``[ARGS]``, as Mistral Small 3.2's does."""
     lines = ["start: call call*" if parallel else "start: call",
-             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+             f"call_id: ({_lark_literal(MISTRAL_ID)} /[A-Za-z0-9]{{9}}/)?"]
     for i, function in enumerate(functions):
-        head = f"{MISTRAL_CALLS}{function['name']}{MISTRAL_ARGS}"
-        lines.append(f"call_{i}: {_lark_literal(head)} arguments_{i}")
+        head = _lark_literal(MISTRAL_CALLS + function["name"])
+        lines.append(f"call_{i}: {head} call_id {_lark_literal(MISTRAL_ARGS)} arguments_{i}")
         lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 
