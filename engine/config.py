@@ -307,12 +307,11 @@ def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
                          f"{model.max_position_embeddings} tokens")
     limit = model.attention_temperature_length
-    if model.attention_temperature_beta and limit and max_model_len > limit:
-        if config.max_model_len is not None:
-            raise ValueError(f"max_model_len {max_model_len}: past {limit} tokens this model scales its queries by "
-                             f"position (Llama 4's attention temperature), which ladder does not; use {limit} or less")
-        log.warning("serving at most %d tokens a sequence: past them this model scales its queries by position "
-                    "(Llama 4's attention temperature), which ladder does not", limit)
+    if model.attention_temperature_beta and limit and max_model_len > limit and config.max_model_len is None:
+        # Past `limit` the queries are scaled by position (Llama 4's attention temperature), which only the eager
+        # layers do (model/llama.py `query_scale`): the C++ step's speed up to it unless asked for more.
+        log.warning("serving at most %d tokens a sequence (the decoder's one-call C++ step); --max-model-len up "
+                    "to %d serves longer ones at the eager layers' speed", limit, max_model_len)
         max_model_len = limit
     return max_model_len
 

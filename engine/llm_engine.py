@@ -170,6 +170,10 @@ class LLMEngine:
         elif original_context is not None and self.max_model_len > original_context:
             raise ValueError(f"a context of {self.max_model_len} tokens takes LongRoPE's long factors, which only "
                              f"the model in one process switches to; lower --max-model-len to {original_context}")
+        elif self.model.config.attention_temperature_beta and \
+                self.max_model_len > (length := self.model.config.attention_temperature_length):
+            raise ValueError(f"a context of {self.max_model_len} tokens takes Llama 4's attention temperature, which "
+                             f"only the model in one process applies; lower --max-model-len to {length}")
         bound = config.max_prefill_tokens
         prefill_bound = bound if bound is not None and bound < config.max_num_batched_tokens else None
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

@@ -81,9 +81,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         plan: AttentionPlan,
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        q_scale: torch.Tensor | None = None,  # [T, 1, 1]: Llama 4's attention temperature (Ministral 3)
     ) -> torch.Tensor:
         """`shared_kv`: this step's keys and values by layer, for the layers that read an earlier layer's
-        cache (Gemma 4): a layer whose cache is read records its own, one that reads another's takes them."""
+        cache (Gemma 4): a layer whose cache is read records its own, one that reads another's takes them.
+        `q_scale`: each token's queries multiplied by it after their rotation."""
         # One view of the whole projection, then a split along the heads: viewing each non-contiguous slice
         # instead makes Inductor guard on T == 1 and compile the decode step a second time for batch 2.
         qkv = self.qkv_proj(x).view(-1, self.num_heads + self.kv_outputs * self.num_kv_heads, self.head_dim)
@@ -107,6 +109,8 @@ class Attention(nn.Module):
             v = self.ops.rms_norm(v, torch.ones(self.head_dim, dtype=v.dtype, device=v.device), self.value_norm_eps)
         if self.rotates:
             q, k = self.ops.apply_rotary(q, k, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale.to(q.dtype)
         if shared_kv is not None:
             shared_kv[self.layer_index] = k, v
         out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
@@ -178,12 +182,18 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
         per_layer_input: torch.Tensor | None = None,  # [T, per_layer_input_size] (Gemma 4's E2B, E4B)
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        q_scale: torch.Tensor | None = None,  # [T, 1, 1] (Ministral 3 past its original context)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The residual stream is carried separately so each add fuses with the norm that follows it.
         h, residual = self.input_layernorm(x, residual)
-        # (wrappers of the attention, tensor parallelism's, take no `shared_kv`: only Gemma 4 passes one)
-        h = self.self_attn(h, cos, sin, kv_cache, plan) if shared_kv is None else \
-            self.self_attn(h, cos, sin, kv_cache, plan, shared_kv)
+        # (wrappers of the attention, tensor parallelism's, take neither `shared_kv` nor `q_scale`: only Gemma 4
+        # passes the one, and only a model served in one process past Ministral 3's original context the other)
+        if shared_kv is not None:
+            h = self.self_attn(h, cos, sin, kv_cache, plan, shared_kv)
+        elif q_scale is not None:
+            h = self.self_attn(h, cos, sin, kv_cache, plan, q_scale=q_scale)
+        else:
+            h = self.self_attn(h, cos, sin, kv_cache, plan)
         if self.post_feedforward_layernorm is None:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
@@ -253,6 +263,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         self.register_buffer("rotary_scale", None, persistent=False)
         # LongRoPE's long factors in use (`fit_rotary_to`: a context past the model's original one).
         self.long_context = False
+        # Llama 4's attention temperature in use (`fit_rotary_to`: a context past its length).
+        self.query_temperature = False
         self.make_rotary(torch.get_default_device())
         self._kv_cache_dtype: torch.dtype | None = None  # kv_cache_dtype's setting (None: the activations')
         # The layers as one C++ call (model/cpu_step.py), built at the first step that can use it and again
@@ -290,6 +302,15 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         if long_context != self.long_context:
             self.long_context = long_context
             self.make_rotary(self.device)
+        length = self.config.attention_temperature_length
+        self.query_temperature = bool(self.config.attention_temperature_beta) and max_model_len > (length or 0)
+
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, 1, 1] float32: Llama 4's attention temperature, 1 + beta ln(1 + floor(position / length)), in
+        transformers' arithmetic (1 below `length`)."""
+        cfg = self.config
+        steps = torch.floor(positions.to(torch.float32) / cfg.attention_temperature_length)
+        return (1 + cfg.attention_temperature_beta * torch.log(1 + steps))[:, None, None]
 
     # -- the step interface (model/step.py; BaseStepModel gives the rest: one pool, warm-up, close) -----
 
@@ -342,7 +363,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             x = x * rounded_to(self.config.embedding_scale, x.dtype)
         if input_embeds is not None:  # an image's embeddings in its tokens' places (unscaled, as trained)
             x = x.index_copy(0, input_embeds.rows, input_embeds.values.to(x.dtype))
-        if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self.decoder_step() is not None:
+        # The C++ step has no query temperature: a model served past that length runs the eager layers.
+        if self.use_cpu_step and not self.query_temperature and CpuDecoderStep.takes(plan, kv_caches) \
+                and self.decoder_step() is not None:
             if self.config.nope_layers:  # the step's second rotation is the NoPE layers': none (model/cpu_step.py)
                 local = torch.ones_like(cos), torch.zeros_like(sin)
             elif self.local_attention is None:
@@ -354,8 +377,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         residual = None
         if self.config.layers_alike:
             if self.local_attention is None:
+                q_scale = self.query_scale(positions) if self.query_temperature else None
                 for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                    x, residual = layer(x, residual, cos, sin, kv_cache, plan)
+                    x, residual = layer(x, residual, cos, sin, kv_cache, plan, q_scale=q_scale)
             else:
                 full_plan, local_plan = plan
                 local = rotary_cos_sin_ref(positions, self.local_inv_freq)
