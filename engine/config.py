@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,6 @@ from model.pooling import POOLING_KINDS
 from model.precision import parse_dtype, parse_kv_cache_dtype, resolve_dtype
 from model.quantization import resolve_quantization
 from parallel.layout import ATTENTION_SPLITS
-
-log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # On a CPU the cache shares memory with everything else; a bounded default keeps start-up quick.
@@ -306,13 +303,6 @@ def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
                          f"{model.max_position_embeddings} tokens")
-    limit = model.attention_temperature_length
-    if model.attention_temperature_beta and limit and max_model_len > limit and config.max_model_len is None:
-        # Past `limit` the queries are scaled by position (Llama 4's attention temperature), which only the eager
-        # layers do (model/llama.py `query_scale`): the C++ step's speed up to it unless asked for more.
-        log.warning("serving at most %d tokens a sequence (the decoder's one-call C++ step); --max-model-len up "
-                    "to %d serves longer ones at the eager layers' speed", limit, max_model_len)
-        max_model_len = limit
     return max_model_len
 
 

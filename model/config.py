@@ -387,12 +387,12 @@ class ModelConfig:
             extra |= _longrope_fields(cfg, rope)
         elif rope_type == "yarn" and arch not in ("gemma3", "gemma4", "phi3"):
             extra |= _yarn_fields(cfg, rope)
-        if rope.get("llama_4_scaling_beta"):  # Ministral 3's attention temperature, past its original context
-            extra["attention_temperature_beta"] = float(rope["llama_4_scaling_beta"])
-            extra["attention_temperature_length"] = int(rope["original_max_position_embeddings"])
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn; "
                              "longrope for phi3)")
+        if rope.get("llama_4_scaling_beta"):  # Ministral 3's attention temperature, past its original context
+            extra["attention_temperature_beta"] = float(rope["llama_4_scaling_beta"])
+            extra["attention_temperature_length"] = int(rope["original_max_position_embeddings"])
         if arch == "phi3":
             partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
             if partial != 1.0:

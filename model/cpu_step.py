@@ -256,17 +256,18 @@ class CpuDecoderStep:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, local_cos: torch.Tensor,
                  local_sin: torch.Tensor, kv_caches: list[torch.Tensor],
                  plan: CpuAttentionPlan | tuple[CpuAttentionPlan, CpuAttentionPlan],
-                 per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
+                 per_layer_inputs: torch.Tensor | None = None, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] embeddings, cos/sin [T, head_dim / 2] of the full and of the windowed layers, the
-        plan (a pair with windowed layers among full ones), Gemma 4's per-layer inputs [T, layers, P] -> the
-        final norm's output [T, hidden]."""
+        plan (a pair with windowed layers among full ones), Gemma 4's per-layer inputs [T, layers, P], each
+        token's query scale [T] (Ministral 3's attention temperature) -> the final norm's output [T, hidden]."""
         full, local = plan if isinstance(plan, tuple) else (plan, plan)
         rows = self.lora.rows_for(x.shape[0]) if self.lora is not None else None  # [T] LoRA slots, or None
         return self.step.forward(x, cos, sin, local_cos, local_sin, kv_caches, full.slot_mapping,
                                  full.row_block_tables, full.row_seq_lens, local.slot_mapping,
                                  local.row_block_tables, local.row_seq_lens, self.scale, self.window,
                                  self.no_lora if rows is None else rows.contiguous(),
-                                 self.no_inputs if per_layer_inputs is None else per_layer_inputs.contiguous())
+                                 self.no_inputs if per_layer_inputs is None else per_layer_inputs.contiguous(),
+                                 self.no_inputs if q_scale is None else q_scale.reshape(-1).contiguous())
 
     def set_profiling(self, on: bool) -> None:
         """Time each part of the coming steps inside C++ (a clock read between parts), or stop."""

@@ -363,9 +363,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             x = x * rounded_to(self.config.embedding_scale, x.dtype)
         if input_embeds is not None:  # an image's embeddings in its tokens' places (unscaled, as trained)
             x = x.index_copy(0, input_embeds.rows, input_embeds.values.to(x.dtype))
-        # The C++ step has no query temperature: a model served past that length runs the eager layers.
-        if self.use_cpu_step and not self.query_temperature and CpuDecoderStep.takes(plan, kv_caches) \
-                and self.decoder_step() is not None:
+        q_scale = self.query_scale(positions) if self.query_temperature else None  # [T, 1, 1] or None
+        if self.use_cpu_step and CpuDecoderStep.takes(plan, kv_caches) and self.decoder_step() is not None:
             if self.config.nope_layers:  # the step's second rotation is the NoPE layers': none (model/cpu_step.py)
                 local = torch.ones_like(cos), torch.zeros_like(sin)
             elif self.local_attention is None:
@@ -373,11 +372,10 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             else:
                 local = rotary_cos_sin_ref(positions, self.local_inv_freq)
             per_layer = self.per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
-            return self.cpu_step(x, cos, sin, *local, kv_caches, plan, per_layer)
+            return self.cpu_step(x, cos, sin, *local, kv_caches, plan, per_layer, q_scale)
         residual = None
         if self.config.layers_alike:
             if self.local_attention is None:
-                q_scale = self.query_scale(positions) if self.query_temperature else None
                 for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                     x, residual = layer(x, residual, cos, sin, kv_cache, plan, q_scale=q_scale)
             else:

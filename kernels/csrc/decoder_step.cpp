@@ -40,7 +40,9 @@
 //   bfloat16 or all float16: keys and values are rounded to the cache's type as they are written, as torch's
 //   conversion rounds them), slot_mapping [T], block_tables [T, max_blocks], seq_lens [T] and the same three
 //   for the windowed layers, scale, window, lora_slots ([T] int64, each row's LoRA slot or -1; empty: no
-//   adapter this step), per_layer_inputs ([T, layers, P] float32; empty without)) -> final hidden [T, hidden].
+//   adapter this step), per_layer_inputs ([T, layers, P] float32; empty without), q_scale ([T] float32, each
+//   token's queries multiplied by it after their rotation: Llama 4's attention temperature; empty without))
+//   -> final hidden [T, hidden].
 //   Each row is a decode row: token t sees seq_lens[t] keys, its own included; a windowed layer the last
 //   `window` of them.
 #include <ATen/ATen.h>
@@ -294,7 +296,7 @@ class DecoderStep : public torch::CustomClassHolder {
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots, const at::Tensor& tables,
                      const at::Tensor& lens, const at::Tensor& local_slots, const at::Tensor& local_tables,
                      const at::Tensor& local_lens, double scale, int64_t window, const at::Tensor& lora_slots,
-                     const at::Tensor& per_layer_inputs) {
+                     const at::Tensor& per_layer_inputs, const at::Tensor& q_scale) {
     const int64_t H = hidden_;
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                 "DecoderStep: x [T, ", H, "] float32 on the CPU");
@@ -321,6 +323,12 @@ class DecoderStep : public torch::CustomClassHolder {
       TORCH_CHECK(lora_slots.scalar_type() == at::kLong && lora_slots.dim() == 1 && lora_slots.size(0) == T &&
                   lora_slots.is_contiguous(), "DecoderStep: lora_slots [T] int64 contiguous");
       lora_rows = lora_slots.data_ptr<int64_t>();
+    }
+    const float* qs = nullptr;  // [T], or none
+    if (q_scale.numel()) {
+      TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.is_contiguous() && q_scale.numel() == T,
+                  "DecoderStep: q_scale [T] float32 contiguous");
+      qs = q_scale.data_ptr<float>();
     }
     const float* ple = nullptr;  // [T, L, P]
     if (ple_) {
@@ -399,6 +407,8 @@ class DecoderStep : public torch::CustomClassHolder {
       rows(T, QS + KS, [&](int64_t t) {
         rotate_rows(qkv + t * QKV, 1, heads_, QKV, D, cp + t * half, snp + t * half, half);
         if (P) rotate_rows(qkv + t * QKV + QS, 1, KVH, QKV, D, cp + t * half, snp + t * half, half);
+        if (qs)  // the eager layers' q * q_scale, the same float32 products
+          for (float *q = qkv + t * QKV, *end = q + QS; q < end; ++q) *q *= qs[t];
       });
       clock.lap(kRotary);
       const int64_t* sp = plan.slots.data_ptr<int64_t>();

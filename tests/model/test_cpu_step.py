@@ -256,9 +256,9 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
 
     no_inputs = torch.empty(0)  # no per-layer inputs (Gemma 4's)
 
-    def forward(x, caches, slots, lora=no_lora):
+    def forward(x, caches, slots, lora=no_lora, q_scale=no_inputs):
         return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0, lora,
-                            no_inputs)
+                            no_inputs, q_scale)
 
     with pytest.raises(RuntimeError, match="slot 1000000000 outside layer 0's cache"):
         forward(x, seqs.kv_caches, slots)
@@ -273,6 +273,8 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
         forward(x, [c.double() for c in seqs.kv_caches], torch.tensor([0]))
     with pytest.raises(RuntimeError, match="lora_slots \\[T\\] int64"):
         forward(x, seqs.kv_caches, torch.tensor([0]), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="q_scale \\[T\\] float32"):
+        forward(x, seqs.kv_caches, torch.tensor([0]), q_scale=torch.ones(2))
     a, b = torch.zeros(2, 4, 576), torch.zeros(2, 4, 960)
     with pytest.raises(RuntimeError, match="LoRA a \\[S, R, 576\\] and b \\[S, R, 576\\] expected"):
         step.set_lora(0, 1, torch.zeros(2, 4, 576), b, [])  # o_proj's b is [S, R, 576]

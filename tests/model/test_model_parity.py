@@ -183,9 +183,8 @@ def test_ministral3_from_its_directories_and_a_gguf(tmp_path):
     """Ministral 3 (Mistral's layers, YaRN without a cos/sin scale, Llama 4's attention temperature past the
     original 32 tokens): transformers' logits for a 100-token prompt (the temperature 1, 1.07 and 1.11 in its
     thirds) from the text model's directory, from the multimodal Mistral3ForConditionalGeneration's (its
-    Pixtral tower not read) and from a GGUF of arch mistral3. Served up to the original context by default
-    (the C++ step's speed), past it when asked (the eager layers)."""
-    from engine.config import EngineConfig, plan_kv_cache
+    Pixtral tower not read) and from a GGUF of arch mistral3; the C++ step's hidden states the eager layers'
+    bit for bit, the temperature included."""
     from tiny_models import ministral3_config
 
     torch.manual_seed(0)
@@ -211,13 +210,16 @@ def test_ministral3_from_its_directories_and_a_gguf(tmp_path):
         assert ours.config.rope_attention_factor == pytest.approx(1.0)  # mscale over mscale_all_dim
         assert relative_error(Generator(ours.module, 128).step(ids), ref) < 1e-4, source
         assert ours.module.query_temperature  # past 32 tokens: the eager layers, with the temperature
-    within = Generator(ours.module, 32)  # up to 32 tokens the temperature is 1: the C++ step
+    w8a8 = model.load(tmp_path / "text", quantization="w8a8")  # a model the C++ step takes
+    hidden = []
+    for use_step in (True, False):
+        w8a8.module.use_cpu_step = use_step
+        hidden.append(Generator(w8a8.module, 128).step(ids))
+    assert w8a8.module.cpu_step is not None and w8a8.module.query_temperature
+    assert torch.equal(hidden[0], hidden[1]) and relative_error(hidden[0], ref) < 0.05
+    within = Generator(ours.module, 32)  # up to 32 tokens the temperature is 1: not computed
     assert not ours.module.query_temperature
     assert relative_error(within.step(ids[:30]), ref[:30]) < 1e-4
-    assert plan_kv_cache(EngineConfig(kv_cache_memory_gib=0.01), ours.config, torch.float32,
-                         torch.device("cpu"))[1] == 32  # the model's 128 tokens cut to 32 unless asked
-    assert plan_kv_cache(EngineConfig(kv_cache_memory_gib=0.01, max_model_len=128), ours.config, torch.float32,
-                         torch.device("cpu"))[1] == 128
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
