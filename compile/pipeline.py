@@ -25,6 +25,7 @@ from compile import parity, speed
 from compile.manifest import describe_device, file_entries, library_versions, sha256_source, write_artifact
 from engine.backends.artifact import TOKENIZER_DIR, LoadedArtifact, load_backend, loaded_artifact
 from engine.backends.manifest import BACKENDS, ArtifactError, Manifest
+from model.config import ModelConfig
 from model.loader import load
 from model.precision import COMPILE_PRECISIONS
 from model.quantization import apply_precision
@@ -59,6 +60,17 @@ class StageLog:
         yield
         self.seconds[name] = time.perf_counter() - start
         self.write(f"[{name}] done in {self.seconds[name]:.1f} s")
+
+
+def check_position_rules(config: ModelConfig, max_model_len: int) -> None:
+    """An artifact's step is compiled with one rotation and no query temperature: ValueError (one line) for a
+    context past where LongRoPE's long factors or Llama 4's attention temperature begin."""
+    for begins, what in ((config.rope_original_max_position_embeddings, "LongRoPE's long factors"),
+                         (config.attention_temperature_length if config.attention_temperature_beta else None,
+                          "Llama 4's attention temperature")):
+        if begins is not None and max_model_len > begins:
+            raise ValueError(f"--max-model-len {max_model_len}: past {begins} tokens this model takes {what}, which "
+                             f"a compiled artifact does not; use {begins} or less")
 
 
 def check_options(options: CompileOptions) -> None:
@@ -185,6 +197,7 @@ def run(options: CompileOptions, log: StageLog | None = None,
         loaded = load(options.model, dtype=torch.float32, device=device, block_size=options.block_size)
         eager = loaded.module
         loaded.config.require_alike_layers("ladder compile")
+        check_position_rules(loaded.config, options.max_model_len)
         source_sha = sha256_source(loaded.path)
     with log.stage("reference", "fp32 eager outputs on the parity inputs" + (" (given)" if reference else "")):
         prompts, corpus = parity.encode_inputs(loaded.tokenizer, loaded.config.vocab_size)

@@ -302,3 +302,19 @@ def test_serve_artifact_over_http(artifacts, tmp_path):
         assert offline.outputs[0].text == first["choices"][0]["text"]
     finally:
         server.stop()
+
+
+def test_a_context_past_a_position_rule_is_refused_before_compiling():
+    """An artifact's step has one rotation and no query temperature: Ministral 3's attention temperature and
+    Phi's LongRoPE long factors begin past their original context, so a longer --max-model-len is refused."""
+    from compile.pipeline import check_position_rules
+    from model.config import ModelConfig
+    from tiny_models import ministral3_config
+
+    ministral = ModelConfig.from_hf(ministral3_config().to_dict())
+    check_position_rules(ministral, 32)
+    with pytest.raises(ValueError, match="--max-model-len 64: past 32 tokens this model takes Llama 4's attention"):
+        check_position_rules(ministral, 64)
+    longrope = ministral.replace(attention_temperature_beta=None, rope_original_max_position_embeddings=16)
+    with pytest.raises(ValueError, match="past 16 tokens this model takes LongRoPE's long factors"):
+        check_position_rules(longrope, 32)
