@@ -41,7 +41,7 @@ from model.lora import LoRAAdapter, load_adapter
 from model.lora_slots import LoRASlots
 from model.pooling import POOLING_KINDS, Pooling
 from model.precision import parse_kv_cache_dtype
-from model.quantization import resolve_quantization
+from model.quantization import release_unpacked, resolve_quantization
 from model.step import returns_hidden
 from model.vision import EncodedImages, Vision, image_spans, joined
 from parallel import tensor_parallel_model
@@ -149,6 +149,10 @@ class LLMEngine:
             log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
         self.pooling = resolve_pooling(config, getattr(self.model, "pooling", None))
         module = self.model.module
+        if isinstance(module, LlamaForCausalLM):  # its int8 layers compute from their packed copies
+            freed = release_unpacked(module)
+            if freed:
+                log.info("int8 weights kept in their kernels' layout only: %.0f MiB freed", freed / 2**20)
         num_window_blocks = None
         if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:
             # Sliding-window layers (Gemma 3's beside full ones, or every layer of a Mistral with a window), in

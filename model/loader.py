@@ -186,6 +186,11 @@ def load(
         raise ModelLoadError(f"{path}: --pan-and-scan is for a model that reads images; this one reads none")
     if quantization not in ("none", "w4a8"):
         quantize(module, quantization, tokenizer, weight_files)
+        if not path.is_dir():  # a GGUF: the LM head is int8 now, so the float table served lookups alone
+            table = checkpoint.block_embedding_tables(tokens=True).get("embed_tokens.weight")
+            if table is not None:
+                module.embed_tokens = BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]), torch_dtype,
+                                                     device)
     defaults = read_sampling_defaults(path) if path.is_dir() else {}
     return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults,
                        pooling)

@@ -184,6 +184,25 @@ class W8A8Linear(Int8Weights):
 INT8_LINEARS: dict[str, type[Int8Weights]] = {"int8": Int8Linear, "w8a8": W8A8Linear}
 
 
+def release_unpacked(module: nn.Module) -> int:
+    """Drop each int8 weight that a CPU kernel reads only in its packed layout (a linear's `weight` beside its
+    `packed`, a MoE block's `w13`/`w2` beside `w13_packed`/`w2_packed`); returns the bytes freed. For a model
+    about to be served in this process: the int8 weights were held twice (Gemma 3 270M's W8A8 LM head 2 x 160
+    MB). What reads the plain layout (a state dict for `ladder compile` or tensor-parallel shards, the CUDA
+    path) runs before this or on another copy; a released tensor is empty, so any later reader fails loudly."""
+    freed = 0
+    for sub in module.modules():
+        buffers = dict(sub.named_buffers(recurse=False))
+        plain = {"weight": "packed"} if isinstance(sub, Int8Weights) else {}
+        plain |= {name.removesuffix("_packed"): name for name in buffers if name.endswith("_packed")}
+        for name, packed in plain.items():
+            tensor = buffers.get(name)
+            if buffers.get(packed) is not None and tensor is not None and tensor.numel():
+                freed += tensor.numel() * tensor.element_size()
+                setattr(sub, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+    return freed
+
+
 def linear_names(module: LlamaForCausalLM) -> list[str]:
     """Every linear layer INT8 replaces: q/k/v, o, gate/up, down of each layer, and the LM head. A mixture
     of experts' router (`mlp.gate`, Gemma 4's `router.proj`) stays float (model/moe.py Int8SparseMoeBlock says
