@@ -102,6 +102,9 @@ class _Rows:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        # A model the engine loads itself is its own: it keeps only what serving reads (`release_unpacked`).
+        # One passed in stays whole: its caller may use it again (tensor-parallel shards, another engine).
+        self._owns_model = loaded is None and config.artifact is None
         if loaded is None and config.artifact is not None:
             loaded = load_artifact(config.artifact, config.device)
         self.model = loaded or load(config.model, dtype=config.dtype, device=config.device,
@@ -149,7 +152,7 @@ class LLMEngine:
             log.info("sampling defaults from the model's generation_config.json: %s", self.sampling_defaults)
         self.pooling = resolve_pooling(config, getattr(self.model, "pooling", None))
         module = self.model.module
-        if isinstance(module, LlamaForCausalLM):  # its int8 layers compute from their packed copies
+        if self._owns_model and isinstance(module, LlamaForCausalLM):  # its int8 layers read their packed copies
             freed = release_unpacked(module)
             if freed:
                 log.info("int8 weights kept in their kernels' layout only: %.0f MiB freed", freed / 2**20)

@@ -232,3 +232,20 @@ def test_async_engine_streams_aborts_and_reports_death(loaded, prompts):
         eng.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_an_engine_that_loads_its_model_keeps_int8_weights_in_their_kernels_layout_only(tiny_dir):
+    """W8A8 linears held each weight twice (plain and packed). An engine that loaded its model drops the plain
+    copies and serves the same tokens as an engine given the model, which it leaves whole for its caller."""
+    import model as model_pkg
+
+    owned = LLMEngine(EngineConfig(model=str(tiny_dir), quantization="w8a8", kv_cache_memory_gib=0.01,
+                                   max_model_len=128))
+    given = model_pkg.load(str(tiny_dir), quantization="w8a8")
+    shared = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_memory_gib=0.01, max_model_len=128), loaded=given)
+    head = owned.model.module.lm_head
+    assert head.packed is not None and head.weight.numel() == 0
+    assert given.module.lm_head.weight.shape == (given.config.vocab_size, given.config.hidden_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    owned_tokens, shared_tokens = (tokens(run_all(e, [[1, 5, 9, 13, 17]], params)["0"]) for e in (owned, shared))
+    assert owned_tokens == shared_tokens and len(owned_tokens) == 12
