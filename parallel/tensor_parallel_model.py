@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model.attention_metadata import AttentionMetadata
+from model.block_embedding import BlockEmbedding
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
 from model.loader import LoadedModel
@@ -254,6 +255,8 @@ def start(loaded: LoadedModel, size: int, timeout_s: float = DEFAULT_TIMEOUT_S, 
     threads_before = torch.get_num_threads()
     num_threads = cpu_threads_per_rank(size) if device.type == "cpu" else threads_before
     state = full.state_dict()
+    if isinstance(full.embed_tokens, BlockEmbedding):  # a GGUF's rows (model/block_embedding.py): split as floats
+        state["embed_tokens.weight"] = full.embed_tokens(torch.arange(full.embed_tokens.num_embeddings))
     shards = [shard_state(state, config, layout, rank, loaded.quantization) for rank in range(size)]
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)

@@ -111,6 +111,29 @@ def test_two_ranks_give_one_process_tokens_on_a_tiny_w8a8_model(tiny_tp, tiny_re
     assert module.shard.layers[0].self_attn.o_proj.in_features == 2 * 2 * 16  # whole: every head's columns
 
 
+def test_a_gguf_whose_embedding_stays_its_blocks_splits_across_ranks(tmp_path):
+    """Under W8A8 a GGUF's token embedding stays the file's Q8_0 rows (model/block_embedding.py); the ranks
+    take it as the floats it holds, and two ranks give one process's tokens and logprobs bit for bit."""
+    import transformers
+    from tiny_models import hf_config, write_gguf
+
+    from model.loader import load
+
+    torch.manual_seed(0)
+    write_gguf(transformers.AutoModelForCausalLM.from_config(hf_config("llama3")).eval(), tmp_path / "m.gguf", "Q8_0")
+    with pytest.MonkeyPatch.context() as patch:  # the SmoothQuant calibration cache stays in the test's tree
+        patch.setenv("LADDER_CACHE_DIR", str(tmp_path / "cache"))
+        loaded = load(tmp_path / "m.gguf", quantization="w8a8")
+    assert type(loaded.module.embed_tokens).__name__ == "BlockEmbedding"
+    prompts = tiny_prompts()[:3]
+    reference = run_alone(tiny_engine(loaded, 1), prompts)
+    engine = tiny_engine(loaded, 2)
+    try:
+        assert run_alone(engine, prompts) == reference
+    finally:
+        engine.close()
+
+
 def test_batch_with_preemption_gives_each_prompt_its_tokens_alone(tiny_tp, tiny_reference):
     preemptions = tiny_tp.stats.num_preemptions
     batched = run(tiny_tp, tiny_prompts())
