@@ -42,6 +42,11 @@ class BlockEmbedding(nn.Module):
             warnings.simplefilter("ignore", UserWarning)
             self.blocks = torch.from_numpy(np.asarray(blocks))  # a view of the same pages, not a copy
 
+    @classmethod
+    def of(cls, table, dtype: torch.dtype, device: torch.device | str = "cpu") -> BlockEmbedding:
+        """Over a GGUF file's table (a gguf ReaderTensor of a quantized type: its shape is [width, rows])."""
+        return cls(table.data, table.tensor_type, int(table.shape[0]), dtype, device)
+
     @property
     def num_embeddings(self) -> int:
         return self.blocks.shape[0]

@@ -166,8 +166,7 @@ def load(
         module = build_model(config, checkpoint.read_tensors(), str(path), f"{path.name} metadata",
                              torch_dtype, device, block_size, skip | set(tables))
         for state_name, table in tables.items():  # (`name` is the model's: its served name)
-            setattr(module, state_name.removesuffix(".weight"),
-                    BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]), torch_dtype, device))
+            setattr(module, state_name.removesuffix(".weight"), BlockEmbedding.of(table, torch_dtype, device))
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, str(path))
         read_score_rows(module, checkpoint, tokenizer, str(path))
         if mmproj is not None:
@@ -189,8 +188,7 @@ def load(
         if not path.is_dir():  # a GGUF: the LM head is int8 now, so the float table served lookups alone
             table = checkpoint.block_embedding_tables(tokens=True).get("embed_tokens.weight")
             if table is not None:
-                module.embed_tokens = BlockEmbedding(table.data, table.tensor_type, int(table.shape[0]), torch_dtype,
-                                                     device)
+                module.embed_tokens = BlockEmbedding.of(table, torch_dtype, device)
     defaults = read_sampling_defaults(path) if path.is_dir() else {}
     return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults,
                        pooling)
