@@ -36,7 +36,7 @@ from engine.text_stream import TextStream
 from engine.window_blocks import WindowedBlockManager
 from model.chat_template import read_chat_template
 from model.llama import LlamaForCausalLM
-from model.loader import LoadedModel, load
+from model.loader import LoadedModel, load, return_freed_memory
 from model.lora import LoRAAdapter, load_adapter
 from model.lora_slots import LoRASlots
 from model.pooling import POOLING_KINDS, Pooling
@@ -155,6 +155,7 @@ class LLMEngine:
         if self._owns_model and isinstance(module, LlamaForCausalLM):  # its int8 layers read their packed copies
             freed = release_unpacked(module)
             if freed:
+                return_freed_memory()
                 log.info("int8 weights kept in their kernels' layout only: %.0f MiB freed", freed / 2**20)
         num_window_blocks = None
         if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import logging
 import time
@@ -190,8 +192,24 @@ def load(
             if table is not None:
                 module.embed_tokens = BlockEmbedding.of(table, torch_dtype, device)
     defaults = read_sampling_defaults(path) if path.is_dir() else {}
+    if quantization != "none":
+        return_freed_memory()  # the float weights quantization started from
     return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults,
                        pooling)
+
+
+def return_freed_memory() -> None:
+    """Give the pages of freed memory back to the system. glibc's allocator keeps what was freed in pieces
+    below its mmap threshold (32 MB at most) in its arenas: loading a quantized model frees the float layers it
+    started from, about 0.35 GB of Gemma 3 270M's under W8A8 that the process otherwise kept resident. No-op
+    where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def quantize(module, scheme: str, tokenizer, weight_files: list[Path]) -> None:
