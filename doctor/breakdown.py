@@ -47,6 +47,7 @@ from model.attention.install import wrapped
 from model.block_embedding import BlockEmbedding
 from model.cpu_step import CpuDecoderStep
 from model.moe import Int8SparseMoeBlock, SparseMoeBlock, W4A8SparseMoeBlock
+from model.quantization import packed_twins
 
 MOE_BLOCKS = (SparseMoeBlock, Int8SparseMoeBlock, W4A8SparseMoeBlock)
 
@@ -200,8 +201,8 @@ def phase_of(name: str, module: nn.Module) -> str | None:
 
 def linear_weight_bytes(module: nn.Module) -> int:
     """Bytes of the tensors a linear's kernel reads: its parameters and buffers, less the int8 `weight` of a
-    module that computes from its `packed` layout (model/quantization.py)."""
-    skip = {"weight"} if getattr(module, "packed", None) is not None else set()
+    module that computes from its `packed` layout (model/quantization.py `packed_twins`)."""
+    skip = set(packed_twins(module))
     tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     return sum(t.numel() * t.element_size() for name, t in tensors if t is not None and name not in skip)
 
@@ -210,7 +211,7 @@ def all_experts_bytes(block: nn.Module) -> int:
     """Bytes of a MoE block's E experts' weights, in their kernel's layout where they have one (the router
     is not counted)."""
     tensors = dict([*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)])
-    skip = {name.removesuffix("_packed") for name, t in tensors.items() if name.endswith("_packed") and t is not None}
+    skip = set(packed_twins(block))
     return sum(t.numel() * t.element_size() for name, t in tensors.items() if t is not None and name not in skip)
 
 

@@ -296,7 +296,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
     def fit_rotary_to(self, max_model_len: int) -> None:
         """LongRoPE: its long factors when the context served exceeds the model's original one, else its short
         ones (as llama.cpp chooses by context; transformers switches by each call's length, which rotates a
-        sequence's cached keys one way and its later ones the other). Nothing for other rotations."""
+        sequence's cached keys one way and its later ones the other). Llama 4's attention temperature is
+        computed only for a context that reaches it (Ministral 3: past 16,384 tokens). Nothing for other
+        rotations."""
         original = self.config.rope_original_max_position_embeddings
         long_context = original is not None and max_model_len > original
         if long_context != self.long_context:

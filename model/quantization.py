@@ -192,15 +192,23 @@ def release_unpacked(module: nn.Module) -> int:
     path) runs before this or on another copy; a released tensor is empty, so any later reader fails loudly."""
     freed = 0
     for sub in module.modules():
-        buffers = dict(sub.named_buffers(recurse=False))
-        plain = {"weight": "packed"} if isinstance(sub, Int8Weights) else {}
-        plain |= {name.removesuffix("_packed"): name for name in buffers if name.endswith("_packed")}
-        for name, packed in plain.items():
-            tensor = buffers.get(name)
-            if buffers.get(packed) is not None and tensor is not None and tensor.numel():
+        for name in packed_twins(sub):
+            tensor = getattr(sub, name)
+            if tensor.numel():
                 freed += tensor.numel() * tensor.element_size()
                 setattr(sub, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
     return freed
+
+
+def packed_twins(module: nn.Module) -> list[str]:
+    """The names of `module`'s own int8 tensors that its CPU kernel reads only in a packed copy: an int8
+    linear's `weight` beside `packed`, a MoE block's `w13`/`w2` beside `w13_packed`/`w2_packed` (each where the
+    packed copy exists)."""
+    buffers = dict(module.named_buffers(recurse=False))
+    plain = {"weight": "packed"} if isinstance(module, Int8Weights) else {}
+    plain |= {name.removesuffix("_packed"): name for name in buffers if name.endswith("_packed")}
+    return [name for name, packed in plain.items()
+            if buffers.get(packed) is not None and buffers.get(name) is not None]
 
 
 def linear_names(module: LlamaForCausalLM) -> list[str]:
