@@ -46,10 +46,18 @@ from model.attention.base import BaseAttention
 from model.attention.install import wrapped
 from model.block_embedding import BlockEmbedding
 from model.cpu_step import CpuDecoderStep
-from model.moe import Int8SparseMoeBlock, SparseMoeBlock, W4A8SparseMoeBlock
+from model.moe import (
+    GptOssMoeBlock,
+    Int8GptOssMoeBlock,
+    Int8SparseMoeBlock,
+    SparseMoeBlock,
+    W4A8GptOssMoeBlock,
+    W4A8SparseMoeBlock,
+)
 from model.quantization import packed_twins
 
-MOE_BLOCKS = (SparseMoeBlock, Int8SparseMoeBlock, W4A8SparseMoeBlock)
+MOE_BLOCKS = (SparseMoeBlock, Int8SparseMoeBlock, W4A8SparseMoeBlock, GptOssMoeBlock, Int8GptOssMoeBlock,
+              W4A8GptOssMoeBlock)
 
 # The decoder's linear modules by the last part of their name -> the kind the breakdown reports.
 LINEAR_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head"}

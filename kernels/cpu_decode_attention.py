@@ -73,17 +73,17 @@ def check_decode_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                               portable: bool) -> torch.Tensor:
+                               portable: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's reference: the gather path in float32, in q's dtype (`portable` is the kernel's alone)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     starts = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_attention_ref(q, kv_cache, starts, seq_lens, block_tables, 1, int(seq_lens.max()), scale,
-                               sliding_window or None)
+                               sliding_window or None, sinks=sinks)
 
 
 _paged_decode_attention = cpu_op("paged_decode_attention", paged_decode_attention_ref,
-                                 lambda q, kv_cache, block_tables, seq_lens, scale, sliding_window, portable:
+                                 lambda q, kv_cache, block_tables, seq_lens, scale, sliding_window, portable, sinks=None:
                                  torch.empty_like(q))
 
 
@@ -95,7 +95,11 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     portable: bool = False,  # the portable loop even where a vector version exists
+    sinks: torch.Tensor | None = None,  # [H] float32: each query head's sink logit (GPT-OSS)
 ) -> torch.Tensor:  # [S, H, D] of q's dtype, computed in float32
     check_decode_inputs(q, kv_cache, block_tables, seq_lens)
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_cpu):
+        raise ValueError(f"sinks must be [{q.shape[1]}] on the CPU, one per query head; got {list(sinks.shape)} "
+                         f"on {sinks.device}")
     return _paged_decode_attention(q, kv_cache, block_tables.long(), seq_lens.long(), scale, sliding_window or 0,
-                                   portable)
+                                   portable, None if sinks is None else sinks.float().contiguous())

@@ -8,7 +8,9 @@ seq_lens[s] - num_new[s] + i and attends causally to positions <= its own, and w
 only to positions > its own - w. With `key_ends` [T], new token t attends to positions < key_ends[t] instead
 of <= its own (an image's tokens see the whole image: Gemma 3); a window still counts back from its own
 position. Queries may have more heads than the cache (grouped-query attention:
-query head h reads KV head h // (num_heads / num_kv_heads)).
+query head h reads KV head h // (num_heads / num_kv_heads)). With `sinks` [num_heads] (GPT-OSS), each query
+head's softmax has one more logit, its sink, that takes weight without a value: the attention's output is
+scaled by sum_t exp(s_t) / (sum_t exp(s_t) + exp(sink)).
 
 Decode (one new token per sequence) and prefill chunks compute the same function; their kernels live
 in decode_attention.py and prefill_attention.py. `plan_gather` and `gathered_attention` are that function
@@ -75,12 +77,13 @@ def gathered_attention(
     plan: GatherPlan,
     scale: float,
     heads_by_reshape: bool = False,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: each query head's sink logit
 ) -> torch.Tensor:  # [T, num_heads, head_dim] of q's dtype
     """Attention of the flat batch's queries over their sequences' cached blocks, gathered.
 
     heads_by_reshape: lay the query heads that share a KV head side by side (explicit matmuls, softmax in
     float32) instead of SDPA's `enable_gqa`; the same function, written so an exporter neither repeats
-    K/V heads nor needs an SDPA with grouped heads."""
+    K/V heads nor needs an SDPA with grouped heads. Sinks take that path too (SDPA has no sink column)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     num_heads = q.shape[1]
     num_seqs, max_q = plan.query_index.shape
@@ -88,7 +91,7 @@ def gathered_attention(
     keys = kv_cache[0][plan.block_tables].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = kv_cache[1][plan.block_tables].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
-    if not heads_by_reshape:
+    if not heads_by_reshape and sinks is None:
         queries = q[plan.query_index].transpose(1, 2)  # [S, H, max_q, d]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale,
                                              enable_gqa=num_kv_heads != num_heads)
@@ -101,7 +104,12 @@ def gathered_attention(
     scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [S, kvh, Q * group, L]
     scores = scores.reshape(num_seqs, num_kv_heads, max_q, group, -1)
     scores = scores.masked_fill(~plan.mask[:, :, :, None, :], float("-inf"))  # mask [S, 1, Q, 1, L]
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(num_seqs, num_kv_heads, max_q * group, -1)
+    if sinks is not None:  # one more column per head, [1, kvh, 1, group, 1], dropped after the softmax
+        sink = sinks.float().view(1, num_kv_heads, 1, group, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.to(q.dtype).reshape(num_seqs, num_kv_heads, max_q * group, -1)
     out = torch.matmul(probs, values)  # [S, kvh, Q * group, d]
     out = out.reshape(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(num_seqs * max_q, num_heads, head_dim)[plan.output_index]
@@ -118,11 +126,12 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     key_ends: torch.Tensor | None = None,  # [T]; None: causal
+    sinks: torch.Tensor | None = None,  # [num_heads]; None: no sinks
 ) -> torch.Tensor:  # [T, num_heads, head_dim] of q's dtype, computed in float32
     """What every paged attention kernel must compute (the cache already holds this step's tokens)."""
     plan = plan_gather(query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, kv_cache.shape[2],
                        sliding_window, key_ends)
-    return gathered_attention(q.float(), kv_cache.float(), plan, scale).to(q.dtype)
+    return gathered_attention(q.float(), kv_cache.float(), plan, scale, sinks=sinks).to(q.dtype)
 
 
 def check_paged_inputs(

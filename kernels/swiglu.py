@@ -1,5 +1,5 @@
-"""Gated activations on the fused gate-up projection: SwiGLU silu(gate) * up (Llama, Qwen) and GeGLU
-gelu_tanh(gate) * up (Gemma, GELU's tanh approximation)."""
+"""Gated activations on the fused gate-up projection: SwiGLU silu(gate) * up (Llama, Qwen), GeGLU
+gelu_tanh(gate) * up (Gemma, GELU's tanh approximation) and GPT-OSS's clamped SwiGLU (its reference only)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2 * I] (gate first, up second) -> [..., I]."""
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's experts: gate_up [..., 2 * I] (gate first, up second) -> [..., I], with g = min(gate, limit):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 if HAS_TRITON:

@@ -21,7 +21,7 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.gguf_blocks import BlockWeight
 from model.llama import LlamaForCausalLM
-from model.moe import W4A8Gemma4Experts, W4A8SparseMoeBlock
+from model.moe import GptOssMoeBlock, W4A8Gemma4Experts, W4A8GptOssMoeBlock, W4A8SparseMoeBlock
 from model.w4a8_linear import W4A8Linear
 
 
@@ -92,7 +92,8 @@ def concat(parts: list[BlockWeight]) -> BlockWeight:
 
 def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> LlamaForCausalLM:
     """Swap every linear layer for a W4A8Linear over the file's blocks (`GGUFCheckpoint.read_blocks`), and
-    every MoE block for a W4A8SparseMoeBlock, in place; biases (Qwen2's q/k/v) and routers stay float. A
+    every MoE block for a W4A8SparseMoeBlock (GPT-OSS's for a W4A8GptOssMoeBlock), in place; biases (Qwen2's q/k/v,
+    GPT-OSS's everywhere) and routers stay float. A
     tied LM head gets its own copy of the embedding's blocks."""
     config = module.config
     for name, (gate, up, down) in expert_sources(config).items():
@@ -110,7 +111,8 @@ def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> L
                                  f"{list(downs[0].codes.shape)}, the layer's are [{2 * inter}, {h}] and [{h}, {inter}]")
         layer, _, child = name.rpartition(".")
         setattr(module.get_submodule(layer), child,
-                W4A8SparseMoeBlock(old.gate, w13, downs, old.top_k, old.renormalize))
+                W4A8GptOssMoeBlock(old, w13, downs) if isinstance(old, GptOssMoeBlock)
+                else W4A8SparseMoeBlock(old.gate, w13, downs, old.top_k, old.renormalize))
     for i in gemma4_expert_layers(config):
         p, e = f"layers.{i}.experts.", config.num_experts
         if p + "gate_up_proj" in blocks:  # one stack of each expert's gate rows then up rows

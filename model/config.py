@@ -22,8 +22,10 @@ from typing import Any
 #   gemma4: Gemma 3's layers with a head size and KV heads of their own in the full-attention layers (whose
 #   values may be their keys), values normalised, proportional RoPE, a scale on each layer's output, and in the
 #   small models (E2B, E4B) per-layer token embeddings and layers that read an earlier layer's cache;
-#   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py).
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+#   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py);
+#   gpt_oss (GPT-OSS): every MLP a mixture of experts with biases and a clamped SwiGLU, a router with a bias,
+#   attention with biases (its output's too) and a sink logit per head, sliding-window layers between full ones.
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3",
                            *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
@@ -159,6 +161,13 @@ class ModelConfig:
     # Gemma 4's mixture of experts (26B-A4B): every layer keeps its dense MLP and adds num_experts GeGLU experts
     # beside it (`Gemma4Router`, `Gemma4Experts` in model/moe.py), their outputs normed and summed.
     experts_beside_mlp: bool = False
+    # GPT-OSS. Each query head's softmax has a learned sink logit (`self_attn.sinks`); the attention's output
+    # projection has a bias; the experts (and their router) have biases and a clamped SwiGLU:
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) (`GptOssMoeBlock`).
+    attention_sinks: bool = False
+    output_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -197,6 +206,8 @@ class ModelConfig:
                              "need experts, the others none")
         if self.experts_beside_mlp and self.architecture != "gemma4":
             raise ValueError("experts beside the MLP are Gemma 4's")
+        if (self.swiglu_limit is not None) != (self.architecture == "gpt_oss"):
+            raise ValueError("the clamped SwiGLU experts (swiglu_limit) are GPT-OSS's, and GPT-OSS's experts have one")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
                                      and self.moe_intermediate_size > 0):
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts} and moe_intermediate_size "
@@ -275,10 +286,14 @@ class ModelConfig:
                 and not self.layer_scalars and not self.value_norm and not self.experts_beside_mlp)
 
     def require_alike_layers(self, what: str) -> None:
-        """ValueError (one line) when `what` needs layers alike (`layers_alike`) and this model's differ."""
+        """ValueError (one line) when `what` needs layers alike (`layers_alike`) and this model's differ, or
+        attention without sink logits (GPT-OSS's run in the eager layers of one process only)."""
         if not self.layers_alike:
             raise ValueError(f"{what} is not supported for {self.architecture}, whose layers differ in shape, share "
                              "caches or take per-layer inputs")
+        if self.attention_sinks:
+            raise ValueError(f"{what} is not supported for {self.architecture}, whose attention has sink logits "
+                             "(served by one process's eager layers)")
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (model/moe.py) rather than a dense one (Gemma 4's
@@ -353,6 +368,8 @@ class ModelConfig:
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         if model_type == "gemma4_text":
             cfg = {**GEMMA4_TEXT_DEFAULTS, **cfg}
+        if model_type == "gpt_oss":
+            cfg = _gpt_oss_defaults(cfg)
         arch = HF_MODEL_TYPES.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -402,6 +419,10 @@ class ModelConfig:
             sliding_window = None
         if arch in MOE_ARCHITECTURES:
             extra |= _moe_fields(cfg, arch)
+        if arch == "gpt_oss":
+            extra |= {"layer_types": tuple(cfg["layer_types"]), "attention_sinks": True,
+                      "output_bias": bool(cfg["attention_bias"]), "swiglu_limit": float(cfg["swiglu_limit"]),
+                      "swiglu_alpha": float(cfg["swiglu_alpha"])}
         if arch == "smollm3":
             extra["nope_layers"] = _smollm3_nope_layers(cfg)
             if cfg.get("use_sliding_window"):
@@ -561,6 +582,22 @@ def _yarn_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, A
     return {"rope_yarn": yarn, "rope_attention_factor": float(attention_factor)}
 
 
+def _gpt_oss_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A GPT-OSS config.json with the fields it may leave out filled as transformers' GptOssConfig fills them:
+    layers alternate sliding-window (first) and full attention, YaRN 32x over 4,096 tokens unrounded, biased
+    attention, SwiGLU clamped at 7 with gain 1.702."""
+    num_layers = int(cfg["num_hidden_layers"])
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if not rope.get("rope_type", rope.get("type")):
+        rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, **rope}
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 150_000.0))
+    return {"sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+            "rms_norm_eps": 1e-5, "head_dim": 64, "max_position_embeddings": 131_072,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            **{k: v for k, v in cfg.items() if v is not None}, "rope_parameters": rope, "rope_scaling": None}
+
+
 def _smollm3_nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     """The layers of a SmolLM3 config.json without rotary embeddings: `no_rope_layers` holds 1 for a layer
     that rotates, 0 for one that does not; without it, every `no_rope_layer_interval`-th layer (4) does not."""
@@ -582,6 +619,10 @@ def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
     multiple of decoder_sparse_step, and those dense layers have an MLP of intermediate_size."""
     # transformers 5 writes num_local_experts for both (num_experts is its alias); the hub's Qwen3-MoE, num_experts.
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if arch == "gpt_oss":  # every layer sparse, experts intermediate_size wide, softmax over the top k's logits
+        return {"num_experts": num_experts, "moe_intermediate_size": int(cfg["intermediate_size"]),
+                "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 4),
+                "norm_topk_prob": True}
     if arch == "mixtral":
         return {"num_experts": num_experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
                 "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}

@@ -5,7 +5,9 @@ inputs besides: w = d * c * (u - zero) (+ m).
 How each GGML type gets there (`block_weight`):
 
 - exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q5_0, Q5_1 (5-bit), Q6_K (6-bit, its
-  16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q8_0 (8-bit);
+  16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q8_0 (8-bit); MXFP4 (GPT-OSS's
+  experts) exactly too, as 8-bit codes: its 16 values are the integers of `MXFP4_CODES` times half a power of
+  two, the block's scale, which float16 holds exactly (else requantized as below);
 - K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored (4- and 5-bit); each sub-block's scale and min, a
   6-bit integer times the super-block's float16 d or dmin, rounded once to float16. That rounding moves a
   weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
@@ -29,7 +31,9 @@ import torch
 from model.errors import ModelLoadError
 
 BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
-EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K")
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "MXFP4")
+# MXFP4's 16 values (E2M1) doubled, indexed by a 4-bit code: integers, so a block is 8-bit codes times 2^(e - 128).
+MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # read, in a quantized file, by requantizing
 REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `requantized` (64 MB)
@@ -133,6 +137,8 @@ def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
     raw = np.ascontiguousarray(raw).reshape(n, -1)  # float types: [N, K] of their own dtype (BF16: bytes)
     if type_name == "Q6_K":
         return _six_bit(raw, n, k)
+    if type_name == "MXFP4":
+        return _mxfp4(raw, n, k)
     if type_name in EXACT_TYPES:
         return _legacy(raw, type_name, n, k)
     if type_name in SUB_BLOCK_TYPES:
@@ -163,6 +169,21 @@ def _legacy(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
         codes = codes | fifth
     zero = {"Q4_0": 8, "Q5_0": 16}.get(type_name, 0)
     return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)), d, m, code_bits(type_name), zero)
+
+
+def _mxfp4(raw: np.ndarray, n: int, k: int) -> BlockWeight:
+    """MXFP4 (17 bytes per 32 inputs: an E8M0 exponent e, then 16 bytes whose low nibbles are inputs 0..15 and
+    high ones 16..31): w = MXFP4_CODES[q] 2^(e - 128), as 8-bit codes u = code + 128 and d = 2^(e - 128) in
+    float16. A block whose scale float16 cannot hold (e outside 104..143) sends the tensor to `requantized`."""
+    blocks = raw.reshape(n, k // BLOCK_SIZE, 17)
+    exponent = blocks[..., 0].astype(np.int32) - 128
+    if exponent.min() < -24 or exponent.max() > 15:
+        return requantized(raw, "MXFP4", n, k)
+    qs = blocks[..., 1:]
+    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, kb, 32]
+    codes = (np.array(MXFP4_CODES, dtype=np.int16)[nibbles] + 128).astype(np.uint8)
+    d = torch.from_numpy(np.ldexp(np.float32(1), exponent).astype(np.float16))
+    return BlockWeight(torch.from_numpy(codes.reshape(n, k)), d, None, 8, 128)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

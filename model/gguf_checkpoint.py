@@ -36,7 +36,8 @@ T = TypeVar("T")
 
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
-                 "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3", "mistral3": "mistral"}
+                 "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3", "mistral3": "mistral",
+                 "gpt-oss": "gpt_oss"}
 # Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
 PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
@@ -76,7 +77,12 @@ LAYER_NAMES = {
 }
 # Tensors read as parameters of their own, not a module's `.weight`.
 PARAMETER_NAMES = frozenset({"layer_scalar", "mlp.experts.gate_up_proj", "experts.gate_up_proj", "experts.gate_proj",
-                             "experts.up_proj", "experts.down_proj"})
+                             "experts.up_proj", "experts.down_proj", "self_attn.sinks"})
+# GPT-OSS: the norm before the experts is its post_attention_norm; a sink logit per head.
+GPT_OSS_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+# llama.cpp's GPT-OSS constants (not in the file): the experts' SwiGLU clamp and gain, and every other layer
+# (the first among them) windowed.
+GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 # Gemma's four norms per layer: its ffn_norm is the norm before the MLP, whose Llama name is taken.
 GEMMA_LAYER_NAMES = {
     **LAYER_NAMES,
@@ -220,6 +226,8 @@ class GGUFCheckpoint:
             extra["attention_temperature_beta"] = float(temperature)
             extra["attention_temperature_length"] = int(self._get("rope.scaling.original_context_length")
                                                         or self._require("context_length"))
+        if self.gguf_arch == "gpt-oss":
+            extra |= self._gpt_oss_fields()
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
             extra["nope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
@@ -238,7 +246,7 @@ class GGUFCheckpoint:
                 rope_theta=float(self._get("rope.freq_base", 10000.0)),
                 max_position_embeddings=int(self._get("context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self.tensor_names,
-                attention_bias=self.gguf_arch == "qwen2",
+                attention_bias=self.gguf_arch in ("qwen2", "gpt-oss"),
                 qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe"),
                 rope_freq_factors=extra.pop("rope_freq_factors", freq_factors),
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
@@ -265,6 +273,18 @@ class GGUFCheckpoint:
             "dense_layers": tuple(i for i in range(num_layers)
                                   if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_names),
         }
+
+    def _gpt_oss_fields(self) -> dict[str, Any]:
+        """GPT-OSS as llama.cpp reads it: sinks, biased attention output, the clamped SwiGLU's constants, and
+        sliding-window layers by `attention.sliding_window_pattern` when the file has one, else every other
+        layer from the first."""
+        num_layers = int(self._require("block_count"))
+        pattern = self._get("attention.sliding_window_pattern")
+        windowed = ([bool(x) for x in pattern] if isinstance(pattern, list)
+                    else [i % int(pattern or 2) < int(pattern or 2) - 1 for i in range(num_layers)])
+        return {"layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
+                "sliding_window": int(self._require("attention.sliding_window")), "attention_sinks": True,
+                "output_bias": True, **GPT_OSS_SWIGLU}
 
     def _phi3_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
         """Phi-3's rotation as llama.cpp's converter writes it: the rotated dims of each head, LongRoPE's short
@@ -492,7 +512,7 @@ class GGUFCheckpoint:
     def _hf_name(self, name: str) -> str | None:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
-        names = {"gemma3": GEMMA_LAYER_NAMES, "gemma4": GEMMA4_LAYER_NAMES,
+        names = {"gemma3": GEMMA_LAYER_NAMES, "gemma4": GEMMA4_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES,
                  "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}}.get(self.gguf_arch, LAYER_NAMES)
         match = LAYER_PATTERN.fullmatch(name)
         if match is None or match.group(2) not in names:

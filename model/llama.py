@@ -2,7 +2,8 @@
 (q/k norms, GeGLU, sandwich norms, a scaled embedding, sliding-window layers with their own RoPE base) and
 Gemma 4 (Gemma 3's layers with heads of another size in the full-attention ones, normed values, a scale on
 each layer's output, per-layer embeddings and layers that read an earlier layer's cache); Qwen3-MoE and
-Mixtral swap a layer's MLP for a sparse mixture of experts (model/moe.py).
+Mixtral swap a layer's MLP for a sparse mixture of experts (model/moe.py); GPT-OSS for experts with biases
+and a clamped SwiGLU, beside attention with a sink logit per head and biases on every projection.
 
 One module serves every caller: `forward` takes a flat batch of tokens from many sequences, the paged KV
 cache tensors and the attention metadata as arguments, and keeps no state between calls, so the engine,
@@ -27,7 +28,7 @@ from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 from model.cpu_step import CpuDecoderStep, step_support, structure_version
-from model.moe import Gemma4Experts, Gemma4Router, SparseMoeBlock
+from model.moe import Gemma4Experts, Gemma4Router, GptOssMoeBlock, SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
 from model.rope import inverse_frequencies, local_inverse_frequencies, rotary_scale
 from model.step import BaseStepModel, InputEmbeds, allocate_kv_caches
@@ -67,7 +68,9 @@ class Attention(nn.Module):
         self.value_norm_eps = config.rms_norm_eps if config.value_norm else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_outputs * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        # GPT-OSS: each query head's sink logit [num_heads] (see kernels/paged_attention.py)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if config.qk_norm and self.kv_outputs else None
         self.backend = backend
@@ -113,7 +116,10 @@ class Attention(nn.Module):
             q = q * q_scale.to(q.dtype)
         if shared_kv is not None:
             shared_kv[self.layer_index] = k, v
-        out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
+        if self.sinks is not None:
+            out = self.backend.forward(q, k, v, kv_cache, plan, self.scale, sinks=self.sinks)
+        else:  # (wrappers of the backend, tensor parallelism's, take no sinks)
+            out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -143,8 +149,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, backend, ops, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = (SparseMoeBlock(config, ops) if config.is_sparse_layer(layer_index)
-                    else MLP(config, ops, config.layer_intermediate_size(layer_index)))
+        if not config.is_sparse_layer(layer_index):
+            self.mlp = MLP(config, ops, config.layer_intermediate_size(layer_index))
+        else:
+            self.mlp = GptOssMoeBlock(config) if config.swiglu_limit is not None else SparseMoeBlock(config, ops)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -291,6 +299,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         scale = rotary_scale(self.config)
         self.rotary_scale = None if scale is None else scale.to(device)
         local = local_inverse_frequencies(self.config)
+        self.local_rotates_apart = local is not None  # else the windowed layers take the full ones' cos and sin
         self.local_inv_freq = self.inv_freq if local is None else local.to(device)
 
     def fit_rotary_to(self, max_model_len: int) -> None:
@@ -372,7 +381,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             elif self.local_attention is None:
                 local = cos, sin
             else:
-                local = rotary_cos_sin_ref(positions, self.local_inv_freq)
+                local = self.local_cos_sin(positions, cos, sin)
             per_layer = self.per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
             return self.cpu_step(x, cos, sin, *local, kv_caches, plan, per_layer, q_scale)
         residual = None
@@ -382,7 +391,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                     x, residual = layer(x, residual, cos, sin, kv_cache, plan, q_scale=q_scale)
             else:
                 full_plan, local_plan = plan
-                local = rotary_cos_sin_ref(positions, self.local_inv_freq)
+                local = self.local_cos_sin(positions, cos, sin)
                 for layer, kv_cache, windowed in zip(self.layers, kv_caches, self.windowed, strict=True):
                     x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
                                         local_plan if windowed else full_plan)
@@ -399,7 +408,7 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         per_layer = self.per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         full_plan, local_plan = plan if self.local_attention is not None else (plan, plan)
-        local = rotary_cos_sin_ref(positions, self.local_inv_freq)
+        local = self.local_cos_sin(positions, cos, sin)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             windowed = self.windowed[i] if self.windowed else False
@@ -407,6 +416,14 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                                 local_plan if windowed else full_plan,
                                 None if per_layer is None else per_layer[:, i], shared_kv)
         return x, residual
+
+    def local_cos_sin(self, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliding-window layers' rotation: their own frequencies (Gemma's base, unscaled), or the full
+        layers' cos and sin (scaled as theirs) where both rotate alike (GPT-OSS's YaRN)."""
+        if not self.local_rotates_apart:
+            return cos, sin
+        return rotary_cos_sin_ref(positions, self.local_inv_freq)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gemma 4's per-layer embeddings [T, num_layers, per_layer_input_size]: each token's own (scaled by

@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral layers (docs/moe.md).
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and GPT-OSS layers (docs/moe.md).
 
 A router (`gate`, hidden -> E logits, no bias) picks `num_experts_per_tok` of `num_experts` SwiGLU experts
 per token; the experts' weights are stacked so one tensor holds them all:
@@ -16,6 +16,10 @@ w4a8` for a W4A8SparseMoeBlock over a GGUF file's own expert blocks (model/block
 Under expert parallelism (parallel/shard.py) a rank's block holds a contiguous part of the experts: w13 and
 w2 stack experts `expert_offset` .. `expert_offset` + len(w13) - 1 while the router stays whole, and the
 block returns that part's share of the output (0 from experts held elsewhere).
+
+GPT-OSS's block (`GptOssMoeBlock`) has the same stacks plus a bias for each: the router's [E], w13_bias
+[E, 2I] and w2_bias [E, H]; routing is a softmax over the top k logits (the renormalised form below), and
+its experts' activation is the clamped SwiGLU (kernels/swiglu.py `clamped_swiglu_ref`).
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_w4a8_linear
+from kernels.cpu_int8_linear import int8_linear
 from kernels.cpu_w4a8_experts import w4a8_experts
+from kernels.cpu_w4a8_linear import w4a8_linear
 from kernels.int8_matmul import quantize_int8_ref
-from kernels.moe import fused_moe, fused_moe_triton, grouped_experts, int8_moe, pack_int8_experts, w4a8_moe
+from kernels.moe import fused_moe, fused_moe_triton, grouped_experts, int8_moe, pack_int8_experts, route, w4a8_moe
 from kernels.ops import Ops
-from kernels.swiglu import gelu_tanh_and_mul_ref
+from kernels.swiglu import clamped_swiglu_ref, gelu_tanh_and_mul_ref
 from model.config import MOE_ARCHITECTURES, ModelConfig
 from model.errors import ModelLoadError
 
@@ -192,6 +198,86 @@ class W4A8Gemma4Experts(nn.Module):
         return f"experts={len(self.w13_codes)}, bits=({self.w13_bits}, {self.w2_bits})"
 
 
+class GptOssMoeBlock(nn.Module):
+    """GPT-OSS's MLP: a router with a bias picks num_experts_per_tok experts per token, weighted by a softmax
+    over their logits; expert(x) = w2 act(w13 x + w13_bias) + w2_bias, act the clamped SwiGLU. Only the routed
+    (token, expert) pairs are computed (kernels/moe.py `grouped_experts`). Checkpoint names (model/weights.py):
+    gate.weight/bias, w13 [E, 2I, H] (each expert's gate rows, then its up rows), w13_bias, w2 [E, H, I], w2_bias."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, e, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.top_k, self.alpha, self.limit = config.num_experts_per_tok, config.swiglu_alpha, config.swiglu_limit
+        self.gate = nn.Linear(h, e, bias=True)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, h))
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * inter))
+        self.w2 = nn.Parameter(torch.empty(e, h, inter))
+        self.w2_bias = nn.Parameter(torch.empty(e, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> [T, H]
+        weights, experts = route(self.gate(x), self.top_k, True)
+
+        def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+            act = clamped_swiglu_ref(F.linear(rows, self.w13[e], self.w13_bias[e]), self.alpha, self.limit)
+            out.copy_(F.linear(act, self.w2[e], self.w2_bias[e]))
+
+        return grouped_experts(x, weights, experts, expert, range(self.w13.shape[0]))
+
+
+class Int8GptOssMoeBlock(nn.Module):
+    """GptOssMoeBlock with weight-only int8 experts (`--quantization int8`), as Int8SparseMoeBlock's; the
+    router and the biases stay float."""
+
+    def __init__(self, block: GptOssMoeBlock) -> None:
+        super().__init__()
+        self.top_k, self.alpha, self.limit = block.top_k, block.alpha, block.limit
+        self.gate = block.gate
+        w13, w13_scale = _quantize_stack(block.w13.detach())
+        w2, w2_scale = _quantize_stack(block.w2.detach())
+        for name, tensor in (("w13_packed", pack_int8_experts(w13)), ("w13_scale", w13_scale),
+                             ("w2_packed", pack_int8_experts(w2)), ("w2_scale", w2_scale),
+                             ("w13_bias", block.w13_bias.detach().float()), ("w2_bias", block.w2_bias.detach().float())):
+            self.register_buffer(name, tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
+        weights, experts = route(self.gate(x), self.top_k, True)
+        inter2, hidden = self.w13_scale.shape[1], self.w2_scale.shape[1]
+
+        def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+            gate_up = int8_linear(rows, self.w13_packed[e], self.w13_scale[e], self.w13_bias[e], inter2)
+            act = clamped_swiglu_ref(gate_up, self.alpha, self.limit)
+            out.copy_(int8_linear(act, self.w2_packed[e], self.w2_scale[e], self.w2_bias[e], hidden))
+
+        return grouped_experts(x, weights, experts, expert, range(self.w13_scale.shape[0]))
+
+
+class W4A8GptOssMoeBlock(nn.Module):
+    """GptOssMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`; MXFP4's codes read exactly as
+    8-bit ones, model/gguf_blocks.py), each expert through the W4A8 kernel with its bias; the router stays float."""
+
+    def __init__(self, block: GptOssMoeBlock, w13: list[BlockWeight], w2: list[BlockWeight]) -> None:
+        super().__init__()
+        self.top_k, self.alpha, self.limit = block.top_k, block.alpha, block.limit
+        self.gate = block.gate
+        register_expert_stacks(self, w13, w2)
+        self.register_buffer("w13_bias", block.w13_bias.detach().float())
+        self.register_buffer("w2_bias", block.w2_bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
+        weights, experts = route(self.gate(x), self.top_k, True)
+        inter2, hidden = self.w13_bias.shape[1], self.w2_bias.shape[1]
+
+        def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+            gate_up = w4a8_linear(rows, self.w13_codes[e], self.w13_scales[e], self.w13_bias[e], inter2, self.w13_zero)
+            act = clamped_swiglu_ref(gate_up, self.alpha, self.limit)
+            out.copy_(w4a8_linear(act, self.w2_codes[e], self.w2_scales[e], self.w2_bias[e], hidden, self.w2_zero))
+
+        return grouped_experts(x.float(), weights, experts, expert, range(self.w13_codes.shape[0]))
+
+    def extra_repr(self) -> str:
+        return f"experts={len(self.w13_codes)}, bits=({self.w13_bits}, {self.w2_bits})"
+
+
 def _quantize_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] float -> (int8 [E, N, K], scale [E, N] float32): per expert and output channel."""
     e, n, k = weight.shape
@@ -200,11 +286,13 @@ def _quantize_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_experts(module: nn.Module) -> None:
-    """Swap every SparseMoeBlock in `module` for an Int8SparseMoeBlock, in place."""
+    """Swap every SparseMoeBlock in `module` for an Int8SparseMoeBlock (a GptOssMoeBlock for an
+    Int8GptOssMoeBlock), in place."""
     for name, block in list(module.named_modules()):
-        if isinstance(block, SparseMoeBlock):
+        if isinstance(block, SparseMoeBlock | GptOssMoeBlock):
             parent_name, _, child = name.rpartition(".")
-            setattr(module.get_submodule(parent_name), child, Int8SparseMoeBlock.from_float(block))
+            int8 = Int8SparseMoeBlock.from_float(block) if isinstance(block, SparseMoeBlock) else Int8GptOssMoeBlock(block)
+            setattr(module.get_submodule(parent_name), child, int8)
 
 
 def check_quantization(config: ModelConfig, quantization: str, source: str) -> None:

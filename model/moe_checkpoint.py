@@ -16,6 +16,12 @@ checkpoint has, one layer's tensors at a time (lazily, like the GGUF reader):
   (w1 gate, w3 up, w2 down);
 - the GGUF reader's `layers.N.mlp.experts.{gate,up,down}_proj.weight`, already stacked [E, out, in]
   (llama.cpp's ffn_gate_exps, ffn_up_exps, ffn_down_exps).
+
+GPT-OSS (`gpt_oss_experts`) adds a bias to each: `layers.N.mlp.gate.bias` [E], `...experts.gate_up_proj_bias`
+[E, 2I] and `...experts.down_proj_bias` [E, H], made from transformers' layout (`mlp.router.*`; gate_up_proj
+[E, H, 2I] with the gate and up columns interleaved, down_proj [E, I, H]), from the published checkpoints'
+MXFP4 blocks (`*_blocks` [E, out, in / 32, 16] and `*_scales` [E, out, in / 32], dequantized here), or from a
+GGUF's stacks and their `.bias` tensors.
 """
 
 from __future__ import annotations
@@ -38,16 +44,97 @@ STACKED_NAMES = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "
 MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
 
 
+ROUTER_BIAS, GATE_UP_BIAS, DOWN_BIAS = "mlp.gate.bias", GATE_UP + "_bias", DOWN + "_bias"
+# MXFP4's 16 values (E2M1), indexed by a 4-bit code; a block of 32 shares a power-of-two scale 2^(e - 127).
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
 def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """The stacked tensors of sparse layer `layer`, with their shapes."""
     p, h, e, inter = f"layers.{layer}.", config.hidden_size, config.num_experts, config.moe_intermediate_size
-    return {p + ROUTER: (e, h), p + GATE_UP: (e, 2 * inter, h), p + DOWN: (e, h, inter)}
+    shapes = {p + ROUTER: (e, h), p + GATE_UP: (e, 2 * inter, h), p + DOWN: (e, h, inter)}
+    if config.swiglu_limit is not None:  # GPT-OSS: a bias for each
+        shapes |= {p + ROUTER_BIAS: (e,), p + GATE_UP_BIAS: (e, 2 * inter), p + DOWN_BIAS: (e, h)}
+    return shapes
 
 
-def expert_sources(layer: int) -> dict[str, list[str]]:
-    """SparseMoeBlock's state-dict names of layer `layer` -> the stacked tensor each is (weights.fused_sources)."""
+def expert_sources(config: ModelConfig, layer: int) -> dict[str, list[str]]:
+    """The expert block's state-dict names of layer `layer` -> the stacked tensor each is (weights.fused_sources)."""
     p = f"layers.{layer}."
-    return {p + "mlp.gate.weight": [p + ROUTER], p + "mlp.w13": [p + GATE_UP], p + "mlp.w2": [p + DOWN]}
+    sources = {p + "mlp.gate.weight": [p + ROUTER], p + "mlp.w13": [p + GATE_UP], p + "mlp.w2": [p + DOWN]}
+    if config.swiglu_limit is not None:
+        sources |= {p + "mlp.gate.bias": [p + ROUTER_BIAS], p + "mlp.w13_bias": [p + GATE_UP_BIAS],
+                    p + "mlp.w2_bias": [p + DOWN_BIAS]}
+    return sources
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as the published GPT-OSS checkpoints hold it: blocks [..., G, 16] uint8 (byte j holds values 2j in
+    its low and 2j + 1 in its high nibble), scales [..., G] uint8 (E8M0) -> float32 [..., G * 32]."""
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
+    weight = values[codes].flatten(-2)  # [..., G, 32]
+    weight = torch.ldexp(weight, (scales.long() - 127)[..., None].to(torch.float32))
+    return weight.flatten(-2)
+
+
+def gpt_oss_experts(config: ModelConfig, tensors: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                    makers: dict[str, Callable[[], torch.Tensor]], layer: int, source: str) -> None:
+    """GPT-OSS layer `layer`'s experts and router under the stacked names, in `shapes` and `makers` (in place),
+    from transformers' layout, MXFP4 blocks or a GGUF's stacks (the module docstring lists them)."""
+    p = f"layers.{layer}."
+
+    def deinterleave(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, ...] gate, up alternating -> gate rows, up rows
+        index = torch.arange(t.shape[1])
+        return t.index_select(1, torch.cat([index[0::2], index[1::2]]))
+
+    gate_up, down = p + GATE_UP, p + DOWN
+    if p + "mlp.router.weight" in shapes:  # transformers' names
+        if gate_up + "_blocks" in shapes:  # MXFP4: rows are outputs already, gate and up rows interleaved
+            read = {gate_up: lambda: deinterleave(mxfp4_dequantize(tensors[gate_up + "_blocks"],
+                                                                   tensors[gate_up + "_scales"])),
+                    down: lambda: mxfp4_dequantize(tensors[down + "_blocks"], tensors[down + "_scales"])}
+            used = [name + part for name in (gate_up, down) for part in ("_blocks", "_scales")]
+        else:  # gate_up_proj [E, H, 2I] and down_proj [E, I, H]: inputs first
+            read = {gate_up: lambda: deinterleave(tensors[gate_up].transpose(1, 2)).contiguous(),
+                    down: lambda: tensors[down].transpose(1, 2).contiguous()}
+            used = [gate_up, down]
+        read |= {p + ROUTER: lambda: tensors[p + "mlp.router.weight"],
+                 p + ROUTER_BIAS: lambda: tensors[p + "mlp.router.bias"],
+                 p + GATE_UP_BIAS: lambda: deinterleave(tensors[gate_up + "_bias"]),
+                 p + DOWN_BIAS: lambda: tensors[down + "_bias"]}
+        used += [p + "mlp.router.weight", p + "mlp.router.bias", gate_up + "_bias", down + "_bias"]
+        if any(name not in shapes for name in used):
+            raise ModelLoadError(f"{source}: missing tensor {next(n for n in used if n not in shapes)!r} (GPT-OSS "
+                                 f"layer {layer}'s experts)")
+        if gate_up + "_blocks" in shapes:  # [E, out, in / 32, 16] -> [E, out, in]
+            made = {name: (*shapes[name + "_blocks"][:2], shapes[name + "_blocks"][2] * 32) for name in (gate_up, down)}
+        else:
+            made = {name: (shapes[name][0], shapes[name][2], shapes[name][1]) for name in (gate_up, down)}
+        made |= {p + ROUTER: shapes[p + "mlp.router.weight"], p + ROUTER_BIAS: shapes[p + "mlp.router.bias"],
+                 p + GATE_UP_BIAS: shapes[gate_up + "_bias"], p + DOWN_BIAS: shapes[down + "_bias"]}
+    else:  # GGUF: the router as mlp.gate; gate and up [E, I, H], down [E, H, I], each with a .bias
+        gate, up, down_stack = (p + name for name in STACKED_NAMES)
+        bias = {name: name.removesuffix(".weight") + ".bias" for name in (gate, up, down_stack)}
+        read = {gate_up: lambda: torch.cat([tensors[gate], tensors[up]], dim=1),
+                down: lambda: tensors[down_stack],
+                p + GATE_UP_BIAS: lambda: torch.cat([tensors[bias[gate]], tensors[bias[up]]], dim=1),
+                p + DOWN_BIAS: lambda: tensors[bias[down_stack]]}
+        used = [gate, up, down_stack, *bias.values()]
+        if any(name not in shapes for name in used):
+            raise ModelLoadError(f"{source}: missing tensor {next(n for n in used if n not in shapes)!r} (GPT-OSS "
+                                 f"layer {layer}'s experts)")
+        for first, second in ((gate, up), (bias[gate], bias[up])):
+            if shapes[first] != shapes[second]:
+                raise ModelLoadError(f"{source}: {first!r} {list(shapes[first])} and {second!r} "
+                                     f"{list(shapes[second])} differ in shape")
+        (e, inter, *rest), (_, inter_b) = shapes[gate], shapes[bias[gate]]
+        made = {gate_up: (e, 2 * inter, *rest), down: shapes[down_stack], p + GATE_UP_BIAS: (e, 2 * inter_b),
+                p + DOWN_BIAS: shapes[bias[down_stack]]}
+    for name in used:
+        del shapes[name]
+    for name, maker in read.items():
+        shapes[name], makers[name] = made[name], maker
 
 
 def stack_experts(config: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str) -> Mapping[str, torch.Tensor]:
@@ -64,6 +151,9 @@ def stack_experts(config: ModelConfig, tensors: Mapping[str, torch.Tensor], sour
     makers: dict[str, Callable[[], torch.Tensor]] = {}
     for layer in range(config.num_layers):
         if not config.is_sparse_layer(layer):
+            continue
+        if config.swiglu_limit is not None:
+            gpt_oss_experts(config, tensors, shapes, makers, layer, source)
             continue
         p = f"layers.{layer}."
         if p + MIXTRAL_ROUTER in shapes:

@@ -58,6 +58,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + f"self_attn.{x}_proj.weight": (kv, h) for x in kinds}
         if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,)} | {p + f"self_attn.{x}_proj.bias": (kv,) for x in kinds}
+        if config.output_bias:
+            shapes |= {p + "self_attn.o_proj.bias": (h,)}
+        if config.attention_sinks:
+            shapes |= {p + "self_attn.sinks": (config.num_heads,)}
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,)}
             if own_kv:
@@ -196,6 +200,10 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
             own += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if config.layer_scalars:
             own.append(p + "layer_scalar")
+        if config.output_bias:
+            own.append(attn + "o_proj.bias")
+        if config.attention_sinks:
+            own.append(attn + "sinks")
         if config.experts_beside_mlp:
             own += [p + name for name in ("router.proj.weight", "router.scale", "router.per_expert_scale",
                                           "experts.gate_up_proj", "experts.down_proj")]
@@ -212,7 +220,7 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
         if config.attention_bias:
             sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in kinds]
         if config.is_sparse_layer(i):  # the router and the stacked experts (model/moe_checkpoint.py)
-            sources |= expert_sources(i)
+            sources |= expert_sources(config, i)
         else:
             sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
             sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]

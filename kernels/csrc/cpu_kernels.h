@@ -141,17 +141,18 @@ LADDER_SHARED void lora_add_rows(const float* y, const float* x, const float* a,
 // Paged decode attention of float32 queries over a float32, bfloat16 or float16 cache, one query row per
 // sequence entry: q row s at q + s * q_stride holds H heads of D floats; k, v the cache's halves
 // [num_blocks, BS, KVH, D]; tables [S, max_blocks], seq_lens [S]; out row s at out + s * out_stride (float32).
-// `window` > 0: the last `window` keys only.
+// `window` > 0: the last `window` keys only. `sinks` [H]: each query head's sink logit (GPT-OSS), or null.
 LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH,
-                           int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride);
+                           int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride,
+                           const float* sinks = nullptr);
 LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const c10::BFloat16* k,
                            const c10::BFloat16* v, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window,
-                           float* out, int64_t out_stride);
+                           float* out, int64_t out_stride, const float* sinks = nullptr);
 LADDER_SHARED void decode_attention_rows(const float* q, int64_t q_stride, const c10::Half* k, const c10::Half* v,
                            const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H,
                            int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window, float* out,
-                           int64_t out_stride);
+                           int64_t out_stride, const float* sinks = nullptr);
 
 }  // namespace ladder

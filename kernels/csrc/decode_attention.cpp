@@ -16,6 +16,7 @@
 #include "vec_exp.h"
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <type_traits>
 #include <utility>
@@ -39,13 +40,22 @@ namespace {
 // head j / (H / KVH).
 // Tokens [first, len) are attended (first > 0 only with a sliding window).
 // Query row s starts at q + s * q_stride and output row s at out + s * out_stride (H * D when contiguous).
+// `sinks` [H] (null: none): each query head's sink logit (GPT-OSS), one more term exp(sink - max) in the
+// softmax's denominator with no value: out = sum_t exp(s_t - M) v_t / (sum_t exp(s_t - M) + exp(sink - M)).
 template <typename Q, typename T>
 struct Problem {
   const Q* q; const T* k; const T* v; const int64_t* tables; Q* out;
   int64_t H, D, KVH, G, BS, max_blocks;
   float scale;
   int64_t q_stride, out_stride;
+  const float* sinks;
 };
+
+// The sink logit of query head j (-inf without sinks).
+template <typename Q, typename T>
+inline float sink_of(const Problem<Q, T>& p, int64_t j) {
+  return p.sinks ? p.sinks[j] : -INFINITY;
+}
 
 // Portable version: any G and D, vectorised by the compiler where it can. `query` holds the G query rows
 // widened to float32 (a scratch buffer per thread).
@@ -72,9 +82,10 @@ void task_generic(const Problem<Q, T>& p, int64_t s, int64_t h, int64_t first, i
   }
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores.data() + g * n;
-    float top = -INFINITY;
+    const float sink = sink_of(p, h * G + g);
+    float top = sink;
     for (int64_t t = 0; t < n; ++t) top = std::max(top, row[t]);
-    float total = 0.f;
+    float total = p.sinks ? std::exp(sink - top) : 0.f;
     for (int64_t t = 0; t < n; ++t) { row[t] = std::exp(row[t] - top); total += row[t]; }
     const float inv = 1.f / total;
     for (int64_t t = 0; t < n; ++t) row[t] *= inv;
@@ -334,6 +345,12 @@ void task_vector(const Problem<Q, T>& p, int64_t s, int64_t h, int64_t first, in
     }
     return;
   }
+  if (p.sinks) {  // the sink's term joins the denominator: sums rescaled to the larger of the two maxima
+    for (int g = 0; g < G; ++g) {
+      const float sink = p.sinks[h * G + g], top = std::max(maximum[g], sink), f = std::exp(maximum[g] - top);
+      inv_total[g] = f / (total_of[g] * f + std::exp(sink - top));
+    }
+  }
   Q* os = p.out + s * p.out_stride + h * G * D;
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) V::store(os + g * D + V::W * d, V::mul(acc[g][d], V::set1(inv_total[g])));
@@ -413,9 +430,10 @@ void combine_chunks(const Problem<Q, T>& p, int64_t s, int64_t h, const float* p
   Q* os = p.out + s * p.out_stride + h * G * D;
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
-    float top = -INFINITY;
+    const float sink = sink_of(p, h * G + g);
+    float top = sink;
     for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partials[c * width + g * (D + 2)]);
-    float total = 0.f;
+    float total = p.sinks ? std::exp(sink - top) : 0.f;
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t c = 0; c < chunks; ++c) {
       const float* pc = partials + c * width + g * (D + 2);
@@ -481,22 +499,25 @@ void run(const Problem<Q, T>& p, int64_t S, const int64_t* sl, int64_t sliding_w
 
 template <typename Q, typename T>
 void run_typed(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-               const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t sliding_window, bool portable) {
+               const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t sliding_window, bool portable,
+               const float* sinks) {
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   const T* kp = kv_cache.data_ptr<T>();
   const Problem<Q, T> p{q.data_ptr<Q>(), kp, kp + num_blocks * BS * KVH * D, block_tables.data_ptr<int64_t>(),
                         out.data_ptr<Q>(), H, D, KVH, H / KVH, BS, block_tables.size(1), static_cast<float>(scale),
-                        H * D, H * D};
+                        H * D, H * D, sinks};
   run(p, q.size(0), seq_lens.data_ptr<int64_t>(), sliding_window, portable);
 }
 
 // ladder::paged_decode_attention. q [S, H, D] of the cache's dtype, or float32 over a 16-bit cache;
 // kv_cache [2, num_blocks, block_size, KVH, D] float32, bfloat16 or float16; block_tables [S, max_blocks]
 // and seq_lens [S] int64. Values (block ids, lengths) are the caller's invariant. portable: the portable
-// loop even where a vector task exists. The output has q's dtype.
+// loop even where a vector task exists. sinks: [H] float32, each query head's sink logit, or none. The output
+// has q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cache_in, const at::Tensor& tables_in,
-                                  const at::Tensor& lens_in, double scale, int64_t sliding_window, bool portable) {
+                                  const at::Tensor& lens_in, double scale, int64_t sliding_window, bool portable,
+                                  const std::optional<at::Tensor>& sinks_in) {
   TORCH_CHECK(q_in.device().is_cpu() && cache_in.device().is_cpu() && tables_in.device().is_cpu() &&
               lens_in.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   const auto qt = q_in.scalar_type(), ct = cache_in.scalar_type();
@@ -507,11 +528,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cach
               "block_tables [S, max_blocks], seq_lens [S]");
   const auto q = q_in.contiguous(), kv_cache = cache_in.contiguous();
   const auto block_tables = tables_in.to(at::kLong).contiguous(), seq_lens = lens_in.to(at::kLong).contiguous();
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    TORCH_CHECK(sinks_in->device().is_cpu() && sinks_in->numel() == q_in.size(1),
+                "sinks: [H] on the CPU, one per query head");
+    sinks = sinks_in->to(at::kFloat).contiguous();
+  }
   auto out = at::empty_like(q);
   // One (query, cache) element pair, named by a value of each type.
   auto with = [&](auto q_type, auto cache_type) {
     run_typed<decltype(q_type), decltype(cache_type)>(q, kv_cache, block_tables, seq_lens, out, scale, sliding_window,
-                                                      portable);
+                                                      portable, sinks.defined() ? sinks.data_ptr<float>() : nullptr);
   };
   TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf, "float32, bfloat16 or float16 only, got ", ct);
   if (ct == at::kFloat) with(float{}, float{});
@@ -525,8 +552,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& cach
 template <typename T>
 void rows_over(const float* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables, int64_t max_blocks,
                const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
-               int64_t window, float* out, int64_t out_stride) {
-  const Problem<float, T> p{q, k, v, tables, out, H, D, KVH, H / KVH, BS, max_blocks, scale, q_stride, out_stride};
+               int64_t window, float* out, int64_t out_stride, const float* sinks) {
+  const Problem<float, T> p{q, k, v, tables, out, H, D, KVH, H / KVH, BS, max_blocks, scale, q_stride, out_stride,
+                            sinks};
   run(p, S, seq_lens, window, false);
 }
 
@@ -534,22 +562,23 @@ void rows_over(const float* q, int64_t q_stride, const T* k, const T* v, const i
 
 void decode_attention_rows(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H, int64_t KVH,
-                           int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride) {
-  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride);
+                           int64_t D, int64_t BS, float scale, int64_t window, float* out, int64_t out_stride,
+                           const float* sinks) {
+  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride, sinks);
 }
 
 void decode_attention_rows(const float* q, int64_t q_stride, const c10::BFloat16* k, const c10::BFloat16* v,
                            const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H,
                            int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window, float* out,
-                           int64_t out_stride) {
-  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride);
+                           int64_t out_stride, const float* sinks) {
+  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride, sinks);
 }
 
 void decode_attention_rows(const float* q, int64_t q_stride, const c10::Half* k, const c10::Half* v,
                            const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t S, int64_t H,
                            int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window, float* out,
-                           int64_t out_stride) {
-  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride);
+                           int64_t out_stride, const float* sinks) {
+  rows_over(q, q_stride, k, v, tables, max_blocks, seq_lens, S, H, KVH, D, BS, scale, window, out, out_stride, sinks);
 }
 
 bool has_avx512() {

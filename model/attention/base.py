@@ -11,6 +11,8 @@ Shapes (T new tokens of S sequences laid end to end; see model/attention_metadat
     q         [T, num_heads, head_dim]
     k, v      [T, num_kv_heads, head_dim]
     kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values), written in place
+    sinks     [num_heads] float32 or None: each query head's sink logit (GPT-OSS; see kernels/paged_attention.py),
+              taken by the torch and CPU backends; the others refuse it (`refuse_sinks`)
     returns   [T, num_heads, head_dim], in q's dtype
 Backends that only trace or export (see export_backend.py) may return the new cache instead of writing
 it; what they do is theirs to document.
@@ -45,5 +47,13 @@ class BaseAttention:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         plan: Any,  # what this backend's plan() returned for the step
         scale: float,  # applied to q @ k^T before the softmax
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         raise NotImplementedError
+
+
+def refuse_sinks(backend: BaseAttention, sinks: torch.Tensor | None) -> None:
+    """ValueError from a backend whose kernels have no sink logits, when given some."""
+    if sinks is not None:
+        raise ValueError(f"{type(backend).__name__} has no attention sinks (GPT-OSS): the eager torch and CPU "
+                         "backends have them")

@@ -89,20 +89,21 @@ class CpuPagedAttention(TorchPagedAttention):
         return CpuAttentionPlan(meta.slot_mapping, meta.block_tables[row_seq], row_lens, rows, token[~is_row],
                                 super().plan(sub))
 
-    def forward(self, q, k, v, kv_cache, plan, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, plan, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(plan, CpuAttentionPlan):
-            return super().forward(q, k, v, kv_cache, plan, scale)
+            return super().forward(q, k, v, kv_cache, plan, scale, sinks)
         write_kv_cache_ref(k, v, kv_cache, plan.slot_mapping)
         if plan.gather is None:
-            return self._rows(q, kv_cache, plan.row_block_tables, plan.row_seq_lens, scale)
+            return self._rows(q, kv_cache, plan.row_block_tables, plan.row_seq_lens, scale, sinks)
         out = torch.empty_like(q)
-        out[plan.rows] = self._rows(q[plan.rows], kv_cache, plan.row_block_tables, plan.row_seq_lens, scale)
-        out[plan.gathered] = gathered_attention(q[plan.gathered], kv_cache, plan.gather.gather, scale)
+        out[plan.rows] = self._rows(q[plan.rows], kv_cache, plan.row_block_tables, plan.row_seq_lens, scale, sinks)
+        out[plan.gathered] = gathered_attention(q[plan.gathered], kv_cache, plan.gather.gather, scale, sinks=sinks)
         return out
 
-    def _rows(self, q, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    def _rows(self, q, kv_cache, block_tables, seq_lens, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
         """One query row per token: the kernel where it takes the dtypes, its reference elsewhere."""
         if cpu_kernel.takes_dtypes(q.dtype, kv_cache.dtype):
-            return cpu_kernel.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, self.sliding_window)
+            return cpu_kernel.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, self.sliding_window,
+                                                     sinks=sinks)
         return cpu_kernel.paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale,
-                                                     self.sliding_window or 0, False)
+                                                     self.sliding_window or 0, False, sinks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention import gathered_attention
+from model.attention.base import refuse_sinks
 from model.attention.torch_backend import TorchAttentionPlan, TorchPagedAttention
 
 
@@ -23,7 +24,9 @@ class ExportPagedAttention(TorchPagedAttention):
         super().__init__(block_size, sliding_window)
         self.updated: list[torch.Tensor] = []
 
-    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        refuse_sinks(self, sinks)
         block_size = kv_cache.shape[2]
         # One ScatterND into the 5-d cache: rows (0|1, block, offset) get the new keys, then values.
         slots = plan.slot_mapping

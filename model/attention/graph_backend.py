@@ -25,7 +25,7 @@ import torch
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache import write_kv_cache
 from kernels.prefill_attention import paged_prefill_attention
-from model.attention.base import BaseAttention
+from model.attention.base import BaseAttention, refuse_sinks
 from model.attention_metadata import AttentionMetadata
 
 
@@ -87,6 +87,8 @@ class GraphPagedAttention(BaseAttention):
             tables = torch.nn.functional.pad(tables, (0, self.table_width - tables.shape[1]))
         return GraphAttentionPlan(meta.query_start_loc, meta.seq_lens, tables, meta.slot_mapping)
 
-    def forward(self, q, k, v, kv_cache, plan: GraphAttentionPlan, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, plan: GraphAttentionPlan, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        refuse_sinks(self, sinks)
         return triton_paged_attention(q, k, v, kv_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
                                       plan.slot_mapping, scale, self.sliding_window or 0)

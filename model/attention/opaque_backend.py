@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from model.attention.base import refuse_sinks
 from model.attention.cpu_backend import CpuPagedAttention
 from model.attention.torch_backend import TorchAttentionPlan, TorchPagedAttention
 
@@ -29,7 +30,9 @@ def _(q, k, v, kv_cache, *rest) -> torch.Tensor:
 class OpaquePagedAttention(TorchPagedAttention):
     """The reference's plan; the forward is the custom op."""
 
-    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        refuse_sinks(self, sinks)
         return paged_attention_op(q, k, v, kv_cache, plan.query_index, plan.output_index, plan.block_tables,
                                   plan.mask, plan.slot_mapping, plan.seq_lens, scale, self.block_size,
                                   self.sliding_window or 0)

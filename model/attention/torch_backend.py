@@ -44,6 +44,7 @@ class TorchPagedAttention(BaseAttention):
                              meta.max_seq_len, self.block_size, self.sliding_window, meta.key_ends)
         return TorchAttentionPlan(*gather, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens)
 
-    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, plan: TorchAttentionPlan, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv_cache_ref(k, v, kv_cache, plan.slot_mapping)
-        return gathered_attention(q, kv_cache, plan.gather, scale)
+        return gathered_attention(q, kv_cache, plan.gather, scale, sinks=sinks)

@@ -8,7 +8,7 @@ from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache import write_kv_cache
 from kernels.paged_attention import paged_attention_ref
 from kernels.prefill_attention import paged_prefill_attention
-from model.attention.base import BaseAttention
+from model.attention.base import BaseAttention, refuse_sinks
 from model.attention_metadata import AttentionMetadata
 
 
@@ -19,7 +19,9 @@ class TritonPagedAttention(BaseAttention):
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta
 
-    def forward(self, q, k, v, kv_cache, plan: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, plan: AttentionMetadata, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        refuse_sinks(self, sinks)
         if kv_cache.shape[2] != self.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} differs from the model's {self.block_size}")
         write_kv_cache(k, v, kv_cache, plan.slot_mapping)

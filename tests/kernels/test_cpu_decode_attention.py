@@ -200,3 +200,33 @@ def test_long_contexts_are_cut_into_chunks_the_same_in_any_batch(window):
         assert torch.equal(alone[0], batch[s])
     ref = paged_attention_ref(q, cache, torch.arange(len(lens) + 1), seq_lens, tables, 1, max(lens), 0.125, window)
     assert ((batch - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("max_len,num_heads,num_kv_heads,head_dim,window", [
+    (37, 8, 2, 32, None),  # the portable loop's shape
+    (300, 8, 2, 64, None),  # the vector task's, cut into chunks of 128
+    (200, 8, 2, 64, 128),  # GPT-OSS's window
+])
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_sinks_join_the_softmax_as_the_reference_has_them(max_len, num_heads, num_kv_heads, head_dim, window,
+                                                          portable, dtype):
+    """GPT-OSS's sink logits, one per query head, from far below the scores to far above them: the kernel
+    against the reference's extra softmax column, in one chunk and across chunks."""
+    gen = torch.Generator().manual_seed(max_len)
+    num_seqs, block_size = 4, 16
+    blocks_per_seq = -(-max_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, blocks_per_seq)
+    seq_lens = torch.tensor([max_len, 1, 17, max_len // 2 + 3])
+    q = (3 * torch.randn(num_seqs, num_heads, head_dim, generator=gen)).to(dtype)
+    sinks = torch.linspace(-30, 30, num_heads)
+    ref = paged_attention_ref(q.float(), cache.float(), torch.arange(num_seqs + 1), seq_lens, tables, 1,
+                              max_len, head_dim**-0.5, window, sinks=sinks)
+    out = kernel.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, window, portable, sinks)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    plain = kernel.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, window, portable)
+    assert out[:, -1].abs().max() < 1e-6 * plain[:, -1].abs().max()  # a sink of 30 takes all the weight
+    with pytest.raises(ValueError, match="one per query head"):
+        kernel.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, window, portable, sinks[:-1])

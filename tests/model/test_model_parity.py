@@ -13,7 +13,7 @@ from model.attention_metadata import AttentionMetadata
 from greedy_checks import NUM_GREEDY, assert_same_greedy
 from model.generator import Generator
 from model.precision import parse_dtype
-from tiny_models import FAMILIES, GEMMA4_MOE, MOE_FAMILIES, hf_config, make_hf_model, write_gguf
+from tiny_models import FAMILIES, GEMMA4_MOE, GPT_OSS, MOE_FAMILIES, hf_config, make_hf_model, write_gguf
 
 
 FOUR_LAYERS = ("smollm3", "gemma4", "gemma4_e")
@@ -23,7 +23,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES + (GEMMA4_MOE,))
+@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES + (GEMMA4_MOE, GPT_OSS))
 def family_models(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, directory)
@@ -39,7 +39,8 @@ def test_config_maps_from_hf_fields(family_models):
     cfg = ours.config
     assert cfg.num_kv_heads == 2 and cfg.num_heads == 4
     assert (cfg.rope_scaling is not None) == (family == "llama3")
-    assert cfg.attention_bias == (family == "qwen2")
+    assert cfg.attention_bias == (family in ("qwen2", GPT_OSS))
+    assert (cfg.attention_sinks, cfg.output_bias) == ((True, True) if family == GPT_OSS else (False, False))
     assert cfg.qk_norm == (family.startswith(("qwen3", "gemma")))
     assert cfg.tie_word_embeddings == (family.startswith(("qwen2", "gemma", "smollm3")))
     assert cfg.nope_layers == ((3,) if family == "smollm3" else ())

@@ -13,6 +13,9 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixture-of-experts decoders (tests/mo
 # Gemma 4's experts beside each dense MLP (26B-A4B's shape): tested with the families, apart from the MoE tests
 # (its layers differ, so neither tensor nor expert parallelism takes it).
 GEMMA4_MOE = "gemma4_moe"
+# GPT-OSS: experts with biases and a clamped SwiGLU, attention sinks (tests/model/test_gpt_oss.py and the parity
+# tests of every family).
+GPT_OSS = "gpt_oss"
 
 
 def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
@@ -84,6 +87,12 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
             **{**common, "num_hidden_layers": 3}, head_dim=32, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False,
         )
+    if family == GPT_OSS:
+        # GPT-OSS's shape: a sliding-window layer (16 tokens) then a full one, 4 experts (2 a token) of width 32,
+        # YaRN 32x over 4,096 tokens (transformers' default, unrounded ramp), biases everywhere, sinks.
+        return transformers.GptOssConfig(**{**common, "intermediate_size": 32}, head_dim=16, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=16, pad_token_id=None,
+                                         bos_token_id=None, eos_token_id=None)
     if family == "mixtral":  # the experts are intermediate_size wide; weights always renormalised
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
                                           num_experts_per_tok=2, sliding_window=None)
@@ -128,6 +137,11 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
                     tensor.normal_(1, 0.2)
                 if name.endswith("layer_scalar"):
                     tensor.uniform_(0.5, 1.5)
+    if family == GPT_OSS:  # biases, sinks and the router's bias away from 0
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 
@@ -486,6 +500,90 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
             writer.add_tensor(gguf_name, raw, raw_dtype=tensor_type)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
+    write_and_close(writer)
+    return held
+
+
+def write_gpt_oss_gguf(hf_model, path: Path, qtype_name: str = "F32", expert_type: str = "MXFP4") -> dict:
+    """A GPT-OSS as llama.cpp's converter writes it (arch gpt-oss): experts split into gate, up and down stacks
+    [E, out, in] of `expert_type` with F32 biases, the router and every projection's bias, the sinks as
+    `attn_sinks.weight`, the norm before the experts as `post_attention_norm`; other 2-D weights in
+    `qtype_name`. Returns the state dict the file holds, in transformers' names and layout."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    rope = cfg.rope_parameters
+    for add, value in (("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("expert_count", cfg.num_local_experts), ("expert_used_count", cfg.num_experts_per_tok),
+                       ("expert_feed_forward_length", cfg.intermediate_size), ("head_count", cfg.num_attention_heads),
+                       ("head_count_kv", cfg.num_key_value_heads), ("key_length", cfg.head_dim),
+                       ("value_length", cfg.head_dim), ("rope_freq_base", rope["rope_theta"]),
+                       ("sliding_window", cfg.sliding_window), ("layer_norm_rms_eps", cfg.rms_norm_eps),
+                       ("vocab_size", cfg.vocab_size), ("rope_scaling_factor", rope["factor"]),
+                       ("rope_scaling_orig_ctx_len", rope["original_max_position_embeddings"])):
+        getattr(writer, f"add_{add}")(value)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
+    writer.add_token_list(list(bytes_to_unicode().values()) + extra)
+    writer.add_token_types([1] * 256 + [3] * len(extra))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(256)
+
+    def add(name: str, array, kind: str) -> np.ndarray:
+        """Write `array` as `kind` (F32 left as it is); returns what the file holds, as float32."""
+        qtype = gguf.GGMLQuantizationType[kind]
+        if qtype == gguf.GGMLQuantizationType.F32 or array.ndim == 1:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+            return array
+        raw = quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        return dequantize(raw, qtype).reshape(array.shape)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+    held = {}
+    for name, tensor in hf_model.state_dict().items():
+        array, short = tensor.float().numpy(), name.removeprefix("model.")
+        if not short.startswith("layers."):
+            gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[short]
+            held[name] = torch.from_numpy(np.array(add(gguf_name, array, "F32" if "norm" in short else qtype_name)))
+            continue
+        _, layer, *rest = short.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        p = f"blk.{layer}."
+        if module == "self_attn" and kind == "sinks":
+            held[name] = torch.from_numpy(add(p + "attn_sinks.weight", array, "F32"))
+        elif kind in ("gate_up_proj", "gate_up_proj_bias"):  # [E, H, 2I] / [E, 2I]: gate and up interleaved
+            suffix = "bias" if kind.endswith("bias") else "weight"
+            parts = [array[..., 0::2], array[..., 1::2]]
+            if suffix == "weight":  # [E, H, I] -> [E, I, H]
+                parts = [part.transpose(0, 2, 1) for part in parts]
+            out = [add(p + f"ffn_{which}_exps.{suffix}", part, expert_type if suffix == "weight" else "F32")
+                   for which, part in zip(("gate", "up"), parts)]
+            if suffix == "weight":
+                out = [part.transpose(0, 2, 1) for part in out]
+            merged = np.empty_like(array)
+            merged[..., 0::2], merged[..., 1::2] = out
+            held[name] = torch.from_numpy(merged)
+        elif kind in ("down_proj", "down_proj_bias"):  # [E, I, H] -> [E, H, I]
+            if kind == "down_proj":
+                held[name] = torch.from_numpy(np.ascontiguousarray(
+                    add(p + "ffn_down_exps.weight", array.transpose(0, 2, 1), expert_type).transpose(0, 2, 1)))
+            else:
+                held[name] = torch.from_numpy(add(p + "ffn_down_exps.bias", array, "F32"))
+        else:
+            kind_of = "F32" if "norm" in module or kind == "bias" or module == "mlp.router" else qtype_name
+            held[name] = torch.from_numpy(np.array(add(p + f"{names[module]}.{kind}", array, kind_of)))
     write_and_close(writer)
     return held
 
