@@ -83,8 +83,8 @@ def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 
 _paged_decode_attention = cpu_op("paged_decode_attention", paged_decode_attention_ref,
-                                 lambda q, kv_cache, block_tables, seq_lens, scale, sliding_window, portable, sinks=None:
-                                 torch.empty_like(q))
+                                 lambda q, kv_cache, block_tables, seq_lens, scale, sliding_window, portable,
+                                 sinks=None: torch.empty_like(q))
 
 
 def paged_decode_attention(

@@ -79,7 +79,8 @@ LAYER_NAMES = {
 PARAMETER_NAMES = frozenset({"layer_scalar", "mlp.experts.gate_up_proj", "experts.gate_up_proj", "experts.gate_proj",
                              "experts.up_proj", "experts.down_proj", "self_attn.sinks"})
 # GPT-OSS: the norm before the experts is its post_attention_norm; a sink logit per head.
-GPT_OSS_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+GPT_OSS_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "attn_sinks": "self_attn.sinks"}
 # llama.cpp's GPT-OSS constants (not in the file): the experts' SwiGLU clamp and gain, and every other layer
 # (the first among them) windowed.
 GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}

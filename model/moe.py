@@ -236,7 +236,8 @@ class Int8GptOssMoeBlock(nn.Module):
         w2, w2_scale = _quantize_stack(block.w2.detach())
         for name, tensor in (("w13_packed", pack_int8_experts(w13)), ("w13_scale", w13_scale),
                              ("w2_packed", pack_int8_experts(w2)), ("w2_scale", w2_scale),
-                             ("w13_bias", block.w13_bias.detach().float()), ("w2_bias", block.w2_bias.detach().float())):
+                             ("w13_bias", block.w13_bias.detach().float()),
+                             ("w2_bias", block.w2_bias.detach().float())):
             self.register_buffer(name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
@@ -291,7 +292,8 @@ def quantize_experts(module: nn.Module) -> None:
     for name, block in list(module.named_modules()):
         if isinstance(block, SparseMoeBlock | GptOssMoeBlock):
             parent_name, _, child = name.rpartition(".")
-            int8 = Int8SparseMoeBlock.from_float(block) if isinstance(block, SparseMoeBlock) else Int8GptOssMoeBlock(block)
+            int8 = (Int8SparseMoeBlock.from_float(block) if isinstance(block, SparseMoeBlock)
+                    else Int8GptOssMoeBlock(block))
             setattr(module.get_submodule(parent_name), child, int8)
 
 

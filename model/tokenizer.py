@@ -103,6 +103,9 @@ class Tokenizer:
         stops = {int(i) for i in extra_stop_ids}
         if self.eos_token_id is not None:
             stops.add(self.eos_token_id)
+        harmony = [_token_id(backend, t) for t in HARMONY_STOPS]
+        if None not in harmony:  # GPT-OSS: <|end|> closes a message (its analysis) but not the reply
+            stops = (stops | set(harmony)) - {_token_id(backend, "<|end|>")}
         self.stop_token_ids: frozenset[int] = frozenset(stops)
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.fim_token_ids: tuple[int, int, int] | None = (
@@ -377,11 +380,13 @@ class Tokenizer:
 
 # Control tokens a reply's text must keep for the server to read it (Gemma 4's thinking channel, tool calls and
 # string quotes, as llama.cpp's converter marks them in a GGUF: user-defined, not control; Mistral's tool calls
-# and Magistral's thinking):
-# decoding keeps them.
+# and Magistral's thinking; GPT-OSS's message headers, server/harmony.py): decoding keeps them.
 VISIBLE_MARKERS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                              "<tool_response|>", '<|"|>', "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]",
-                             "[/THINK]"})
+                             "[/THINK]", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"})
+# GPT-OSS's (harmony's) ends of a reply: an answer, and a tool call. A vocabulary with both stops at them and
+# not at <|end|>, which only closes a message (the analysis before the answer), as llama.cpp reads it.
+HARMONY_STOPS = ("<|return|>", "<|call|>")
 
 
 def _with_visible_markers(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:

@@ -42,6 +42,7 @@ from server.generation import (
     stream_events,
 )
 from server.guides import compile_guide, request_guide
+from server.harmony import HarmonyFormat, HarmonyReasoning
 from server.images import ImageInputs
 from server.lora_routes import install_lora_routes
 from server.metrics import ServerMetrics
@@ -127,6 +128,7 @@ class ServerState:
         self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.metrics = ServerMetrics(self._stats, lambda: self.engine is not None and self.engine.is_alive)
         self.reasoning: ReasoningFormat | None = None  # the served model's, found when it is attached
+        self.harmony: HarmonyFormat | None = None  # likewise: a model that writes harmony's messages (GPT-OSS)
         self.reranker: Reranker | None = None  # likewise
         self.vision: ImageInputs | None = None  # how chats' images are read, for a model that takes them
 
@@ -136,8 +138,9 @@ class ServerState:
     def attach(self, engine: AsyncLLMEngine) -> None:
         """Serve `engine`. Raises ValueError for a --reasoning-parser its model cannot use."""
         tokenizer = engine.info.tokenizer
+        self.harmony = HarmonyFormat.find(tokenizer) if tokenizer is not None else None
         self.reasoning = ReasoningFormat.for_server(self.settings.reasoning_parser, tokenizer) \
-            if tokenizer is not None else None
+            if tokenizer is not None and self.harmony is None else None
         self.reranker = Reranker.find(self.settings.reranker, engine.info.model_name, tokenizer,
                                       engine.info.reranker_file)
         info = engine.info
@@ -345,7 +348,7 @@ def create_app(state: ServerState) -> FastAPI:
         return stored
 
     async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolFormat | None,
-                                                                   Reasoning | None, Reservation]:
+                                                                   Reasoning | HarmonyReasoning | None, Reservation]:
         """A chat request's job, ready to run, how its replies are read (tool calls, reasoning), and the
         admission it holds (the caller releases it)."""
         engine, lora = admit(body)
@@ -378,7 +381,14 @@ def create_app(state: ServerState) -> FastAPI:
             params = sampling_params(body, max_tokens, num_top, guide, info.sampling_defaults)
             parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
             reasoning = None
-            if state.reasoning is not None:
+            if state.harmony is not None:  # its analysis channel apart, its headers gone (server/harmony.py)
+                if body.reasoning_budget is not None:
+                    raise APIError(400, "reasoning_budget is not supported for a model that writes harmony's messages "
+                                        "(GPT-OSS); its reasoning_effort sets how long it thinks",
+                                   param="reasoning_budget")
+                include = body.include_reasoning and state.settings.reasoning_parser != "none"
+                reasoning = HarmonyReasoning(state.harmony.prefix_of(ids, tokenizer), include)
+            elif state.reasoning is not None:
                 # The engine follows the block too: a guide holds after it, a budget bounds it.
                 reasoning = Reasoning(state.reasoning, state.reasoning.opened_by(ids), body.include_reasoning)
                 budget = body.reasoning_budget if body.reasoning_budget is not None \
@@ -408,7 +418,7 @@ class Reply:
     include_usage: bool
     echo: bool
     tools: ToolFormat | None = None  # the reply's text is parsed for tool calls in this format
-    reasoning: Reasoning | None = None  # a chat reply's reasoning block is split from its content
+    reasoning: Reasoning | HarmonyReasoning | None = None  # a chat reply's reasoning is split from its content
     # Turns the chat or completion stream's events into another API's (the Responses API's); None: as they are.
     translate: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None
 

@@ -27,6 +27,7 @@ from model.tokenizer import Tokenizer
 from model.vision import EncodedImages
 from server import protocol as p
 from server.errors import APIError, sse_error
+from server.harmony import HarmonyReasoning, HarmonySplit
 from server.reasoning import Reasoning, ReasoningSplit
 from server.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls
 
@@ -331,7 +332,7 @@ def assistant_message(text: str, finish: str | None, tools: ToolFormat | None,
 
 
 def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolFormat | None = None,
-                  reasoning: Reasoning | None = None) -> p.ChatCompletionResponse:
+                  reasoning: Reasoning | HarmonyReasoning | None = None) -> p.ChatCompletionResponse:
     choices = []
     for i, text in enumerate(result.text):
         thought = None
@@ -366,7 +367,7 @@ def sse(payload: dict) -> str:
 
 async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, chat: bool, echo: bool,
                         include_usage: bool, on_delta=None, interval: int = 1, tools: ToolFormat | None = None,
-                        reasoning: Reasoning | None = None) -> AsyncIterator[str]:
+                        reasoning: Reasoning | HarmonyReasoning | None = None) -> AsyncIterator[str]:
     """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`; an event
     carries up to `interval` tokens of a sample (see `run_job`). With `tools`, a chat choice's text goes
     through a ToolCallStream: what may begin a tool call is held back until it is decided, and each call
@@ -379,7 +380,7 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
     offsets: dict[int, int] = {}
     tool_streams: dict[int, ToolCallStream] = {}
     num_calls: dict[int, int] = {}  # choice -> tool calls sent
-    splits: dict[int, ReasoningSplit] = {}
+    splits: dict[int, ReasoningSplit | HarmonySplit] = {}
     num_reasoning_tokens: int | None = None  # with SamplingParams.reasoning: the samples' blocks'
     num_output_tokens = 0
     async for index, delta in run_job(engine, job, on_delta, interval):

@@ -99,6 +99,11 @@ async def chat_prompt_ids(tokenizer: Tokenizer, body: p.ChatPrompt, fmt: ToolFor
     messages, template_vars = prepare_chat([m.to_template(parts) for m in body.messages],
                                            tools.definitions if tools is not None else None, fmt)
     template_vars = {**(body.chat_template_kwargs or {}), **template_vars}
+    if body.reasoning_effort is not None:
+        if "reasoning_effort" not in (tokenizer.chat_template or ""):
+            raise APIError(400, "reasoning_effort is read by chat templates that know it (GPT-OSS's); this model's "
+                                "does not", param="reasoning_effort")
+        template_vars["reasoning_effort"] = body.reasoning_effort
     images = await vision.load(urls) if urls else []
     _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, allow_special_tokens, template_vars,
                                      body.opens_turn, body.continue_final_message)

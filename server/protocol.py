@@ -67,8 +67,6 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not implemented",
     "modalities": "text is the only output",
     "prediction": "predicted outputs are not implemented",
-    "reasoning_effort": "efforts are not mapped to budgets; a reasoning model's thinking is bounded by "
-                        "reasoning_budget (tokens)",
     "web_search_options": "web search is not implemented",
     "chat_template": "a request cannot bring its own template; the server's is used (ladder serve --chat-template)",
     "documents": "not implemented",
@@ -417,6 +415,9 @@ class ChatPrompt(BaseModel):
     # More variables for the chat template (Qwen3's `enable_thinking`, a template's own switches), as vLLM
     # takes them; the ones the server sets itself are refused (CHAT_TEMPLATE_RESERVED).
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: how hard a reasoning model thinks, for a template that reads it (GPT-OSS's writes it into the
+    # system message); refused for a template that does not.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod

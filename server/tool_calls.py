@@ -2,7 +2,7 @@
 template variables that show it the tools, the calls parsed out of its reply (whole or streamed), and a
 grammar that forces a call.
 
-Five formats cover the families ladder serves (docs/tool_calling.md):
+Six formats cover the families ladder serves (docs/tool_calling.md):
 
 - HERMES (Qwen 2/2.5/3, Hermes): the template renders tools, calls and results itself; a call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
@@ -13,6 +13,9 @@ Five formats cover the families ladder serves (docs/tool_calling.md):
 - MISTRAL (Mistral Small 3.x, Devstral, Ministral 3, Magistral, Mistral Nemo): the template renders them
   itself; calls follow ``[TOOL_CALLS]`` to the end of the reply: ``NAME[ARGS]{...}`` each (perhaps with
   ``[CALL_ID]id`` before ``[ARGS]``), or, from older templates, a JSON list of ``{"name", "arguments"}``.
+- HARMONY (GPT-OSS): the template renders them itself; a call is a message to the function,
+  ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, which server/harmony.py's split
+  of the reply turns into ``<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>`` for the parser here.
 - DEFAULT (any other template, e.g. SmolLM2's plain ChatML): ladder lists the tools in a system message
   and asks for HERMES's wire format; calls and results become plain text turns.
 """
@@ -29,6 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.gemma4_call_grammar import gemma4_call_grammar
+from server.harmony import CALL as HARMONY_CLOSE
+from server.harmony import CALL_OPEN as HARMONY_OPEN
+from server.harmony import CHANNEL as HARMONY_CHANNEL
+from server.harmony import MESSAGE as HARMONY_MESSAGE
 
 __all__ = ["ToolFormat", "ToolCall", "StreamPiece", "ToolCallStream", "tool_format", "prepare_chat",
            "default_tool_prompt", "parse_tool_calls", "tool_call_grammar", "new_call_id"]
@@ -44,6 +51,8 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 _TAGGED_CALL = re.compile(f"{CALL_OPEN}(.*?){CALL_CLOSE}|{CALL_OPEN}(.*)", re.DOTALL)
 _GEMMA4_CALL = re.compile(f"{re.escape(GEMMA4_OPEN)}(.*?){re.escape(GEMMA4_CLOSE)}|{re.escape(GEMMA4_OPEN)}(.*)",
                           re.DOTALL)
+_HARMONY_CALL = re.compile(f"{re.escape(HARMONY_OPEN)}(.*?){re.escape(HARMONY_CLOSE)}|{re.escape(HARMONY_OPEN)}(.*)",
+                           re.DOTALL)
 _SPACE, _SEMICOLON = re.compile(r"\s*"), re.compile(r"\s*;\s*")  # before Llama 3's first call, between calls
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -53,12 +62,16 @@ class ToolFormat(enum.Enum):
     LLAMA3 = "llama3"
     GEMMA4 = "gemma4"
     MISTRAL = "mistral"
+    HARMONY = "harmony"
     DEFAULT = "default"
 
     @property
     def tags(self) -> tuple[str, str]:
-        """The open and close tags around one call (HERMES's, which the DEFAULT prompt asks for, or Gemma 4's)."""
-        return (GEMMA4_OPEN, GEMMA4_CLOSE) if self is ToolFormat.GEMMA4 else (CALL_OPEN, CALL_CLOSE)
+        """The open and close tags around one call (HERMES's, which the DEFAULT prompt asks for, Gemma 4's, or
+        the canonical harmony call's)."""
+        if self is ToolFormat.GEMMA4:
+            return GEMMA4_OPEN, GEMMA4_CLOSE
+        return (HARMONY_OPEN, HARMONY_CLOSE) if self is ToolFormat.HARMONY else (CALL_OPEN, CALL_CLOSE)
 
 
 def new_call_id(fmt: ToolFormat | None = None) -> str:
@@ -86,6 +99,8 @@ def tool_format(chat_template: str | None) -> ToolFormat:
     """The format a chat template speaks. A template that renders tools some other way gets DEFAULT:
     ladder's own prompt asks for a format that ladder parses."""
     template = chat_template or ""
+    if HARMONY_CHANNEL in template and HARMONY_MESSAGE in template:
+        return ToolFormat.HARMONY
     if GEMMA4_OPEN in template:
         return ToolFormat.GEMMA4
     if MISTRAL_CALLS in template:
@@ -109,6 +124,9 @@ def prepare_chat(messages: Sequence[dict[str, Any]], tools: Sequence[Mapping[str
         return list(messages), {}
     if fmt is ToolFormat.DEFAULT:
         return _default_messages(messages, tools), {}
+    if fmt is ToolFormat.HARMONY:  # GPT-OSS's template reads a call's analysis as `thinking`
+        messages = [{**m, "thinking": m["reasoning_content"]} if m.get("tool_calls") and m.get("reasoning_content")
+                     else m for m in messages]
     return [_for_template(m) for m in messages], ({"tools": tools} if tools else {})
 
 
@@ -258,7 +276,7 @@ def _mistral_segment(segment: str) -> list[ToolCall] | None:
 
 def _parse_tagged(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
     kept, calls, start = [], [], 0
-    pattern = _GEMMA4_CALL if fmt is ToolFormat.GEMMA4 else _TAGGED_CALL
+    pattern = {ToolFormat.GEMMA4: _GEMMA4_CALL, ToolFormat.HARMONY: _HARMONY_CALL}.get(fmt, _TAGGED_CALL)
     for match in pattern.finditer(text):
         body = match.group(1) if match.group(1) is not None else match.group(2)
         call = _call_from_body(body, fmt)
@@ -303,7 +321,21 @@ def _call_from_body(body: str, fmt: ToolFormat) -> ToolCall | None:
     """A tagged call's body in the format's notation, or None when it does not parse."""
     if fmt is ToolFormat.GEMMA4:
         return _call_from_gemma4(body)
+    if fmt is ToolFormat.HARMONY:
+        return _call_from_harmony(body)
     return _call_from_json(body, require_arguments=False)
+
+
+def _call_from_harmony(body: str) -> ToolCall | None:
+    """``NAME<|message|>{...}`` (a canonical harmony call's inside) -> a call, when the arguments are an object."""
+    name, found, arguments = body.partition(HARMONY_MESSAGE)
+    try:
+        value = json.loads(arguments, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        return None
+    if not found or not name.strip() or not isinstance(value, dict):
+        return None
+    return ToolCall.new(name.strip(), json.dumps(value, ensure_ascii=False))
 
 
 _GEMMA4_HEAD = re.compile(r"\s*call:([^{\s]+)\s*")
@@ -527,6 +559,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
         return gemma4_call_grammar(functions, parallel)
     if fmt is ToolFormat.MISTRAL:
         return _mistral_call_grammar(functions, parallel)
+    if fmt is ToolFormat.HARMONY:
+        return _harmony_call_grammar(functions, parallel)
     if fmt is ToolFormat.LLAMA3:
         before, after, separator, key = "", "", ";", "parameters"
     else:
@@ -551,6 +585,19 @@ def _mistral_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool
     for i, function in enumerate(functions):
         head = _lark_literal(MISTRAL_CALLS + function["name"])
         lines.append(f"call_{i}: {head} call_id {_lark_literal(MISTRAL_ARGS)} arguments_{i}")
+        lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"
+
+
+def _harmony_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    """A message to the function, as GPT-OSS writes a call after its generation prompt (``<|start|>assistant``):
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``; with ``parallel``, more
+    calls each in a message of its own."""
+    lines = [f'start: call ({_lark_literal("<|start|>assistant")} call)*' if parallel else "start: call",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        head = f"{HARMONY_OPEN}{function['name']} <|constrain|>json{HARMONY_MESSAGE}"
+        lines.append(f"call_{i}: {_lark_literal(head)} arguments_{i}")
         lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 

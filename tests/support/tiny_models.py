@@ -710,6 +710,45 @@ def make_tiny_gemma4_chat_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# GPT-OSS's harmony tokens as its Hugging Face tokenizer holds them (special added tokens, ids 49,152 on in the tiny
+# model); ladder keeps the header markers in decoded text and stops at <|return|> and <|call|>, not <|end|>.
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+# A harmony chat template, written for these tests after the published one's markup: the system message with the
+# reasoning effort and the tools' names, messages between <|start|>ROLE and <|end|>, a past call as a message to the
+# function (with its analysis from `thinking`), a result as the function's message, the generation prompt
+# <|start|>assistant. The published template says much more (its tool declarations especially).
+HARMONY_CHAT_TEMPLATE = """<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}
+{%- for tool in tools or [] %} tool:{{ tool.function.name }}{% endfor %}<|end|>
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}
+{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}
+{%- set call = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ call.name }}<|channel|>commentary json\
+<|message|>{{ call.arguments | tojson }}<|call|>
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
+{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+
+def make_tiny_harmony_chat_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny random GPT-OSS (the `gpt_oss` family's shape) over SmolLM2's vocabulary plus HARMONY_TOKENS as special
+    tokens, EOS <|return|>, and HARMONY_CHAT_TEMPLATE: a stand-in for a GPT-OSS checkpoint's chat."""
+    import json
+
+    import transformers
+
+    tokenizer = write_smollm2_tokenizer(directory, HARMONY_TOKENS, "<|return|>", HARMONY_CHAT_TEMPLATE)
+    vocab = tokenizer.backend.get_vocab()
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [vocab["<|return|>"], vocab["<|call|>"]]}))
+    torch.manual_seed(seed)
+    config = hf_config(GPT_OSS, vocab_size=tokenizer.backend.get_vocab_size())
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def write_smollm2_tokenizer(directory: Path, special_tokens: Sequence[str], eos_token: str, chat_template: str):
     """SmolLM2's tokenizer with `special_tokens` added (special, ids from 49,152 on) saved in `directory` as
     tokenizer.json and tokenizer_config.json with `eos_token` and `chat_template`; returns it."""
