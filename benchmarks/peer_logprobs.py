@@ -3,7 +3,7 @@ and ladder, the next token's top-5 log-probabilities after one prompt compared. 
 family's GGUF metadata and tensors (llama.cpp's names, permutations, rotations), beside the tests' parity with
 transformers on the same weights.
 
-    .venv/bin/python benchmarks/peer_logprobs.py [--families smollm3 phi3 ...] [--context 512]
+    .venv/bin/python benchmarks/peer_logprobs.py [--families smollm3 phi3 ...] [--context 512] [--quantization w4a8]
         [--out benchmarks/results/peer_logprobs.json]
 
 Each family's tiny test model (tests/support/tiny_models.py) at width 256 with SmolLM2's 49k vocabulary (llama.cpp
@@ -27,14 +27,14 @@ from bench_report import write_report  # benchmarks/, this script's directory
 from peer_embeddings import ROOT, llama_server, start, stop
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
-from tiny_models import hf_config, ministral3_config, write_gguf  # the tests' model builders
+from tiny_models import hf_config, ministral3_config, write_gguf, write_gpt_oss_gguf  # the tests' model builders
 
 import model
 from model.generator import Generator
 
 ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
           "gemma4_e": "gemma4", "gemma4_moe": "gemma4", "smollm3": "smollm3", "phi3": "phi3",
-          "qwen3_yarn": "qwen3", "llama3_yarn": "llama", "ministral3": "mistral3"}
+          "qwen3_yarn": "qwen3", "llama3_yarn": "llama", "ministral3": "mistral3", "gpt_oss": "gpt-oss"}
 # *_yarn: the family with YaRN (factor 4 over an original context of 32: every pair's frequency it changes
 # matters within the 40-token prompt), as Qwen 3 configs ask for past 32k tokens.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
@@ -63,6 +63,13 @@ def write_file(family: str, directory: Path) -> Path:
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     path = directory / f"{family}.gguf"
+    if family == "gpt_oss":  # its sinks and biases away from 0, its experts MXFP4 as the published files hold them
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0, 0.5)
+        write_gpt_oss_gguf(hf, path, "F32", "MXFP4", smollm2_tokenizer=True)
+        return path
     write_gguf(hf, path, "F32", ARCHES[family], smollm2_tokenizer=True)
     return path
 
@@ -71,6 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(ARCHES), choices=list(ARCHES))
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--quantization", default="none",
+                        help="ladder's side: none (the file's weights dequantized) or w4a8 (its blocks, activations "
+                             "in int8 per 32, as llama.cpp's CPU matmuls take them)")
     parser.add_argument("--port", type=int, default=8977)
     parser.add_argument("--llama-server", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peer_logprobs.json"))
@@ -92,12 +102,14 @@ def main() -> None:
         finally:
             stop(proc)
         top = reply["completion_probabilities"][0]["top_logprobs"]
-        ours = torch.log_softmax(Generator(model.load(path).module, args.context).step(ids)[-1].float(), -1)
+        loaded = model.load(path, quantization=args.quantization)
+        ours = torch.log_softmax(Generator(loaded.module, args.context).step(ids)[-1].float(), -1)
         same = [t["id"] for t in top] == torch.topk(ours, len(top)).indices.tolist()
         worst = max(abs(ours[t["id"]].item() - t["logprob"]) for t in top)
         rows.append({"family": family, "arch": ARCHES[family], "top_ids_equal": same, "max_logprob_diff": worst})
         print(f"{family:10} {str(same):>16} {worst:16.4f}", flush=True)
-    write_report(str(args.out), rows, context=args.context, prompt_tokens=len(ids), llama_server=str(server_bin))
+    write_report(str(args.out), rows, context=args.context, prompt_tokens=len(ids), llama_server=str(server_bin),
+                 quantization=args.quantization)
 
 
 if __name__ == "__main__":

@@ -504,11 +504,13 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     return held
 
 
-def write_gpt_oss_gguf(hf_model, path: Path, qtype_name: str = "F32", expert_type: str = "MXFP4") -> dict:
+def write_gpt_oss_gguf(hf_model, path: Path, qtype_name: str = "F32", expert_type: str = "MXFP4",
+                       smollm2_tokenizer: bool = False) -> dict:
     """A GPT-OSS as llama.cpp's converter writes it (arch gpt-oss): experts split into gate, up and down stacks
     [E, out, in] of `expert_type` with F32 biases, the router and every projection's bias, the sinks as
     `attn_sinks.weight`, the norm before the experts as `post_attention_norm`; other 2-D weights in
-    `qtype_name`. Returns the state dict the file holds, in transformers' names and layout."""
+    `qtype_name`. The vocabulary: 256 byte tokens and control tokens, or SmolLM2's (`smollm2_tokenizer`, for
+    llama.cpp). Returns the state dict the file holds, in transformers' names and layout."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -527,15 +529,18 @@ def write_gpt_oss_gguf(hf_model, path: Path, qtype_name: str = "F32", expert_typ
                        ("rope_scaling_orig_ctx_len", rope["original_max_position_embeddings"])):
         getattr(writer, f"add_{add}")(value)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-4o")
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    if smollm2_tokenizer:
+        copy_smollm2_tokenizer(writer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-4o")
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
-    writer.add_token_list(list(bytes_to_unicode().values()) + extra)
-    writer.add_token_types([1] * 256 + [3] * len(extra))
-    writer.add_token_merges([])
-    writer.add_eos_token_id(256)
+        extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
+        writer.add_token_list(list(bytes_to_unicode().values()) + extra)
+        writer.add_token_types([1] * 256 + [3] * len(extra))
+        writer.add_token_merges([])
+        writer.add_eos_token_id(256)
 
     def add(name: str, array, kind: str) -> np.ndarray:
         """Write `array` as `kind` (F32 left as it is); returns what the file holds, as float32."""
