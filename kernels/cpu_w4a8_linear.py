@@ -30,7 +30,10 @@ load and two masks feed two instructions), 5-bit as the 4-bit bytes of the low f
 AVX-512; a shuffle and compare on AVX2), 6-bit as the 4-bit bytes (four lines of 64), then two 64-byte
 vectors of bit pairs, byte t of vector p holding bits 4-5 of the codes of byte t in lines 2p and 2p + 1
 (line 2p's low and high nibble's at bits 0-1 and 2-3, line 2p + 1's at 4-5 and 6-7: a shift and a mask a
-line on either ISA), then the 32 sub-scales, [16 channels, 2 halves] int8. A 4-bit weight moves 5/8 of the
+line on either ISA), then the 32 sub-scales, [16 channels, 2 halves] int8. Table codes (`TABLE_CODES`: MXFP4's,
+GPT-OSS's experts) are 4-bit indices packed as 4-bit codes, then the block's 16-byte table of the codes they
+stand for (each at most 31, so AVX2's int16 sums hold as for 5-bit codes): one byte shuffle a line looks them
+up. A 4-bit weight moves 5/8 of the
 bytes of an int8 one (Q4_1: 20 bytes per 32 weights), a 5-bit one 3/4 (24), a 6-bit one 7/8 (28), which is
 what bounds a batch-1 decode step. d and m stay float16,
 [16] each per block, converted in registers. Threads split the blocks of output channels. Where AVX-512
@@ -52,7 +55,9 @@ BLOCK_K = 32  # input channels per quantization block (the GGUF's and the activa
 GROUP_K = 4  # input channels summed by one vpdpbusd lane
 # Bytes of packed codes per 16 outputs and 32-block, by code width: 4-bit nibbles; the same nibbles and a
 # 64-byte plane of fifth bits; the nibbles, 128 bytes of bit pairs and 32 int8 sub-scales; or one byte a code.
-CODE_BYTES = {4: 256, 5: 320, 6: 416, 8: 512}
+# Table codes: 4-bit indices into a 16-byte table of codes (at most TABLE_MAX) kept after each block's nibbles.
+TABLE_CODES, TABLE_MAX = 7, 31
+CODE_BYTES = {4: 256, 5: 320, 6: 416, 8: 512, TABLE_CODES: 272}
 SUB_SCALE_BYTES = 32  # 6-bit: [16 channels, 2 halves of 16 inputs] int8, at the end of each block's codes
 
 
@@ -107,19 +112,24 @@ def w4a8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: to
     return y
 
 
-def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, sub: torch.Tensor | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, sub: torch.Tensor | None = None,
+         table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """codes uint8 [N, K] (0 .. 2^bits - 1; bits 4, 5, 6 or 8), d and m float16 [N, K / 32] (m None: w = d *
     (u - zero), the kernel's `zero`), sub int8 [N, K / 16] (6-bit codes only: their sub-scales) -> (codes
     [ceil(N / 16), K / 32, CODE_BYTES[bits]] uint8, scales [ceil(N / 16), K / 32, 1 or 2, 16] float16),
-    zero-padded to whole blocks of 16 outputs."""
+    zero-padded to whole blocks of 16 outputs. bits TABLE_CODES: `codes` are 4-bit indices into `table` uint8
+    [16] (codes 0 .. TABLE_MAX), the weight's codes u = table[index]."""
+    if (table is not None) != (bits == TABLE_CODES) or (table is not None and (
+            table.dtype != torch.uint8 or tuple(table.shape) != (16,) or int(table.max()) > TABLE_MAX)):
+        raise ValueError(f"table codes take a uint8 table [16] of codes up to {TABLE_MAX}, other widths none")
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] % BLOCK_K:
         raise ValueError(f"expected uint8 codes [N, K] with K a multiple of {BLOCK_K}, got {codes.dtype} "
                          f"{tuple(codes.shape)}")
     if bits not in CODE_BYTES:
-        raise ValueError(f"bits must be 4, 5, 6 or 8, got {bits}")
-    if bits < 8 and codes.numel() and int(codes.max()) >= 1 << bits:
-        raise ValueError(f"{bits}-bit codes must be in 0..{(1 << bits) - 1}")
+        raise ValueError(f"bits must be 4, 5, 6 or 8 (or TABLE_CODES, {TABLE_CODES}), got {bits}")
+    width = 4 if bits == TABLE_CODES else bits
+    if width < 8 and codes.numel() and int(codes.max()) >= 1 << width:
+        raise ValueError(f"{width}-bit codes must be in 0..{(1 << width) - 1}")
     n, k = codes.shape
     if (sub is not None) != (bits == 6) or (sub is not None and (sub.dtype != torch.int8 or
                                                                  tuple(sub.shape) != (n, k // 16))):
@@ -147,6 +157,8 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
             padded_sub[:n] = sub.view(n, kb, 2)
             planes.append(padded_sub.view(blocks, BLOCK_N, kb, 2).permute(0, 2, 1, 3).contiguous()
                           .view(torch.uint8).view(blocks, kb, SUB_SCALE_BYTES))
+        if table is not None:  # the same 16 codes after every block's indices
+            planes.append(table.view(1, 1, 16).expand(blocks, kb, 16))
         packed = torch.cat(planes, dim=-1)
     parts = [d] if m is None else [d, m]
     scales = torch.zeros(blocks * BLOCK_N, kb, len(parts), dtype=torch.float16)
@@ -166,7 +178,7 @@ def code_width(packed: torch.Tensor) -> int:
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of `pack`'s codes: uint8 [N, K]."""
+    """The inverse of `pack`'s codes: uint8 [N, K] (table codes: the codes their indices stand for)."""
     blocks, kb = packed.shape[:2]
     bits = code_width(packed)
     if bits == 8:
@@ -174,6 +186,10 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     else:
         nibbles = packed[..., :256].reshape(blocks, kb, 4, BLOCK_N, GROUP_K)
         grouped = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
+        if bits == TABLE_CODES:  # each index through its block's table
+            tables = packed[..., 256:272].long()  # [blocks, kb, 16]
+            index = grouped.long().reshape(blocks, kb, -1)
+            grouped = torch.gather(tables, 2, index).to(torch.uint8).reshape(grouped.shape)
         if bits == 5:
             masks = packed[..., 256:320].reshape(blocks, kb, 8, 8, 1)
             plane = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., group, byte, bit]

@@ -75,6 +75,9 @@ def concat(parts: list[BlockWeight]) -> BlockWeight:
     if len(parts) == 1:
         return parts[0]
     bits = max(p.bits for p in parts)
+    tables = {None if p.table is None else tuple(p.table.tolist()) for p in parts}
+    if tables != {None} and (len(tables) > 1 or len({p.bits for p in parts}) > 1):
+        bits = 8  # table codes beside other codes (or another table): all as bytes
     parts = [p.widened(bits) for p in parts]
     if len({(p.m is None, p.zero) for p in parts}) > 1:
         if bits == 6:
@@ -87,7 +90,7 @@ def concat(parts: list[BlockWeight]) -> BlockWeight:
     def cat(name: str) -> torch.Tensor | None:
         return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
 
-    return BlockWeight(cat("codes"), cat("d"), cat("m"), parts[0].bits, parts[0].zero, cat("sub"))
+    return BlockWeight(cat("codes"), cat("d"), cat("m"), parts[0].bits, parts[0].zero, cat("sub"), parts[0].table)
 
 
 def quantize_w4a8(module: LlamaForCausalLM, blocks: dict[str, BlockWeight]) -> LlamaForCausalLM:

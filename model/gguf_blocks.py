@@ -6,8 +6,9 @@ How each GGML type gets there (`block_weight`):
 
 - exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q5_0, Q5_1 (5-bit), Q6_K (6-bit, its
   16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q8_0 (8-bit); MXFP4 (GPT-OSS's
-  experts) exactly too, as 8-bit codes: its 16 values are the integers of `MXFP4_CODES` times half a power of
-  two, the block's scale, which float16 holds exactly (else requantized as below);
+  experts) exactly too, as table codes: its 4-bit indices into `MXFP4_TABLE` (its 16 values, integers times
+  half a power of two, plus 12), d that half power of two, which float16 holds exactly (else requantized as
+  below), and zero 12;
 - K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored (4- and 5-bit); each sub-block's scale and min, a
   6-bit integer times the super-block's float16 d or dmin, rounded once to float16. That rounding moves a
   weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
@@ -32,8 +33,12 @@ from model.errors import ModelLoadError
 
 BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "MXFP4")
-# MXFP4's 16 values (E2M1) doubled, indexed by a 4-bit code: integers, so a block is 8-bit codes times 2^(e - 128).
+# MXFP4's 16 values (E2M1) doubled, indexed by a 4-bit code: integers, so a block is those times 2^(e - 128); as
+# table codes (kernels/cpu_w4a8_linear.py TABLE_CODES) each value plus MXFP4_ZERO, so the table holds 0 .. 24.
 MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_ZERO = 12
+MXFP4_TABLE = torch.tensor([v + MXFP4_ZERO for v in MXFP4_CODES], dtype=torch.uint8)
+TABLE_CODES = 7  # kernels/cpu_w4a8_linear.py's: 4-bit indices into a table of codes
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # read, in a quantized file, by requantizing
 REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `requantized` (64 MB)
@@ -46,18 +51,27 @@ SIX_BIT_ZERO = 32  # 6-bit codes' zero (Q6_K's): w = d * c * (u - 32)
 class BlockWeight:
     """A linear weight [N, K] in blocks of 32 inputs: w[n, k] = d[n, k / 32] * codes[n, k] + m[n, k / 32]
     (m given), or d * (codes - zero) (m None). 6-bit codes carry sub, an int8 scale per 16 inputs: w = d *
-    sub[n, k / 16] * (codes - zero), + m where m is given (zero is 32 either way)."""
+    sub[n, k / 16] * (codes - zero), + m where m is given (zero is 32 either way). Table codes (bits
+    TABLE_CODES) are 4-bit indices into `table`: the codes above are table[codes]."""
 
-    codes: torch.Tensor  # [N, K] uint8, 0 .. 2^bits - 1 (bits 4, 5, 6 or 8)
+    codes: torch.Tensor  # [N, K] uint8, 0 .. 2^bits - 1 (bits 4, 5, 6 or 8; table codes: 0 .. 15)
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor | None  # [N, K / 32] float16
     bits: int
     zero: int
     sub: torch.Tensor | None = None  # [N, K / 16] int8: 6-bit codes only
+    table: torch.Tensor | None = None  # [16] uint8: table codes only
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[N, K] uint8: the codes the weight is made of (a table code's entry)."""
+        return self.codes if self.table is None else self.table[self.codes.long()]
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: for the exact types, what the `gguf` package dequantizes (the float model's weight)."""
         d = self.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
+        if self.table is not None:
+            return self.widened(8).dequantize()
         if self.sub is not None:  # (d * c) * q, the `gguf` package's order
             w = (d * self.sub.float().repeat_interleave(BLOCK_SIZE // 2, dim=1)) * (self.codes.float() - self.zero)
             return w if self.m is None else w + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)
@@ -70,16 +84,21 @@ class BlockWeight:
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
-        return BlockWeight(self.codes[index], self.d[index], take(self.m), self.bits, self.zero, take(self.sub))
+        return BlockWeight(self.codes[index], self.d[index], take(self.m), self.bits, self.zero, take(self.sub),
+                           self.table)
 
     def widened(self, bits: int) -> BlockWeight:
         """The same weight with codes of `bits` >= its own, for fusing narrower parts beside wider ones: exact
         from 4 or 5 bits (a 4-bit code is a 5- or 8-bit one below 16; as a 6-bit one it moves to zero 32 under
         sub-scales of 1); from 6 bits to 8 requantized (`requantize_8bit`), as the other K-quants are."""
-        if bits < self.bits:
-            raise ValueError(f"{self.bits}-bit codes cannot narrow to {bits} bits")
         if bits == self.bits:
             return self
+        if self.table is not None:  # the table's codes, as bytes
+            if bits != 8:
+                raise ValueError(f"table codes widen to 8 bits, not {bits}")
+            return BlockWeight(self.values, self.d, self.m, 8, self.zero)
+        if bits < self.bits:
+            raise ValueError(f"{self.bits}-bit codes cannot narrow to {bits} bits")
         if self.bits == 6:
             return requantize_8bit(self.dequantize())
         if bits == 6:  # u - zero = (u + 32 - zero) - 32, and 15 + 32 < 64
@@ -101,7 +120,7 @@ def is_block_type(type_name: str) -> bool:
 def code_bits(type_name: str) -> int:
     """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 6 for Q6_K, 8 for
     every other type."""
-    if type_name in ("Q4_0", "Q4_1", "Q4_K"):
+    if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4"):
         return 4
     if type_name == "Q6_K":
         return 6
@@ -173,17 +192,17 @@ def _legacy(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
 
 def _mxfp4(raw: np.ndarray, n: int, k: int) -> BlockWeight:
     """MXFP4 (17 bytes per 32 inputs: an E8M0 exponent e, then 16 bytes whose low nibbles are inputs 0..15 and
-    high ones 16..31): w = MXFP4_CODES[q] 2^(e - 128), as 8-bit codes u = code + 128 and d = 2^(e - 128) in
-    float16. A block whose scale float16 cannot hold (e outside 104..143) sends the tensor to `requantized`."""
+    high ones 16..31): w = MXFP4_CODES[q] 2^(e - 128), as table codes q into MXFP4_TABLE (zero MXFP4_ZERO) and
+    d = 2^(e - 128) in float16. A block whose scale float16 cannot hold (e outside 104..143) sends the tensor to
+    `requantized`."""
     blocks = raw.reshape(n, k // BLOCK_SIZE, 17)
     exponent = blocks[..., 0].astype(np.int32) - 128
     if exponent.min() < -24 or exponent.max() > 15:
         return requantized(raw, "MXFP4", n, k)
     qs = blocks[..., 1:]
     nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, kb, 32]
-    codes = (np.array(MXFP4_CODES, dtype=np.int16)[nibbles] + 128).astype(np.uint8)
     d = torch.from_numpy(np.ldexp(np.float32(1), exponent).astype(np.float16))
-    return BlockWeight(torch.from_numpy(codes.reshape(n, k)), d, None, 8, 128)
+    return BlockWeight(torch.from_numpy(nibbles.reshape(n, k)), d, None, TABLE_CODES, MXFP4_ZERO, table=MXFP4_TABLE)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

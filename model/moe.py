@@ -107,7 +107,7 @@ def register_expert_stacks(module: nn.Module, w13: list[BlockWeight], w2: list[B
     """Each expert's blocks packed as the dense W4A8 layers pack theirs, stacked: `module`'s w13_codes,
     w13_scales, w2_codes and w2_scales buffers, and the zero and bits of each stack (one format a stack)."""
     for name, experts in (("w13", w13), ("w2", w2)):
-        packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub) for w in experts]
+        packed = [cpu_w4a8_linear.pack(w.codes, w.d, w.m, w.bits, w.sub, w.table) for w in experts]
         module.register_buffer(f"{name}_codes", torch.stack([codes for codes, _ in packed]))
         module.register_buffer(f"{name}_scales", torch.stack([scales for _, scales in packed]))
         setattr(module, f"{name}_zero", experts[0].zero)

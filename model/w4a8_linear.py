@@ -22,7 +22,7 @@ class W4A8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
         self.bits, self.zero = weight.bits, weight.zero
-        codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits, weight.sub)
+        codes, scales = cpu_w4a8_linear.pack(weight.codes, weight.d, weight.m, weight.bits, weight.sub, weight.table)
         # [ceil(N / 16), K / 32, 256, 320, 416 or 512] uint8: 4-, 5-, 6- (with sub-scales) or 8-bit
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)  # [ceil(N / 16), K / 32, 1 or 2, 16] float16

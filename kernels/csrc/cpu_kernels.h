@@ -38,16 +38,19 @@ LADDER_SHARED void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64
 
 // w4a8_linear.cpp ------------------------------------------------------------------------------------
 
+// Table codes (kTableCodes, MXFP4's): 4-bit indices into the block's own 16-byte table of 8-bit codes.
+constexpr int kTableCodes = 7;
+
 // Bytes of packed codes per 16 outputs and 32-block (kernels/cpu_w4a8_linear.py CODE_BYTES): 4-bit
 // nibbles (256), the same nibbles and a 64-byte plane of fifth bits (320), those, a plane of sixth bits and
-// 32 int8 sub-scales (416), one byte a code (512).
+// 32 int8 sub-scales (416), one byte a code (512), table codes' nibbles and their 16-byte table (272).
 constexpr int64_t w4a8_code_bytes(int bits) {
-  return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 416 : bits == 8 ? 512 : 0;
+  return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 416 : bits == 8 ? 512 : bits == kTableCodes ? 272 : 0;
 }
 
-// The code width of a packed weight of CB bytes a block: 4, 5, 6 or 8, or 0 for none of them.
+// The code width of a packed weight of CB bytes a block: 4, 5, 6 or 8, kTableCodes, or 0 for none of them.
 constexpr int w4a8_code_bits(int64_t CB) {
-  return CB == 256 ? 4 : CB == 320 ? 5 : CB == 416 ? 6 : CB == 512 ? 8 : 0;
+  return CB == 256 ? 4 : CB == 320 ? 5 : CB == 416 ? 6 : CB == 512 ? 8 : CB == 272 ? kTableCodes : 0;
 }
 
 // A packed W4A8 weight (kernels/cpu_w4a8_linear.py `pack`): codes [NBLK, KB, w4a8_code_bytes(bits)] uint8,

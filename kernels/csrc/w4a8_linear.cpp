@@ -10,7 +10,9 @@
 // layout (four lines of 64 bytes), then two 64-byte vectors of bit pairs, byte t of vector p holding bits
 // 4-5 of the codes of byte t in lines 2p and 2p + 1 (line 2p's low and high nibble's at bits 0-1 and 2-3,
 // line 2p + 1's at 4-5 and 6-7), then the sub-scales as [16 channels, 2 halves] int8: a shift and a mask
-// move 64 codes' high bits into place on either ISA.
+// move 64 codes' high bits into place on either ISA. Table codes (kTableCodes: MXFP4, whose 16 values are
+// integers times a power of two) as the 4-bit layout of their indices, then the block's 16-byte table: one
+// byte shuffle a line turns the indices into the 8-bit codes, w = d * (table[i] - zero).
 // The integer sums run on AVX-512 VNNI's vpdpbusd, else on AVX2's vpmaddubsw and vpmaddwd, else in the
 // portable loop. With many rows (a prefill, a large batch) the VNNI and AVX2 paths widen narrow codes to bytes
 // once per thread and block (widen_block, `widened`) instead of unpacking them in every row group's tile.
@@ -120,7 +122,12 @@ inline void unpack_line(const uint8_t* block, int l, __m512i& lo, __m512i& hi) {
   const __m512i raw = _mm512_loadu_si512(block + l * 64);
   lo = _mm512_and_si512(raw, nibble);
   hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-  if constexpr (BITS == 5) {  // + 16 where the group's mask marks a fifth bit
+  if constexpr (BITS == kTableCodes) {  // each index through the block's table (in every 128-bit lane)
+    const __m128i entries = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHighBits));
+    const __m512i table = _mm512_broadcast_i32x4(entries);
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  } else if constexpr (BITS == 5) {  // + 16 where the group's mask marks a fifth bit
     uint64_t flo, fhi;
     std::memcpy(&flo, block + kHighBits + l * 8, 8);
     std::memcpy(&fhi, block + kHighBits + (4 + l) * 8, 8);
@@ -308,7 +315,7 @@ inline __m256i fifth_bits(uint32_t mask) {
 // bits 32 half .. + 31 of each group's 64-bit mask (5-bit), its bytes 32 half .. + 31 of each pair vector
 // (6-bit).
 template <int BITS>
-constexpr int64_t high_bits_at(int half) { return kHighBits + half * (BITS == 5 ? 4 : 32); }
+constexpr int64_t high_bits_at(int half) { return kHighBits + half * (BITS == 5 ? 4 : BITS == kTableCodes ? 0 : 32); }
 
 // Line l = 0..3 of a vector's codes (`vec`: the block + 32 half; `high`: the block + high_bits_at(half)) -> the
 // bytes of groups l (inputs 4l .. 4l + 3, in lo) and 4 + l (inputs 16 + 4l .., in hi), as the 8-bit layout
@@ -319,7 +326,11 @@ inline void unpack_half(const uint8_t* vec, const uint8_t* high, int l, __m256i&
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vec + l * 64));
   lo = _mm256_and_si256(raw, nibble);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-  if constexpr (BITS == 5) {
+  if constexpr (BITS == kTableCodes) {  // `high` is the block's table: each index through it
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
+    lo = _mm256_shuffle_epi8(table, lo);
+    hi = _mm256_shuffle_epi8(table, hi);
+  } else if constexpr (BITS == 5) {
     uint32_t flo, fhi;
     std::memcpy(&flo, high + l * 8, 4);
     std::memcpy(&fhi, high + (4 + l) * 8, 4);
@@ -591,6 +602,7 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
             const int t = c * 4 + k % 4;  // its byte in the group's 64
             const uint8_t byte = codes[b * CB + ((k % 16) / 4) * 64 + t];
             u = k < 16 ? (byte & 0x0F) : (byte >> 4);
+            if (bits == kTableCodes) u = codes[b * CB + kHighBits + u];
             const int g = (k % 16) / 4 + (k < 16 ? 0 : 4);  // its mask in each plane, bit t
             if (bits == 5) u |= ((codes[b * CB + kHighBits + g * 8 + t / 8] >> (t % 8)) & 1) << 4;
             if (bits == 6) {  // line l = g % 4's pair vector l / 2, bits 2 (2 (l % 2) + half)
@@ -633,13 +645,14 @@ void portable_block(const int8_t* xq, int64_t K, const float* xs, const float* x
 // and 6-bit pairs cost more beside vpmaddubsw, 5-bit codes 4% faster at 8 rows and 22-30% from 16 and 6-bit
 // codes 7-17% from 16, while 4-bit codes gained at most 5% on [8192, 2048] and lost 5% on [16384, 2048] at
 // 512 rows (the loads of twice the bytes cost what the two masks a line saved): never widened there.
+// Table codes unpack as 4-bit ones do, one shuffle more: widened from the same rows.
 #ifdef LADDER_VNNI
-constexpr int64_t kWideFrom[3] = {128, 32, 32};
+constexpr int64_t kWideFrom[4] = {128, 32, 32, 128};
 #else
-constexpr int64_t kWideFrom[3] = {INT64_MAX, 8, 16};
+constexpr int64_t kWideFrom[4] = {INT64_MAX, 8, 16, INT64_MAX};
 #endif
 
-bool widened(int bits, int64_t M) { return bits != 8 && M >= kWideFrom[bits - 4]; }
+bool widened(int bits, int64_t M) { return bits != 8 && M >= kWideFrom[bits == kTableCodes ? 3 : bits - 4]; }
 
 // The blocks' codes a thread widens at a time below 128 rows, L1-sized so that its row groups read them from
 // L1; from 128 rows a group's whole KB (in L2 with VNNI's groups of 3 blocks) measured 5-10% faster.
@@ -746,6 +759,8 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
     };
     if (w.bits == 4) {
       for_each_wide_tile<4>(M, NBLK, KB, cp, work_per_block, min_work, call_wide);
+    } else if (w.bits == kTableCodes) {
+      for_each_wide_tile<kTableCodes>(M, NBLK, KB, cp, work_per_block, min_work, call_wide);
     } else if (w.bits == 5) {
       for_each_wide_tile<5>(M, NBLK, KB, cp, work_per_block, min_work, call_wide);
     } else {
@@ -755,6 +770,8 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
   }
   if (w.bits == 4) {
     for_each_tile<W4A8Tiles<4>>(M, NBLK, work_per_block, min_work, call);
+  } else if (w.bits == kTableCodes) {
+    for_each_tile<W4A8Tiles<kTableCodes>>(M, NBLK, work_per_block, min_work, call);
   } else if (w.bits == 5) {
     for_each_tile<W4A8Tiles<5>>(M, NBLK, work_per_block, min_work, call);
   } else if (w.bits == 6) {
@@ -768,8 +785,8 @@ void w4a8_rows(const float* xp, int64_t M, const W4A8Weight& w, float* op, W4A8S
 namespace {
 
 // ladder::w4a8_linear: x [..., K] (computed in float32); codes [NBLK, KB, CB] uint8 (CB 256, 320, 416 or 512
-// for 4-, 5-, 6- or 8-bit codes); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d, m = -zero * d);
-// bias [N] or none.
+// for 4-, 5-, 6- or 8-bit codes, 272 for table codes); scales [NBLK, KB, S, 16] float16 (S 2: d then m; S 1: d,
+// m = -zero * d); bias [N] or none.
 // Returns [..., N] float32. portable: the portable loop even where the VNNI or AVX2 tiles exist (tests).
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias_in, int64_t N, int64_t zero, bool portable) {
@@ -777,7 +794,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
               "w4a8_linear: CPU tensors only");
   const at::Tensor x = float_rows(x_in);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              w4a8_code_bits(codes.size(2)) != 0, "codes: [NBLK, KB, 256, 320, 416 or 512] uint8");
+              w4a8_code_bits(codes.size(2)) != 0, "codes: [NBLK, KB, 256, 272, 320, 416 or 512] uint8");
   TORCH_CHECK(scales.dim() == 4 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(3) == BN &&
               (scales.size(2) == 1 || scales.size(2) == 2), "scales: [NBLK, KB, 1 or 2, 16] float16");

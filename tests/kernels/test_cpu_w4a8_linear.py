@@ -1,7 +1,8 @@
 """The C++ CPU W4A8 linear over GGUF blocks: bit for bit its torch reference (activations quantized per
 32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0, Q5_1, Q5_0, Q6_K (6-bit
-codes with int8 sub-scales per 16 inputs, with and without m) and Q8_0 forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF reader's blocks are exactly
-the weights the float model is built from."""
+codes with int8 sub-scales per 16 inputs, with and without m), Q8_0 and MXFP4 (table codes: 4-bit indices into
+a block's table) forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF
+reader's blocks are exactly the weights the float model is built from."""
 
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ import pytest
 import torch
 
 from kernels import cpu_w4a8_linear as kernel
-from model.gguf_blocks import BlockWeight
+from model.gguf_blocks import MXFP4_TABLE, MXFP4_ZERO, TABLE_CODES, BlockWeight
 
 pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W4A8 kernel could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch reference is used instead")
 
 FORMATS = {"q4_1": (4, 0, True), "q4_0": (4, 8, False), "q5_1": (5, 0, True), "q5_0": (5, 16, False),
-           "q6_k": (6, 32, False), "q6_k_m": (6, 32, True), "q8_0": (8, 128, False)}  # bits, zero, has m
+           "q6_k": (6, 32, False), "q6_k_m": (6, 32, True), "q8_0": (8, 128, False),
+           "mxfp4": (TABLE_CODES, MXFP4_ZERO, False)}  # bits, zero, has m
 # q6_k_m: a fused layer's 6-bit form beside parts with a min (model/block_quantization.concat).
 
 
 def _case(m, n, k, form, seed=0):
     bits, zero, has_m = FORMATS[form]
     gen = torch.Generator().manual_seed(seed * 7919 + m * 1000 + n * 10 + k + bits)
-    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
+    table = MXFP4_TABLE if bits == TABLE_CODES else None
+    codes = torch.randint(0, 16 if table is not None else 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
     d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
     mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half() if has_m else None
     sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen) if bits == 6 else None
@@ -32,11 +35,15 @@ def _case(m, n, k, form, seed=0):
     x = torch.randn(m, k, generator=gen)
     x[:, 3] *= 50  # an outlier channel, as RMSNorm outputs have
     x[:, 32:64] = 0  # an all-zero block
-    return x, BlockWeight(codes, d, mins, bits, zero, sub), torch.randn(n, generator=gen)
+    return x, BlockWeight(codes, d, mins, bits, zero, sub, table), torch.randn(n, generator=gen)
+
+
+def _pack(w: BlockWeight):
+    return kernel.pack(w.codes, w.d, w.m, w.bits, w.sub, w.table)
 
 
 def _reference(x, w: BlockWeight, bias=None):
-    y = kernel.w4a8_matmul_ref(x, w.codes, w.d.float(), None if w.m is None else w.m.float(), w.zero, w.sub)
+    y = kernel.w4a8_matmul_ref(x, w.values, w.d.float(), None if w.m is None else w.m.float(), w.zero, w.sub)
     return y if bias is None else y + bias
 
 
@@ -45,8 +52,8 @@ def _reference(x, w: BlockWeight, bias=None):
 @pytest.mark.parametrize("n,k", [(37, 96), (208, 576), (16, 32)])
 def test_equals_the_reference_bit_for_bit(form, m, n, k):
     x, w, bias = _case(m, n, k, form)
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
-    assert torch.equal(kernel.unpack(codes, n), w.codes)
+    codes, scales = _pack(w)
+    assert torch.equal(kernel.unpack(codes, n), w.values)
     assert (kernel.sub_scales_of(codes, n) is None) == (w.sub is None)
     assert w.sub is None or torch.equal(kernel.sub_scales_of(codes, n), w.sub)
     for with_bias in (False, True):
@@ -71,10 +78,10 @@ def test_vector_tiles_equal_the_portable_loop_at_their_edges(form, m, n):
     VNNI or AVX2) equal the portable loop and the reference, bit for bit."""
     x, w, bias = _case(m, n, 96, form)
     w.codes[0] = 0
-    w.codes[1] = (1 << w.bits) - 1
+    w.codes[1] = 15 if w.table is not None else (1 << w.bits) - 1
     x[0, 64:] = torch.arange(32) % 9 - 3.5  # halves: -3.5 .. 4.5
     x[0, 64] = 127.0  # max |x| of the block 127: its scale is 1
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
+    codes, scales = _pack(w)
     ref = _reference(x, w, bias)
     for portable in (False, True):
         assert torch.equal(kernel.w4a8_linear(x, codes, scales, bias, n, w.zero, portable=portable), ref), portable
@@ -90,7 +97,7 @@ def test_many_rows_on_widened_codes_equal_the_reference(form, m):
     batch of 5."""
     n, k = 45, 35 * 32
     x, w, bias = _case(m, n, k, form)
-    codes, scales = kernel.pack(w.codes, w.d, w.m, w.bits, w.sub)
+    codes, scales = _pack(w)
     out = kernel.w4a8_linear(x, codes, scales, bias, n, w.zero)
     assert torch.equal(out, _reference(x, w, bias))
     assert torch.equal(kernel.w4a8_linear(x[:5], codes, scales, bias, n, w.zero), out[:5])
@@ -125,7 +132,11 @@ def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
     with pytest.raises(ValueError, match="0..31"):
         kernel.pack(w.codes, w.d, None, 5)
     with pytest.raises(ValueError, match="4, 5, 6 or 8"):
-        kernel.pack(w.codes, w.d, None, 7)
+        kernel.pack(w.codes, w.d, None, 3)
+    with pytest.raises(ValueError, match="uint8 table"):  # table codes without their table
+        kernel.pack(w.codes % 16, w.d, None, TABLE_CODES)
+    with pytest.raises(ValueError, match="uint8 table"):  # entries past what AVX2's int16 sums hold
+        kernel.pack(w.codes % 16, w.d, None, TABLE_CODES, table=torch.full((16,), 32, dtype=torch.uint8))
     with pytest.raises(ValueError, match="0..63"):
         kernel.pack(w.codes, w.d, None, 6, torch.zeros(48, 4, dtype=torch.int8))
     six = w.codes % 64
