@@ -16,6 +16,11 @@ prompt `ladder serve`'s /v1/rerank writes through the chat template (for Qwen3-R
 expert; ffn_down_exps takes the place of ffn_down in the preset), e.g. Qwen3-30B-A3B's layer shapes with
 fewer layers and experts: `--experts 32 --experts-used 8 --intermediate 768 --heads 32 --kv-heads 4
 --head-dim 128`.
+`--gpt-oss` writes a GPT-OSS as llama.cpp's converter lays out the published files: MXFP4 experts (random codes,
+scales of 2^-8), every other layer sliding-window (128 tokens), YaRN, sinks and biases; its projections, embedding
+and LM head in `--preset` (q8_0 for the published files' kind). gpt-oss-20b's layer shapes with fewer layers:
+`--gpt-oss --preset q8_0 --hidden 2880 --heads 64 --kv-heads 8 --head-dim 64 --intermediate 2880 --experts 32
+--experts-used 4` (rows of 2880 are not a multiple of 256: the q8_0 preset only).
 """
 
 from __future__ import annotations
@@ -169,6 +174,66 @@ def write(path: Path, preset: str, hidden: int, layers: int, intermediate: int, 
     writer.close()
 
 
+def random_mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] uint8 of MXFP4 blocks: random 4-bit codes, each block's E8M0 byte 120 (llama.cpp
+    reads the doubled E2M1 values, up to 12, times 2^-8): weights of a few hundredths."""
+    raw = rng.integers(0, 256, size=(rows, cols // 32, 17), dtype=np.uint8)
+    raw[..., 0] = 120
+    return raw.reshape(rows, -1)
+
+
+def write_gpt_oss(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+                  head_dim: int, experts: int, experts_used: int, seed: int = 0) -> None:
+    """A GPT-OSS (module docstring) with the embedded model's tokenizer."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    for add, value in (("block_count", layers), ("context_length", 131072), ("embedding_length", hidden),
+                       ("feed_forward_length", intermediate), ("expert_count", experts),
+                       ("expert_used_count", experts_used), ("expert_feed_forward_length", intermediate),
+                       ("head_count", heads), ("head_count_kv", kv_heads), ("key_length", head_dim),
+                       ("value_length", head_dim), ("rope_freq_base", 150000.0), ("sliding_window", 128),
+                       ("layer_norm_rms_eps", 1e-5), ("rope_scaling_factor", 32.0),
+                       ("rope_scaling_orig_ctx_len", 4096)):
+        getattr(writer, f"add_{add}")(value)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    copy_tokenizer(writer)
+    vocab = len(tokenizer_source().metadata["tokenizer.ggml.tokens"])
+    writer.add_vocab_size(vocab)
+    kind = gguf.GGMLQuantizationType[tensor_kind(preset, "attn_q", None)]
+
+    def linear(name: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, random_blocks(kind.name, rows, cols, rng), raw_dtype=kind)
+
+    def floats(name: str, *shape: int, scale: float = 0.0, fill: float = 0.0) -> None:
+        writer.add_tensor(name, (fill + scale * rng.standard_normal(shape)).astype(np.float32))
+
+    linear("token_embd.weight", vocab, hidden)
+    linear("output.weight", vocab, hidden)
+    floats("output_norm.weight", hidden, fill=1.0)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        p = f"blk.{i}."
+        floats(p + "attn_norm.weight", hidden, fill=1.0)
+        floats(p + "post_attention_norm.weight", hidden, fill=1.0)
+        for name, rows, cols in (("attn_q", q, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                 ("attn_output", hidden, q)):
+            linear(p + name + ".weight", rows, cols)
+            floats(p + name + ".bias", rows, scale=0.02)
+        floats(p + "attn_sinks.weight", heads, scale=0.5)
+        floats(p + "ffn_gate_inp.weight", experts, hidden, scale=0.05)  # tokens spread over experts
+        floats(p + "ffn_gate_inp.bias", experts, scale=0.05)
+        for name, rows, cols in (("ffn_gate_exps", intermediate, hidden), ("ffn_up_exps", intermediate, hidden),
+                                 ("ffn_down_exps", hidden, intermediate)):
+            raw = random_mxfp4(experts * rows, cols, rng)
+            writer.add_tensor(p + name + ".weight", raw.reshape(experts, rows, -1),
+                              raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            floats(p + name + ".bias", experts, rows, scale=0.02)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
                  head_dim: int, global_head_dim: int, per_layer: int, shared: int, seed: int = 0, experts: int = 0,
                  experts_used: int = 0, expert_intermediate: int = 0) -> None:
@@ -280,14 +345,18 @@ def main() -> int:
     parser.add_argument("--global-head-dim", type=int, default=512)
     parser.add_argument("--per-layer", type=int, default=256)
     parser.add_argument("--shared-layers", type=int, default=20)
+    parser.add_argument("--gpt-oss", action="store_true", help="a GPT-OSS (see above)")
     parser.add_argument("--expert-intermediate", type=int, default=512,
                         help="with --gemma4 --experts: each expert's width (26B-A4B's experts beside the MLP)")
     args = parser.parse_args()
-    if args.hidden % 256 or args.intermediate % 256:
+    if (args.hidden % 256 or args.intermediate % 256) and not (args.gpt_oss and args.preset == "q8_0"):
         parser.error("--hidden and --intermediate must be multiples of 256 (K-quant rows)")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if args.gemma4:
+    if args.gpt_oss:
+        write_gpt_oss(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
+                      args.head_dim or args.hidden // args.heads, args.experts or 32, args.experts_used)
+    elif args.gemma4:
         write_gemma4(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
                      args.head_dim or args.hidden // args.heads, args.global_head_dim,
                      0 if args.experts else args.per_layer, 0 if args.experts else args.shared_layers,

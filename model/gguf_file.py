@@ -81,6 +81,14 @@ class GGUFFile:
             names.add(name)
             self.tensors.append(GGUFTensor(name, kind, dims, self._view(start + offset, dims, kind)))
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's memory map (they stay in the page cache, and whatever is
+        still read through the map, a block embedding's rows, faults them back in one by one): once a model
+        is built from the file its weights are copies, and the pages read to make them counted in the
+        process's resident memory, as much as the file itself (a container's limit counts them too)."""
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._map, self._offset)
         self._offset += struct.calcsize(fmt)

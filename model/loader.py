@@ -192,6 +192,8 @@ def load(
             if table is not None:
                 module.embed_tokens = BlockEmbedding.of(table, torch_dtype, device)
     defaults = read_sampling_defaults(path) if path.is_dir() else {}
+    if not path.is_dir():
+        checkpoint.reader.release_pages()  # the file's pages read to build the weights, no longer needed
     if quantization != "none":
         return_freed_memory()  # the float weights quantization started from
     return LoadedModel(config, module, tokenizer, name, path, time.perf_counter() - start, quantization, defaults,

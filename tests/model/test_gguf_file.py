@@ -4,6 +4,7 @@ tensor's name, type, shape and data, on the default model and on files of each t
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -48,3 +49,29 @@ def test_a_file_cut_short_is_refused(tmp_path, cut):
     (tmp_path / "cut.gguf").write_bytes(data[:cut] if cut > 0 else data[: len(data) // 2])
     with pytest.raises((ValueError, struct.error)):
         GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_released_pages_read_back_the_same(tmp_path):
+    """After `release_pages` (the loader's, once a model is built) the map's pages leave the process's resident
+    memory and every tensor still reads as before: the file's pages fault back in."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("llama3")).eval()
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, "Q8_0")
+    reader = GGUFFile(path)
+    before = {t.name: np.array(t.data) for t in reader.tensors}
+    assert mapped_kb(path) > 100  # every page read
+    reader.release_pages()
+    assert mapped_kb(path) < 8
+    assert all(np.array_equal(np.array(t.data), before[t.name]) for t in reader.tensors)
+
+
+def mapped_kb(path) -> int:
+    """This process's resident kB of its maps of `path` (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
