@@ -13,7 +13,7 @@ within a few roundings of torch's): they are the functions the decoder step (mod
 the eager model must compute what the step computes, bit for bit.
 
 Each is a custom op (ladder::rms_norm, ladder::fused_add_rms_norm, ladder::rotary, ladder::silu_and_mul,
-ladder::gelu_tanh_and_mul; kernels/csrc/fused_ops.cpp,
+ladder::gelu_tanh_and_mul, ladder::clamped_swiglu; kernels/csrc/fused_ops.cpp,
 kernels/cpu_extension.py), called in eager mode only: under torch.compile the references are traced and
 Inductor fuses their element-wise work into its own loops. Other dtypes and non-CPU tensors use the
 references too, and so does every call where the extension cannot be built or LADDER_CPU_KERNELS=0.
@@ -26,7 +26,7 @@ import torch
 from kernels.cpu_extension import cpu_kernels_enabled, cpu_op, load  # noqa: F401  (load: callers build through it)
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotate_ref
-from kernels.swiglu import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from kernels.swiglu import clamped_swiglu_ref, gelu_tanh_and_mul_ref, silu_and_mul_ref
 
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -43,6 +43,8 @@ _silu_and_mul = cpu_op("silu_and_mul", silu_and_mul_ref,
                        lambda gate_up: gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
 _gelu_tanh_and_mul = cpu_op("gelu_tanh_and_mul", gelu_tanh_and_mul_ref,
                             lambda gate_up: gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
+_clamped_swiglu = cpu_op("clamped_swiglu", clamped_swiglu_ref, lambda gate_up, alpha, limit:
+                         gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
 
 
 def _native(*tensors: torch.Tensor) -> bool:
@@ -80,6 +82,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not _native(gate_up) or gate_up.shape[-1] % 2:
         return silu_and_mul_ref(gate_up)
     return _silu_and_mul(gate_up.contiguous())
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's experts' act: gate_up [..., 2I] (gate first) -> [..., I]; `clamped_swiglu_ref` up to float
+    rounding (the C++ experts call, kernels/cpu_w4a8_experts.py, runs the same function)."""
+    if not _native(gate_up) or gate_up.shape[-1] % 2:
+        return clamped_swiglu_ref(gate_up, alpha, limit)
+    return _clamped_swiglu(gate_up.contiguous(), alpha, limit)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

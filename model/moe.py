@@ -36,7 +36,6 @@ from torch import nn
 from kernels import cpu_w4a8_linear
 from kernels.cpu_int8_linear import int8_linear
 from kernels.cpu_w4a8_experts import w4a8_experts
-from kernels.cpu_w4a8_linear import w4a8_linear
 from kernels.int8_matmul import quantize_int8_ref
 from kernels.moe import fused_moe, fused_moe_triton, grouped_experts, int8_moe, pack_int8_experts, route, w4a8_moe
 from kernels.ops import Ops
@@ -253,8 +252,9 @@ class Int8GptOssMoeBlock(nn.Module):
 
 
 class W4A8GptOssMoeBlock(nn.Module):
-    """GptOssMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`; MXFP4's codes read exactly as
-    8-bit ones, model/gguf_blocks.py), each expert through the W4A8 kernel with its bias; the router stays float."""
+    """GptOssMoeBlock over a GGUF file's own expert blocks (`--quantization w4a8`; MXFP4 read exactly as table
+    codes, model/gguf_blocks.py), in one C++ call as W4A8SparseMoeBlock's experts (kernels/cpu_w4a8_experts.py,
+    with each expert's biases and the clamped SwiGLU); the router stays float."""
 
     def __init__(self, block: GptOssMoeBlock, w13: list[BlockWeight], w2: list[BlockWeight]) -> None:
         super().__init__()
@@ -266,14 +266,9 @@ class W4A8GptOssMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H] float32 -> [T, H]
         weights, experts = route(self.gate(x), self.top_k, True)
-        inter2, hidden = self.w13_bias.shape[1], self.w2_bias.shape[1]
-
-        def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
-            gate_up = w4a8_linear(rows, self.w13_codes[e], self.w13_scales[e], self.w13_bias[e], inter2, self.w13_zero)
-            act = clamped_swiglu_ref(gate_up, self.alpha, self.limit)
-            out.copy_(w4a8_linear(act, self.w2_codes[e], self.w2_scales[e], self.w2_bias[e], hidden, self.w2_zero))
-
-        return grouped_experts(x.float(), weights, experts, expert, range(self.w13_codes.shape[0]))
+        return w4a8_experts(x.float().contiguous(), weights.contiguous(), experts.contiguous(), self.w13_codes,
+                            self.w13_scales, self.w13_zero, self.w2_codes, self.w2_scales, self.w2_zero, 0, False,
+                            self.w13_bias, self.w2_bias, self.limit, self.alpha).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"experts={len(self.w13_codes)}, bits=({self.w13_bits}, {self.w2_bits})"

@@ -35,6 +35,9 @@ LADDER_SHARED void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I,
 // The same with gelu's tanh approximation (Gemma's GeGLU): gelu(g) = g / (1 + exp(-2 sqrt(2 / pi) (g +
 // 0.044715 g^3))), which is 0.5 g (1 + tanh(...)).
 LADDER_SHARED void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out);
+// GPT-OSS's experts: g = min(gate, limit), u = clamp(up, -limit, limit) -> g / (1 + exp(-alpha g)) * (u + 1).
+LADDER_SHARED void clamped_swiglu_rows(const float* gate_up, int64_t T, int64_t I, float alpha, float limit,
+                                       float* out);
 
 // w4a8_linear.cpp ------------------------------------------------------------------------------------
 
@@ -97,10 +100,12 @@ struct W4A8Stack {
 // experts of `experts` [T, k] (the router's numbering) that the stacks hold: experts expert_offset ..
 // expert_offset + E - 1 (a pair routed elsewhere adds 0). expert(x) = w2 (silu(gate) * up), or with `gelu`
 // w2 (gelu_tanh(gate) * up) (Gemma 4's experts), gate and up the rows of w13 [2I, H] (I = w2's K), x [T, H]
-// float32.
+// float32. GPT-OSS's: b13 [E, 2I] and b2 [E, H] each expert's biases, and with swiglu_limit > 0 the clamped
+// SwiGLU (clamped_swiglu_rows) in place of the gate.
 LADDER_SHARED void w4a8_experts_rows(const float* x, int64_t T, int64_t H, const float* weights, const int64_t* experts,
                        int64_t k, const W4A8Stack& w13, const W4A8Stack& w2, int64_t expert_offset, float* out,
-                       W4A8Scratch& scratch, bool gelu = false);
+                       W4A8Scratch& scratch, bool gelu = false, const float* b13 = nullptr,
+                       const float* b2 = nullptr, float swiglu_limit = 0.f, float swiglu_alpha = 1.f);
 
 // The stack of a MoE layer's packed expert tensors (checked: their shapes, dtypes, N rows an expert).
 W4A8Stack w4a8_stack(const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t zero, const char* name);

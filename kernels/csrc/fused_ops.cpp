@@ -127,6 +127,50 @@ void gated_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
 
 void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) { gated_rows<false>(gate_up, T, I, out); }
 
+// GPT-OSS's experts: g = min(gate, limit), u = clamp(up, -limit, limit); g / (1 + exp(-alpha g)) * (u + 1), on the
+// lanes of gated_rows' exp.
+void clamped_swiglu_rows(const float* gate_up, int64_t T, int64_t I, float alpha, float limit, float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gate_up + t * 2 * I;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 lim = _mm512_set1_ps(limit), neg = _mm512_set1_ps(-limit), a = _mm512_set1_ps(-alpha);
+    const __m512 one = _mm512_set1_ps(1.f);
+    auto lanes = [&](__m512 gv, __m512 uv) {
+      gv = _mm512_min_ps(lim, gv);  // (the second operand when either is NaN: a NaN stays one, as torch's)
+      uv = _mm512_add_ps(_mm512_max_ps(neg, _mm512_min_ps(lim, uv)), one);
+      return _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_mul_ps(a, gv)))), uv);
+    };
+    for (; i + 16 <= I; i += 16) _mm512_storeu_ps(o + i, lanes(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+    if (i < I) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (I - i)) - 1u);
+      _mm512_mask_storeu_ps(o + i, m, lanes(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 lim = _mm256_set1_ps(limit), neg = _mm256_set1_ps(-limit), a = _mm256_set1_ps(-alpha);
+    const __m256 one = _mm256_set1_ps(1.f);
+    auto lanes = [&](__m256 gv, __m256 uv) {
+      gv = _mm256_min_ps(lim, gv);  // (the second operand when either is NaN: a NaN stays one, as torch's)
+      uv = _mm256_add_ps(_mm256_max_ps(neg, _mm256_min_ps(lim, uv)), one);
+      return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_mul_ps(a, gv)))), uv);
+    };
+    for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, lanes(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < I) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(I - i)),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      _mm256_maskstore_ps(o + i, m, lanes(_mm256_maskload_ps(g + i, m), _mm256_maskload_ps(u + i, m)));
+    }
+#else
+    for (; i < I; ++i) {
+      const float gv = std::min(g[i], limit), uv = std::max(std::min(u[i], limit), -limit) + 1.f;
+      o[i] = gv / (1.f + std::exp(-alpha * gv)) * uv;
+    }
+#endif
+  }
+}
+
 void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
   gated_rows<true>(gate_up, T, I, out);
 }
@@ -215,6 +259,23 @@ at::Tensor gated(const at::Tensor& gate_up, void (*rows_fn)(const float*, int64_
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return gated(gate_up, silu_and_mul_rows); }
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return gated(gate_up, gelu_tanh_and_mul_rows); }
 
+// ladder::clamped_swiglu: GPT-OSS's act of gate_up [..., 2 I] float32 contiguous -> [..., I].
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+              gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up: [..., 2 I] float32 CPU contiguous");
+  const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_for(0, rows, row_grain(I), [&](int64_t r0, int64_t r1) {
+    clamped_swiglu_rows(gp + r0 * 2 * I, r1 - r0, I, static_cast<float>(alpha), static_cast<float>(limit),
+                        op + r0 * I);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace ladder
 
@@ -224,4 +285,5 @@ TORCH_LIBRARY_IMPL(ladder, CPU, m) {
   m.impl("rotary", &ladder::rotary);
   m.impl("silu_and_mul", &ladder::silu_and_mul);
   m.impl("gelu_tanh_and_mul", &ladder::gelu_tanh_and_mul);
+  m.impl("clamped_swiglu", &ladder::clamped_swiglu);
 }

@@ -9,7 +9,7 @@ import torch
 from kernels import cpu_fused_ops as fused
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotate_ref
-from kernels.swiglu import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from kernels.swiglu import clamped_swiglu_ref, gelu_tanh_and_mul_ref, silu_and_mul_ref
 
 pytestmark = pytest.mark.skipif(fused.load() is None, reason="the CPU fused kernels could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch references are used instead")
@@ -46,8 +46,10 @@ def test_rotary_rotates_strided_views_in_place():
 
 
 @pytest.mark.parametrize("rows,width", [(1, 1536), (4, 17), (3, 64)])
-@pytest.mark.parametrize("ops", [(fused.silu_and_mul, silu_and_mul_ref), (fused.gelu_tanh_and_mul, gelu_tanh_and_mul_ref)],
-                         ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("ops", [(fused.silu_and_mul, silu_and_mul_ref), (fused.gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
+                                 (lambda g: fused.clamped_swiglu(g, 1.702, 7.0),
+                                  lambda g: clamped_swiglu_ref(g, 1.702, 7.0))],
+                         ids=["silu", "gelu_tanh", "clamped_swiglu"])
 def test_gated_activations_match_the_references(rows, width, ops):
     """Their own exp: within a few float32 roundings of torch's silu and tanh-form gelu, over gates far
     into both tails (gelu's far negative tail is g / (1 + e^z) here, where torch's 0.5 g (1 + tanh) cancels

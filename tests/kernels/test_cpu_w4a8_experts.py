@@ -9,6 +9,7 @@ import torch
 from kernels import cpu_w4a8_linear
 from kernels.cpu_w4a8_experts import w4a8_experts, w4a8_experts_ref
 from kernels.moe import fused_moe_ref, route, w4a8_moe
+from kernels.swiglu import clamped_swiglu_ref
 
 pytestmark = pytest.mark.skipif(cpu_w4a8_linear.load() is None, reason="the CPU kernels could not be built here "
                                 "(a C++ compiler is needed); the references alone run")
@@ -97,3 +98,27 @@ def test_bad_inputs_are_refused_in_one_line():
         w4a8_experts(x, weights, chosen, *w13, zero, w2[0][..., :100].contiguous(), w2[1], zero, 0)
     with pytest.raises(ValueError, match="not among the router's"):
         w4a8_moe(x, torch.randn(3, E), *w13, zero, *w2, zero, 2, expert_offset=4)
+
+
+def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu_equal_their_loop():
+    """GPT-OSS's experts (W4A8GptOssMoeBlock): each expert's biases added by its linears and the clamped SwiGLU,
+    in the one call, equal to the loop over experts bit for bit and within the W4A8 rounding of float experts;
+    gates past the clamp occur (the biases push them there)."""
+    (w13, w2), zero, (f13, f2) = experts(4, seed=21)
+    g = torch.Generator().manual_seed(22)
+    b13, b2 = torch.randn(E, 2 * INTER, generator=g) * 4, torch.randn(E, H, generator=g)
+    x, logits = torch.randn(9, H, generator=g), torch.randn(9, E, generator=g)
+    weights, chosen = route(logits, 2, True)
+    args = (x, weights.contiguous(), chosen.contiguous(), *w13, zero, *w2, zero, 0, False, b13, b2, 7.0, 1.702)
+    out = w4a8_experts(*args)
+    assert torch.equal(out, w4a8_experts_ref(*args))
+    reference = torch.zeros_like(x)
+    clamped = 0
+    for t in range(9):
+        for w, e in zip(weights[t].tolist(), chosen[t].tolist()):
+            gate_up = f13[e] @ x[t] + b13[e]
+            clamped += int((gate_up[:INTER] > 7).sum())
+            reference[t] += w * (f2[e] @ clamped_swiglu_ref(gate_up, 1.702, 7.0) + b2[e])
+    assert clamped and ((out - reference).norm() / reference.norm()).item() < 0.03
+    with pytest.raises(RuntimeError, match="w13_bias"):
+        w4a8_experts(*args[:11], b13[:, :5].contiguous(), b2, 7.0, 1.702)
