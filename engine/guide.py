@@ -29,7 +29,7 @@ from model.tokenizer import Tokenizer
 
 __all__ = ["Guide", "GuideError", "CompiledGuide", "GuideCompiler", "MAX_GUIDE_CHARS"]
 
-KINDS = ("json_schema", "regex", "choice", "lark", "gbnf")
+KINDS = ("json_schema", "regex", "choice", "lark", "gbnf", "composed")
 # The grammar text a request may send (a schema as JSON text): larger ones are refused before compiling.
 MAX_GUIDE_CHARS = 128 * 1024
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and lists
@@ -95,6 +95,22 @@ class Guide:
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
 
     @classmethod
+    def after_analysis(cls, inner: Guide, end_id: int, header: str) -> Guide:
+        """`inner` as the answer of a harmony reply (GPT-OSS): an optional analysis message first (any text up to
+        <|end|>, token `end_id`, then `<|start|>assistant`), then `header` (the final channel's, or "" where
+        `inner` writes its own: a forced call's message), then `inner`. llguidance composes the two grammars:
+        a Lark one whose last item is `@inner`, the other named so."""
+        text = inner.grammar_text()  # llguidance's grammar JSON, or Lark text
+        own = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
+        own["grammars"][0]["name"] = "inner"
+        head = f"{json.dumps(header, ensure_ascii=False)} " if header else ""
+        lark = (f'start: analysis? {head}@inner\n'
+                f'analysis: "<|channel|>analysis<|message|>" ANALYSIS <[{end_id}]> "<|start|>assistant"\n'
+                'ANALYSIS: /(?s:.*)/\n')
+        return cls("composed", json.dumps({"grammars": [{"lark_grammar": lark}, *own["grammars"]]},
+                                          ensure_ascii=False))
+
+    @classmethod
     def grammar(cls, text: str) -> Guide:
         """A context-free grammar: GBNF (llama.cpp's, rules written `name ::= ...`) or Lark."""
         return cls("gbnf" if "::=" in text else "lark", text)
@@ -112,6 +128,8 @@ class Guide:
                     "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.text)))
             if self.kind == "gbnf":
                 return llguidance.grammar_from("gbnf", self.text)
+            if self.kind == "composed":  # llguidance's grammar JSON already (`after_analysis`)
+                return self.text
             return llguidance.LLMatcher.grammar_from_lark(self.text)
         except (ValueError, RecursionError) as error:
             raise GuideError(f"the {self.kind.replace('_', ' ')} does not parse: {_first_line(error)}") from None

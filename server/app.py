@@ -42,7 +42,7 @@ from server.generation import (
     stream_events,
 )
 from server.guides import compile_guide, request_guide
-from server.harmony import HarmonyFormat, HarmonyReasoning
+from server.harmony import HARMONY_REPLY, HarmonyFormat, HarmonyReasoning
 from server.images import ImageInputs
 from server.lora_routes import install_lora_routes
 from server.metrics import ServerMetrics
@@ -374,6 +374,10 @@ def create_app(state: ServerState) -> FastAPI:
             requested = body.max_completion_tokens or body.max_tokens
             max_tokens = requested if requested is not None else max(info.max_model_len - len(ids), 1)
             check_length(len(ids), max_tokens, info.max_model_len, "messages")
+            begun = state.harmony.prefix_of(ids, tokenizer) if state.harmony is not None else ""
+            if guide is not None and state.harmony is not None and begun == HARMONY_REPLY:
+                # The guide holds for the answer; the analysis before it is free (server/harmony.py).
+                guide = state.harmony.guide_answer(guide, forced_call=guide_field == "tool_choice")
             if guide is not None:
                 await asyncio.to_thread(compile_guide, info, guide, guide_field)
             num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -387,7 +391,7 @@ def create_app(state: ServerState) -> FastAPI:
                                         "(GPT-OSS); its reasoning_effort sets how long it thinks",
                                    param="reasoning_budget")
                 include = body.include_reasoning and state.settings.reasoning_parser != "none"
-                reasoning = HarmonyReasoning(state.harmony.prefix_of(ids, tokenizer), include)
+                reasoning = HarmonyReasoning(begun, include)
             elif state.reasoning is not None:
                 # The engine follows the block too: a guide holds after it, a budget bounds it.
                 reasoning = Reasoning(state.reasoning, state.reasoning.opened_by(ids), body.include_reasoning)

@@ -24,8 +24,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from engine.guide import Guide
+
 START, CHANNEL, MESSAGE, CONSTRAIN, CALL = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"
 FUNCTIONS = "functions."
+# The header the generation prompt begins: the reply starts its first message's channel.
+HARMONY_REPLY = f"{START}assistant"
 # Where a canonical call starts, and its close (server/tool_calls.py ToolFormat.HARMONY's tags).
 CALL_OPEN = f"{CHANNEL}commentary to={FUNCTIONS}"
 # The markers a harmony vocabulary has, which decoding must keep (model/tokenizer.py VISIBLE_MARKERS).
@@ -41,13 +45,22 @@ class HarmonyFormat:
     """A model that speaks harmony: its vocabulary has the markers as tokens that decoding keeps."""
 
     start_id: int
+    end_id: int | None = None  # <|end|>, which closes the analysis: a guide's answer waits for it
 
     @classmethod
     def find(cls, tokenizer) -> HarmonyFormat | None:
         ids = [tokenizer.token_to_id(marker) for marker in MARKERS]
         if None in ids or set(ids) & tokenizer.special_ids:
             return None
-        return cls(ids[0])
+        return cls(ids[0], tokenizer.token_to_id("<|end|>"))
+
+    def guide_answer(self, guide: Guide, forced_call: bool) -> Guide:
+        """A request's guide for the answer after the analysis (engine/guide.py `Guide.after_analysis`): behind
+        the final channel's header, or for a forced call (whose grammar writes its own message) behind nothing.
+        A grammar of the request's own (Lark, GBNF) spells the whole reply itself and is left as it is."""
+        if self.end_id is None or guide.kind in ("lark", "gbnf") and not forced_call:
+            return guide
+        return Guide.after_analysis(guide, self.end_id, "" if forced_call else f"{CHANNEL}final{MESSAGE}")
 
     def prefix_of(self, prompt_ids: list[int], tokenizer) -> str:
         """The header the prompt has begun (`<|start|>assistant` from the generation prompt), as text: the

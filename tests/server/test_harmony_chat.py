@@ -66,7 +66,7 @@ def test_the_headers_stay_in_the_text_and_the_reply_ends_at_return_or_call(model
     assert tokenizer.decode([START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN]) == \
         "<|start|><|channel|><|message|><|constrain|>"
     assert tokenizer.stop_token_ids == {RETURN, CALL}  # <|end|> closes the analysis, not the reply
-    assert HarmonyFormat.find(tokenizer) == HarmonyFormat(START)
+    assert HarmonyFormat.find(tokenizer) == HarmonyFormat(START, END)
 
 
 def test_the_analysis_is_reasoning_and_the_final_message_content(server):
@@ -108,7 +108,8 @@ def test_a_forced_call_is_written_as_a_message_to_the_function(server):
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
         "additionalProperties": False}}}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        reply = chat(server, tools=closed, tool_choice=choice, parallel_tool_calls=False).json()
+        reply = chat(server, tools=closed, tool_choice=choice, parallel_tool_calls=False,
+                     logit_bias={str(END): 100}).json()  # an analysis (allowed first) ends at once
         calls = reply["choices"][0]["message"]["tool_calls"]
         assert [c["function"]["name"] for c in calls] == ["get_weather"]
         assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Oslo")
@@ -141,3 +142,43 @@ def test_a_past_calls_analysis_goes_back_as_thinking(server):
     text = server.state.engine.info.tokenizer.decode(out["tokens"], skip_special_tokens=False)
     assert "<|channel|>analysis<|message|>need the tool<|end|>" in text
     assert '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}' in text
+
+
+def test_a_guide_holds_for_the_answer_after_a_free_analysis(model_dir):
+    """`response_format` under harmony: an analysis message may come first (any text up to <|end|>), then the
+    final channel's header, then the guided answer; without the header the answer is refused."""
+    import llguidance
+
+    from engine.guide import Guide, GuideCompiler
+
+    tokenizer = Tokenizer.from_hf_dir(model_dir)
+    harmony = HarmonyFormat.find(tokenizer)
+    schema = Guide.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    guide = harmony.guide_answer(schema, forced_call=False)
+    compiler = GuideCompiler(tokenizer, tokenizer.vocab_size)
+    compiler.compile(guide)  # compiles for the vocabulary
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler._llg_tokenizer_locked(), guide.grammar_text())
+        ids = [i for piece in text.split("<|end|>") for i in (*tokenizer.encode(piece, add_special_tokens=False),
+                                                                 END)][:-1]
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    assert accepts('<|channel|>analysis<|message|>Some thinking, any text.<|end|><|start|>assistant'
+                   '<|channel|>final<|message|>{"n":3}')
+    assert accepts('<|channel|>final<|message|>{"n":3}')
+    assert not accepts('{"n":3}')
+    assert harmony.guide_answer(Guide.grammar('start: "x"'), forced_call=False).kind == "lark"  # the user's own
+
+
+def test_response_format_answers_after_the_analysis(server):
+    """The random model is pushed to end its analysis at once (a logit bias on <|end|>): the reply's content is
+    the JSON the schema asks for, its headers gone."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}
+    reply = chat(server, max_tokens=80, logit_bias={str(END): 100},
+                 response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                                         "strict": True}}).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert set(json.loads(choice["message"]["content"])) == {"n"}
