@@ -6,11 +6,12 @@ their single tokens (`<[id]>`), as the model writes them."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
 import pytest
-from in_process_server import InProcessServer, make_state
+from in_process_server import InProcessServer, chat_completion, chat_events, make_state
 
 from model.tokenizer import Tokenizer
 from server.reasoning import ReasoningFormat
@@ -40,19 +41,8 @@ def server(model_dir):
     server.stop()
 
 
-def chat(server, **fields) -> httpx.Response:
-    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
-            "temperature": 0, **fields}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-
-
-def stream(server, **fields) -> list[dict]:
-    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
-            "temperature": 0, "stream": True, **fields}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    return [json.loads(line) for line in lines if line != "[DONE]"]
+chat = functools.partial(chat_completion, model=NAME)
+stream = functools.partial(chat_events, model=NAME)
 
 
 def test_the_markers_a_reply_is_read_by_stay_in_its_text(model_dir):

@@ -7,11 +7,12 @@ Replies are forced by grammars naming the markers as their single tokens (`<[id]
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import httpx
 import pytest
-from in_process_server import InProcessServer, make_state
+from in_process_server import InProcessServer, chat_completion, chat_events, make_state
 
 from model.tokenizer import Tokenizer
 from server import protocol as p
@@ -46,19 +47,8 @@ def server(model_dir):
     server.stop()
 
 
-def chat(server, **fields) -> httpx.Response:
-    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
-            "temperature": 0, **fields}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-
-
-def stream(server, **fields) -> list[dict]:
-    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
-            "temperature": 0, "stream": True, **fields}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    return [json.loads(line) for line in lines if line != "[DONE]"]
+chat = functools.partial(chat_completion, model=NAME)
+stream = functools.partial(chat_events, model=NAME)
 
 
 def test_the_headers_stay_in_the_text_and_the_reply_ends_at_return_or_call(model_dir):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 
 import uvicorn
+from server_process import free_port
+from waiting import wait_until
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncLLMEngine
 from server.app import ServerSettings, ServerState, create_app
-from server_process import free_port
-from waiting import wait_until
 
 
 def make_state(model_dir, step_timeout: float | None = None, max_model_len: int = 256, max_num_seqs: int = 8,
@@ -41,3 +41,27 @@ class InProcessServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.state.engine.shutdown()
+
+
+# A chat request the chat-markup tests share: one user message, greedy, room for a reasoning block and a call.
+DEFAULT_CHAT = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60, "temperature": 0}
+
+
+def chat_completion(server: InProcessServer, model: str, **fields):
+    """POST /v1/chat/completions with DEFAULT_CHAT, `fields` over it; the httpx response."""
+    import httpx
+
+    return httpx.post(server.url + "/v1/chat/completions", json={"model": model, **DEFAULT_CHAT, **fields}, timeout=60)
+
+
+def chat_events(server: InProcessServer, model: str, **fields) -> list[dict]:
+    """The same request streamed: its server-sent events' JSON payloads, [DONE] left out."""
+    import json
+
+    import httpx
+
+    body = {"model": model, **DEFAULT_CHAT, "stream": True, **fields}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
