@@ -12,6 +12,7 @@ from doctor.config import DoctorConfig
 from doctor.cost import ModelCost
 from doctor.load import run_engine_load
 from doctor.machine import contention_note, measure_machine
+from doctor.memory import measure_memory
 from doctor.report import DoctorReport
 from doctor.roofline import operating_point
 from doctor.sweep import run_sweeps
@@ -20,9 +21,9 @@ from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.config import GIB, EngineConfig, bytes_per_block
 from engine.llm_engine import LLMEngine, set_kv_cache_dtype
 from kernels.kv_layout import blocks_for_tokens
-from model.loader import LoadedModel, load
+from model.loader import LoadedModel, load, return_freed_memory
 from model.precision import PRECISIONS, precision_of_dtype
-from model.quantization import linear_bytes_of, resolve_quantization
+from model.quantization import linear_bytes_of, release_unpacked, resolve_quantization
 
 
 def default_device() -> str:
@@ -90,6 +91,7 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     quantization then counts). `serialize_token(text)`: the server's SSE chunk of one token, timed in the
     step breakdown (None: not timed)."""
     device = config.device or default_device()
+    owned = loaded is None  # loaded here: kept as `ladder serve` keeps it (release_unpacked)
     if loaded is None:
         quantization = quantization_for(config, device)
         on_progress("loading the model" + ("" if quantization == "none" else f" ({quantization} linears)"))
@@ -99,6 +101,9 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     quantization = getattr(loaded, "quantization", "none")
     engine = LLMEngine(engine_config(config, loaded, device, quantization), loaded=loaded)
     module = engine.model.module
+    if owned and isinstance(module, torch.nn.Module) and config.artifact is None:
+        release_unpacked(module)  # the int8 weights' plain copies, which serve drops too: memory as it would be
+        return_freed_memory()
     cost = ModelCost(loaded.config, precision_of(loaded), module.kv_cache_dtype.itemsize)
     dense, experts = matmul_weight_bytes(module) if isinstance(module, torch.nn.Module) else (0, 0)
     if dense:  # the bytes the loaded kernels read (W4A8: the file's block widths), not the nominal size
@@ -126,9 +131,10 @@ def run_local(config: DoctorConfig, loaded: LoadedModel | None = None,
     verdict = classify(dataclasses.replace(evidence, compilable=compilable,
                                            w4a8_bytes_ratio=sizes and sizes[0] / sizes[1]))
     notes = [note] if (note := contention_note()) else []
+    memory = measure_memory(module, engine.runner.kv_caches) if isinstance(module, torch.nn.Module) else None
     return DoctorReport(loaded.name, str(machine.device), cost, kernels_of(loaded), machines, sweep, evidence_load,
                         operating, verdict, notes=notes, quantization=quantization_of(config, loaded, cost),
-                        breakdown=breakdown)
+                        breakdown=breakdown, memory=memory)
 
 
 def quantization_of(config: DoctorConfig, loaded: LoadedModel, cost: ModelCost) -> tuple[str | None, str]:

@@ -10,6 +10,7 @@ from doctor.breakdown import StepBreakdown
 from doctor.cost import ModelCost
 from doctor.load import LoadEvidence
 from doctor.machine import MachineLimits
+from doctor.memory import MemoryUse
 from doctor.roofline import OperatingPoint, RooflinePoint
 from doctor.verdict import Verdict
 
@@ -32,6 +33,7 @@ class DoctorReport:
     # artifact's own
     quantization: tuple[str | None, str] = (None, "none")
     breakdown: StepBreakdown | None = None  # one batch-1 decode step, op by op (a model loaded here)
+    memory: MemoryUse | None = None  # the process's resident memory itemized (a model loaded here, on Linux)
 
     @property
     def machine(self) -> MachineLimits:
@@ -57,6 +59,7 @@ class DoctorReport:
                             "roof": self.operating.roof}},
             "step_breakdown": None if self.breakdown is None else self.breakdown.to_dict(),
             "hardware": [m.to_dict() for m in self.machines],
+            "memory": None if self.memory is None else self.memory.to_dict(),
             "verdict": self.verdict.to_dict(),
             "notes": self.notes,
         }
@@ -121,6 +124,8 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"5 hardware     {m.device}, {m.threads} threads: memory copy {si(m.memory_bandwidth, 'B/s')} · "
                      f"{peaks}")
     lines.append(f"{pad}ridge point ({kind}): {machine.ridge(kind):.1f} FLOP/byte")
+    if report.memory is not None:
+        lines.extend(format_memory(report.memory))
     if report.breakdown is not None:
         lines.append("")
         lines.extend(format_breakdown(report.breakdown))
@@ -130,6 +135,16 @@ def format_report(report: DoctorReport) -> str:
     lines.append(f"next step: {report.verdict.next_step}")
     lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)
+
+
+def format_memory(m: MemoryUse) -> list[str]:
+    """The process's resident memory, itemized: weights by kind, KV cache, mapped files, the rest."""
+    pad = " " * 15
+    weights = " · ".join(f"{kind} {si(size, 'B')}" for kind, size in sorted(m.weights.items(), key=lambda kv: -kv[1]))
+    return [f"6 memory       resident {si(m.resident, 'B')} (peak {si(m.peak, 'B')}): weights "
+            f"{si(sum(m.weights.values()), 'B')} · KV cache {si(m.kv_cache, 'B')} · mapped files "
+            f"{si(m.file_pages, 'B')} · the rest of the heap {si(m.rest, 'B')}",
+            f"{pad}weights: {weights}; the rest: torch and the libraries, the tokenizer, the allocator's free pieces"]
 
 
 def format_breakdown(b: StepBreakdown) -> list[str]:

@@ -151,6 +151,12 @@ def test_a_tiny_model_at_batch_one_is_overhead_or_memory_bound(llama_dir):
     decode, precision = report.sweep[0], PRECISIONS[report.cost.precision]
     assert decode.roof(report.machine, precision.matmul) == "memory"
     assert decode.cost.intensity <= 2 / precision.weight_bytes
+    # The process's memory, itemized: the module's tensors (each storage once) and its KV cache inside the heap.
+    memory = report.memory
+    assert memory is not None and memory.resident >= memory.anonymous > 0
+    assert sum(memory.weights.values()) > 0 and memory.kv_cache > 0
+    assert set(memory.weights) <= {"embedding", "LM head", "attention", "MLP / experts", "other"}
+    assert memory.anonymous >= sum(memory.weights.values()) + memory.kv_cache and memory.peak >= memory.resident
 
 
 def test_a_large_batch_is_compute_bound(wide_dir):
@@ -170,12 +176,13 @@ def test_a_flood_with_one_slot_is_queue_bound_and_the_cli_writes_the_plot(llama_
     captured = capsys.readouterr()
     assert code == 0
     assert "verdict: QUEUE bound" in captured.out and "--max-num-seqs above 1" in captured.out
-    for layer in ("1 model", "2 parallelism", "3 runtime", "4 compile", "5 hardware"):
+    for layer in ("1 model", "2 parallelism", "3 runtime", "4 compile", "5 hardware", "6 memory"):
         assert layer in captured.out
     assert "decode sweep: batch 1" in captured.err  # progress while it measures
     report = json.loads((out / "doctor.json").read_text())
     assert report["verdict"]["bound"] == "queue" and report["runtime"]["queue_share"] >= 0.5
     assert report["runtime"]["num_requests"] == 8 and report["runtime"]["generation_tokens"] == 64
+    assert report["memory"]["resident"] > 0 and report["memory"]["rest"] >= 0
     assert (out / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
