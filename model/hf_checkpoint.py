@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -13,6 +15,9 @@ from safetensors import safe_open
 from model.config import ModelConfig
 from model.errors import ModelLoadError, one_line
 from model.weights import LazyTensors
+
+if TYPE_CHECKING:
+    from model.gguf_blocks import BlockWeight
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -99,6 +104,50 @@ def read_tensors(files: list[Path]) -> LazyTensors[torch.Tensor]:
             raise ModelLoadError(f"{path}: tensor {key!r} is unreadable ({one_line(e)})") from None
 
     return LazyTensors(shapes, read)
+
+
+def has_mxfp4_experts(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a directory's tensors hold GPT-OSS's experts as the published MXFP4 blocks."""
+    return any(name.endswith("mlp.experts.gate_up_proj_blocks") for name in tensors)
+
+
+def read_w4a8_blocks(config: ModelConfig, tensors: LazyTensors[torch.Tensor], source: str) -> LazyTensors[BlockWeight]:
+    """A directory with MXFP4 experts (GPT-OSS's published checkpoints) as `--quantization w4a8` reads a GGUF
+    (model/gguf_checkpoint.py `read_blocks`: the same names and layouts): each sparse layer's experts as the
+    table codes of their own blocks, gate and up stacked apart ([E * I, H] each) from the interleaved rows; every
+    other linear (q, k, v, o, the LM head, 16-bit in these files) requantized to 8 bits per 32-block, as a
+    GGUF's float linears are. Made tensor by tensor when asked for."""
+    from model.block_quantization import linear_sources
+    from model.gguf_blocks import requantize_8bit
+    from model.moe_checkpoint import mxfp4_block_weight
+
+    if not has_mxfp4_experts(tensors):
+        raise ModelLoadError(f"{source}: quantization w4a8 runs a GGUF file's own blocks, or MXFP4 experts (GPT-OSS's "
+                             "published checkpoints); this directory has neither (use w8a8, int8 or none)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    makers = {}
+    dense = {part for parts in linear_sources(config).values() for part in parts}
+    for name in dense:
+        source_name = "embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
+        shapes[name] = tensors.shapes[source_name]
+        makers[name] = lambda n=source_name: requantize_8bit(tensors[n].float())
+    for i in range(config.num_layers):
+        if not config.is_sparse_layer(i):
+            continue
+        p = f"layers.{i}.mlp.experts."
+        e, rows, groups, _ = tensors.shapes[p + "gate_up_proj_blocks"]
+
+        def expert_rows(kind: str, take: slice, p: str = p) -> BlockWeight:
+            blocks, scales = tensors[p + kind + "_blocks"][:, take], tensors[p + kind + "_scales"][:, take]
+            return mxfp4_block_weight(blocks.reshape(-1, *blocks.shape[2:]), scales.reshape(-1, scales.shape[2]))
+
+        for part, take in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+            shapes[p + part + ".weight"] = (e * rows // 2, groups * 32)
+            makers[p + part + ".weight"] = lambda take=take, fn=expert_rows: fn("gate_up_proj", take)
+        e, hidden, groups, _ = tensors.shapes[p + "down_proj_blocks"]
+        shapes[p + "down_proj.weight"] = (e * hidden, groups * 32)
+        makers[p + "down_proj.weight"] = lambda fn=expert_rows: fn("down_proj", slice(None))
+    return LazyTensors(shapes, lambda name: makers[name]())
 
 
 # The sampling fields of a generation_config.json that a request's own fields default to (vLLM's choice).

@@ -16,7 +16,13 @@ import torch
 from model.config import ModelConfig
 from model.default import DEFAULT_MODEL_NAME, is_packaged, packaged_model_path
 from model.errors import ModelLoadError
-from model.hf_checkpoint import read_config, read_sampling_defaults, read_tensors, safetensors_files
+from model.hf_checkpoint import (
+    read_config,
+    read_sampling_defaults,
+    read_tensors,
+    read_w4a8_blocks,
+    safetensors_files,
+)
 from model.hub import fetch, is_repo_id
 from model.moe import check_quantization as check_moe_quantization
 from model.pooling import Pooling, gguf_pooling, hf_dir_pooling
@@ -120,9 +126,6 @@ def load(
     if mmproj is not None and path.is_dir():
         raise ValueError(f"{path}: --mmproj goes with a GGUF text model; a Hugging Face directory holds its own "
                          "vision tower")
-    if quantization == "w4a8" and path.is_dir():
-        raise ValueError(f"{path}: quantization w4a8 runs a GGUF file's own 4-bit blocks; this is a Hugging "
-                         "Face directory (use w8a8)")
     # The readers' packages (tokenizers, gguf) are imported here, not with the module: the decoder and
     # the kernels are usable where they are not installed.
     from model.tokenizer import Tokenizer
@@ -140,7 +143,18 @@ def load(
             tensors = shift_norm_weights(tensors)
         if config.architecture == "phi3":
             tensors = split_fused_phi3(config, tensors)
-        module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size)
+        skip: set[str] = set()
+        if quantization == "w4a8":  # MXFP4 experts (GPT-OSS's published files), read as a GGUF's blocks are
+            from model.block_quantization import replaced_weights
+
+            blocks = read_w4a8_blocks(config, tensors, str(path))
+            skip = replaced_weights(config)
+        module = build_model(config, tensors, str(path), str(path / "config.json"), torch_dtype, device, block_size,
+                             skip)
+        if quantization == "w4a8":
+            from model.block_quantization import quantize_w4a8
+
+            quantize_w4a8(module, blocks)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
         weight_files = [path / "config.json", *safetensors_files(path)]
         pooling = hf_dir_pooling(path)

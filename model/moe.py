@@ -302,6 +302,17 @@ def check_quantization(config: ModelConfig, quantization: str, source: str) -> N
                              "or none")
 
 
+def is_mxfp4_directory(path: Path) -> bool:
+    """Whether the Hugging Face directory at `path` says its experts are MXFP4 (GPT-OSS's published files:
+    `quantization_config.quant_method` mxfp4), which `--quantization w4a8` reads as they are."""
+    try:
+        config = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
+    except (OSError, ValueError):
+        return False
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+
+
 def is_moe_checkpoint(path: Path) -> bool:
     """Whether the Hugging Face directory or GGUF file at `path` holds mixture-of-experts layers, from its
     config.json or its tensor names alone; False for anything unreadable (loading it says why)."""

@@ -27,11 +27,15 @@ GGUF's stacks and their `.bias` tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
+
+if TYPE_CHECKING:  # model.gguf_blocks is imported where a weight is made (it needs numpy, and the decoder none)
+    from model.gguf_blocks import BlockWeight
 
 ROUTER, GATE_UP, DOWN = "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 # Per-expert names: (gate, up, down) under a layer's prefix, with {e} for the expert's index.
@@ -76,6 +80,20 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     weight = values[codes].flatten(-2)  # [..., G, 32]
     weight = torch.ldexp(weight, (scales.long() - 127)[..., None].to(torch.float32))
     return weight.flatten(-2)
+
+
+def mxfp4_block_weight(blocks: torch.Tensor, scales: torch.Tensor) -> BlockWeight:
+    """An MXFP4 weight in the published layout (blocks [N, G, 16] uint8, scales [N, G] uint8: `mxfp4_dequantize`'s)
+    as W4A8 table codes, exactly as a GGUF's MXFP4 is read (model/gguf_blocks.py): the 4-bit indices, d =
+    2^(scale - 128) in float16, MXFP4_TABLE; requantized to 8 bits where float16 cannot hold a block's scale."""
+    from model.gguf_blocks import MXFP4_TABLE, MXFP4_ZERO, TABLE_CODES, BlockWeight, requantize_8bit
+
+    exponent = scales.to(torch.int32) - 128
+    if int(exponent.min()) < -24 or int(exponent.max()) > 15:
+        return requantize_8bit(mxfp4_dequantize(blocks, scales))
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1)  # inputs 2j, 2j + 1
+    d = torch.ldexp(torch.ones(exponent.shape), exponent.float()).half()
+    return BlockWeight(codes.contiguous(), d, None, TABLE_CODES, MXFP4_ZERO, table=MXFP4_TABLE)
 
 
 def gpt_oss_experts(config: ModelConfig, tensors: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],

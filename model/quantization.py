@@ -32,7 +32,7 @@ from torch import nn
 from kernels import cpu_int8_linear, cpu_w4a8_linear, cpu_w8a8_linear
 from kernels.cpu_w8a8_linear import w8a8_matmul_ref as w8a8_matmul
 from kernels.int8_matmul import int8_matmul_op, quantize_int8_ref
-from model.moe import is_moe_checkpoint, quantize_experts
+from model.moe import is_moe_checkpoint, is_mxfp4_directory, quantize_experts
 from model.precision import COMPILE_PRECISIONS, FLOAT_PRECISIONS, QUANTIZATIONS, parse_dtype
 
 # `auto` takes W4A8 over W8A8 where it reads at most this fraction of W8A8's weight bytes a step. Both stream
@@ -66,7 +66,8 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
     - a CPU without AVX-512 VNNI or AVX2 (or a build without a compiler): nothing, since the int8 kernels'
       portable loops run several times slower than torch's float32 matmuls there (`int8_kernels_are_fast`);
     - a mixture-of-experts checkpoint (a local directory or GGUF file, model/moe.py): W4A8, experts too,
-      for any quantized GGUF file (a quarter of float32's bytes or less), else nothing.
+      for any quantized GGUF file (a quarter of float32's bytes or less) and a directory of MXFP4 experts
+      (GPT-OSS's published files: float32 would be 84 GB for its 20B), else nothing.
 
     Other values pass through, checked."""
     if quantization == "auto":
@@ -76,8 +77,9 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
             return "none"
         sizes = linear_bytes_of(model) if tensor_parallel_size == 1 else None
         if model is not None and is_moe_checkpoint(Path(model).expanduser()):
-            # W8A8's calibration does not cover expert weights (model/moe.py): W4A8 or float32.
-            return "w4a8" if sizes else "none"
+            # W8A8's calibration does not cover expert weights (model/moe.py): W4A8 (a quantized GGUF, or
+            # GPT-OSS's MXFP4 directory) or float32.
+            return "w4a8" if sizes or is_mxfp4_directory(Path(model).expanduser()) else "none"
         return "w4a8" if sizes and sizes[0] <= W4A8_BYTES_AT_MOST * sizes[1] else "w8a8"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATIONS)})")

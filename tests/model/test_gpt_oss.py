@@ -21,6 +21,7 @@ from model.generator import Generator
 from model.gguf_blocks import TABLE_CODES
 from model.moe import GptOssMoeBlock, Int8GptOssMoeBlock, W4A8GptOssMoeBlock
 from model.moe_checkpoint import MXFP4_VALUES, mxfp4_dequantize
+from model.quantization import resolve_quantization
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -131,8 +132,40 @@ def test_mxfp4_directory_loads_as_transformers_dequantizes_it(gpt_oss, tmp_path)
         state[name] = mxfp4_dequantize(tensors[name + "_blocks"], tensors[name + "_scales"]).transpose(1, 2)
     reference.load_state_dict(state, strict=True)
     ids = prompt(40, seed=2)
-    assert relative_error(Generator(ours.module, 64).step(ids), hf_logits(reference, ids)) < 1e-4
-    assert relative_error(hf_logits(reference, ids), hf_logits(hf, ids)) > 1e-3  # the rounding is real
+    expected = hf_logits(reference, ids)
+    assert relative_error(Generator(ours.module, 64).step(ids), expected) < 1e-4
+    assert relative_error(expected, hf_logits(hf, ids)) > 1e-3  # the rounding is real
+    # W4A8 reads the experts' own blocks as a GGUF's are read (table codes, exactly); the other linears,
+    # float in these files, requantized to 8 bits a 32-block: against the float model on those same weights,
+    # what is left is the activations' int8 rounding.
+    from kernels.cpu_w4a8_linear import w4a8_linear
+    from model.gguf_blocks import requantize_8bit
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}  # as the published files say
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_quantization("auto", "float32", "cpu", str(tmp_path)) == "w4a8"  # float32 would be 84 GB (20B)
+    assert resolve_quantization("auto", "float32", "cpu", str(directory)) == "none"  # float experts: no blocks
+    w4a8 = model.load(tmp_path, quantization="w4a8")
+    block = w4a8.module.layers[0].mlp
+    assert isinstance(block, W4A8GptOssMoeBlock) and (block.w13_bits, block.w2_bits) == (TABLE_CODES, TABLE_CODES)
+    for e in range(4):  # the file's expert weights, bit for bit
+        columns = w4a8_linear(torch.eye(32), block.w2_codes[e], block.w2_scales[e], None, 64, block.w2_zero)
+        assert torch.equal(columns.t(), ours.module.layers[0].mlp.w2[e])
+    with torch.no_grad():
+        for name, linear in ours.module.named_modules():
+            if isinstance(linear, torch.nn.Linear) and not name.endswith("mlp.gate"):
+                linear.weight.copy_(requantize_8bit(linear.weight.float()).dequantize())
+    out, ref = Generator(w4a8.module, 64).step(ids), Generator(ours.module, 64).step(ids)
+    rows = (out - ref).norm(dim=-1) / ref.norm(dim=-1)  # a token whose router flips a near tie stands out alone
+    assert rows.median() < 3e-2 and (rows < 5e-2).float().mean() > 0.9, rows  # (the int8 rounding of 2 blocks)
+
+
+def test_w4a8_refuses_a_directory_without_mxfp4_experts_in_one_line(gpt_oss):
+    _, directory = gpt_oss
+    with pytest.raises(ModelLoadError, match="GGUF file's own blocks, or MXFP4 experts") as error:
+        model.load(directory, quantization="w4a8")
+    assert "\n" not in str(error.value)
 
 
 def test_a_missing_expert_tensor_is_a_one_line_error(gpt_oss, tmp_path):
