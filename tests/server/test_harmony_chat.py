@@ -172,3 +172,13 @@ def test_response_format_answers_after_the_analysis(server):
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert set(json.loads(choice["message"]["content"])) == {"n"}
+
+
+def test_the_responses_api_returns_the_analysis_as_a_reasoning_item(server):
+    body = {"model": NAME, "input": "Weather in Paris?", "max_output_tokens": 60, "temperature": 0,
+            "guided_grammar": THINK_THEN_ANSWER}
+    chat_reply = chat(server, guided_grammar=THINK_THEN_ANSWER).json()["choices"][0]["message"]
+    whole = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": chat_reply["reasoning_content"]}]
+    assert whole["output"][1]["content"][0]["text"] == chat_reply["content"]
