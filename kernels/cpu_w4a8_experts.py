@@ -1,6 +1,7 @@
 """A mixture-of-experts layer's W4A8 experts as one C++ call (ladder::w4a8_experts): every routed (token,
 expert) pair's gate/up matmul, SiLU x up and down matmul, scaled by its routing weight, and each token's
-slots summed in slot order (Gemma 4's experts: gelu_tanh(gate) x up).
+slots summed in slot order (Gemma 4's experts: gelu_tanh(gate) x up; GPT-OSS's: each expert's biases added by
+its two matmuls and the clamped SwiGLU, ladder::clamped_swiglu, in place of SiLU x up).
 
 It is `grouped_experts` (kernels/moe.py) over W4A8 experts, computed the same way: pairs grouped by expert
 in pair order, each expert's rows through the W4A8 kernel (kernels/cpu_w4a8_linear.py) and the C++ SiLU x up
