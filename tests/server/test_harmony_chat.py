@@ -182,3 +182,21 @@ def test_the_responses_api_returns_the_analysis_as_a_reasoning_item(server):
     assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
     assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": chat_reply["reasoning_content"]}]
     assert whole["output"][1]["content"][0]["text"] == chat_reply["content"]
+
+
+def test_a_gguf_vocabulary_reads_harmony_as_the_directory_does(tmp_path):
+    """llama.cpp's converter writes harmony's tokens as control tokens: the header markers still stay in decoded
+    text, and the reply stops at <|return|> and <|call|> but not at <|end|> (which llama.cpp's own end-of-turn
+    list holds)."""
+    import gguf
+    from tiny_models import HARMONY_CHAT_TEMPLATE, HARMONY_TOKENS, copy_smollm2_tokenizer, write_and_close
+
+    from model.gguf_file import GGUFFile
+
+    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "gpt-oss")
+    copy_smollm2_tokenizer(writer, HARMONY_TOKENS, "<|return|>", HARMONY_CHAT_TEMPLATE)
+    write_and_close(writer)
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(tmp_path / "vocab.gguf").metadata, "vocab.gguf")
+    assert tokenizer.decode([START, CHANNEL, MESSAGE, CONSTRAIN, END]) == "<|start|><|channel|><|message|><|constrain|>"
+    assert {RETURN, CALL} <= tokenizer.stop_token_ids and END not in tokenizer.stop_token_ids
+    assert HarmonyFormat.find(tokenizer) == HarmonyFormat(START, END)
