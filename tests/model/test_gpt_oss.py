@@ -258,6 +258,14 @@ def test_the_engine_generates_as_the_generator_does(gpt_oss):
     for ids, out in zip(prompts, outs, strict=True):
         expected = [s.token_id for s in Generator(ours.module, 64).generate(ids, 8)]
         assert list(out.outputs[0].token_ids) == expected
+    # Speculative decoding verifies drafts as rows of one step (sinks and windows per row): the same tokens. The
+    # model drafting for itself proposes on every step, past the 16-token window.
+    drafted = LLM(str(directory), quantization="auto", kv_cache_memory_gib=0.02, max_model_len=256, max_num_seqs=4,
+                  speculative_model=str(directory), speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    again, plain = drafted.generate(prompts, params), llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in plain]
+    assert drafted.engine.stats.num_draft_tokens > 0
 
 
 def test_clamped_swiglu_reference():
