@@ -54,10 +54,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token text in chat messages (e.g. <|im_end|>) as control tokens, as the "
                         "template's own markup is; by default it is plain text, so a message cannot forge a turn")
-    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think", "qwen3", "deepseek_r1"],
+    p.add_argument("--reasoning-parser", default="auto",
+                   choices=["auto", "none", "think", "harmony", "qwen3", "deepseek_r1", "gemma4", "mistral",
+                            "openai_gptoss"],
                    help="a reasoning model's <think> block goes to reasoning_content, apart from the content of "
-                        "chat replies: auto (when the vocabulary has <think> and </think> tokens), none (left in "
-                        "content), think (required; qwen3 and deepseek_r1, vLLM's names, mean the same)")
+                        "chat replies: auto (when the vocabulary has the markers), none (left in content; GPT-OSS's "
+                        "analysis dropped), think (required; qwen3, deepseek_r1, gemma4 and mistral, vLLM's names, "
+                        "mean the same), harmony (GPT-OSS's analysis channel, required; vLLM's openai_gptoss)")
     p.add_argument("--reranker", default="auto", choices=["auto", "on", "off"],
                    help="serve POST /v1/rerank, scoring each document by the model's next-token odds of 'yes' "
                         "against 'no' (Qwen3-Reranker's rule): auto (a model whose name says reranker), on, off")

@@ -48,6 +48,7 @@ from server.lora_routes import install_lora_routes
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimit, InFlight
 from server.prompts import chat_prompt_ids, chat_tokenizer, check_prompts, check_token_fields, to_prompts
+from server.reasoning import ALIASES as REASONING_ALIASES
 from server.reasoning import Reasoning, ReasoningFormat
 from server.rerank import Reranker, install_rerank_routes
 from server.response_store import ResponseStore, output_messages
@@ -139,8 +140,15 @@ class ServerState:
         """Serve `engine`. Raises ValueError for a --reasoning-parser its model cannot use."""
         tokenizer = engine.info.tokenizer
         self.harmony = HarmonyFormat.find(tokenizer) if tokenizer is not None else None
+        parser = REASONING_ALIASES.get(self.settings.reasoning_parser, self.settings.reasoning_parser)
+        if parser == "harmony" and self.harmony is None:
+            raise ValueError(f"--reasoning-parser {self.settings.reasoning_parser} reads harmony's analysis channel; "
+                             "this model's vocabulary has no harmony markers (<|channel|>, <|message|>)")
+        if parser == "think" and self.harmony is not None:
+            raise ValueError(f"--reasoning-parser {self.settings.reasoning_parser} reads <think> blocks; this model "
+                             "writes harmony's channels (use auto or openai_gptoss)")
         self.reasoning = ReasoningFormat.for_server(self.settings.reasoning_parser, tokenizer) \
-            if tokenizer is not None and self.harmony is None else None
+            if tokenizer is not None and self.harmony is None and parser != "harmony" else None
         self.reranker = Reranker.find(self.settings.reranker, engine.info.model_name, tokenizer,
                                       engine.info.reranker_file)
         info = engine.info

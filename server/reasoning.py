@@ -23,9 +23,9 @@ from model.tokenizer import Tokenizer
 # The spellings reasoning models use for their block (Qwen3, QwQ, DeepSeek-R1 and their distillations; Gemma
 # 4; Magistral), and the text that opens the block before its reasoning.
 MARKERS = (("<think>", "</think>", ""), ("<|channel>", "<channel|>", "thought"), ("[THINK]", "[/THINK]", ""))
-PARSERS = ("auto", "none", "think")
-# vLLM's `--reasoning-parser` names for the same format, taken as they are.
-ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gemma4": "think", "mistral": "think"}
+PARSERS = ("auto", "none", "think", "harmony")  # harmony: GPT-OSS's analysis channel (server/harmony.py)
+# vLLM's `--reasoning-parser` names for the same formats, taken as they are.
+ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gemma4": "think", "mistral": "think", "openai_gptoss": "harmony"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ReasoningFormat:
         parser = ALIASES.get(parser, parser)
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; one of {', '.join([*PARSERS, *ALIASES])}")
-        if parser == "none":
+        if parser in ("none", "harmony"):  # harmony's analysis channel: server/harmony.py reads it
             return None
         found = cls.find(tokenizer)
         if found is None and parser == "think":

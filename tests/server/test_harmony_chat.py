@@ -200,3 +200,12 @@ def test_a_gguf_vocabulary_reads_harmony_as_the_directory_does(tmp_path):
     assert tokenizer.decode([START, CHANNEL, MESSAGE, CONSTRAIN, END]) == "<|start|><|channel|><|message|><|constrain|>"
     assert {RETURN, CALL} <= tokenizer.stop_token_ids and END not in tokenizer.stop_token_ids
     assert HarmonyFormat.find(tokenizer) == HarmonyFormat(START, END)
+
+
+def test_a_reasoning_parser_for_other_markers_is_refused_at_start(model_dir):
+    """vLLM's openai_gptoss names harmony's analysis (taken); think names <think> blocks, which this model has
+    not: the server refuses to start with it, in one line."""
+    make_state(model_dir, served_model_name=NAME, reasoning_parser="openai_gptoss")
+    with pytest.raises(ValueError, match="writes harmony's channels") as error:
+        make_state(model_dir, served_model_name=NAME, reasoning_parser="think")
+    assert "\n" not in str(error.value)
