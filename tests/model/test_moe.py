@@ -120,13 +120,10 @@ def test_w8a8_quantization_is_refused(moe_models):
 def test_int8_quantizes_the_experts_and_keeps_the_router_float(moe_models):
     """`--quantization int8` runs as the float model would on the int8 weights, dequantized: every linear
     but the router, and each expert, per output channel."""
-    from kernels.int8_matmul import quantize_int8_ref
+    from quantized_reference import round_as_int8
+
     from model.moe import Int8SparseMoeBlock
     from model.quantization import Int8Linear
-
-    def rounded(weight: torch.Tensor) -> torch.Tensor:  # through int8 and back, per output channel
-        q, scale = quantize_int8_ref(weight.reshape(-1, weight.shape[-1]))
-        return (q.float() * scale[:, None]).view(weight.shape)
 
     _, _, ours, directory = moe_models
     low = model.load(directory, quantization="int8")
@@ -135,13 +132,7 @@ def test_int8_quantizes_the_experts_and_keeps_the_router_float(moe_models):
     assert all(type(block.gate) is torch.nn.Linear and block.w13.dtype == torch.int8 for block in sparse)
     assert isinstance(low.module.layers[0].self_attn.qkv_proj, Int8Linear)
     ref = model.load(directory).module
-    with torch.no_grad():
-        for name, m in ref.named_modules():
-            if isinstance(m, torch.nn.Linear) and not name.endswith("mlp.gate"):
-                m.weight.copy_(rounded(m.weight))
-            elif isinstance(m, SparseMoeBlock):
-                m.w13.copy_(rounded(m.w13))
-                m.w2.copy_(rounded(m.w2))
+    round_as_int8(ref, (SparseMoeBlock,))
     ids = prompt(57, seed=1)
     assert relative_error(Generator(low.module, 64).step(ids), Generator(ref, 64).step(ids)) < 1e-4
 
