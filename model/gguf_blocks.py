@@ -69,9 +69,9 @@ class BlockWeight:
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: for the exact types, what the `gguf` package dequantizes (the float model's weight)."""
-        d = self.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
         if self.table is not None:
             return self.widened(8).dequantize()
+        d = self.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
         if self.sub is not None:  # (d * c) * q, the `gguf` package's order
             w = (d * self.sub.float().repeat_interleave(BLOCK_SIZE // 2, dim=1)) * (self.codes.float() - self.zero)
             return w if self.m is None else w + self.m.float().repeat_interleave(BLOCK_SIZE, dim=1)

@@ -239,8 +239,10 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
   }
 }
 
-// gate_up [..., 2 I] float32 contiguous -> act(gate) * up [..., I], act silu or gelu (tanh form).
-at::Tensor gated(const at::Tensor& gate_up, void (*rows_fn)(const float*, int64_t, int64_t, float*)) {
+// gate_up [..., 2 I] float32 contiguous -> act(gate) * up [..., I]: rows_fn(gate_up rows, T, I, out rows), silu,
+// gelu (tanh form) or GPT-OSS's clamped SwiGLU.
+template <class RowsFn>
+at::Tensor gated(const at::Tensor& gate_up, const RowsFn& rows_fn) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
               gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up: [..., 2 I] float32 CPU contiguous");
   const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
@@ -261,19 +263,10 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return gated(gate_up, 
 
 // ladder::clamped_swiglu: GPT-OSS's act of gate_up [..., 2 I] float32 contiguous -> [..., I].
 at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
-              gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up: [..., 2 I] float32 CPU contiguous");
-  const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = I;
-  auto out = at::empty(sizes, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  parallel_for(0, rows, row_grain(I), [&](int64_t r0, int64_t r1) {
-    clamped_swiglu_rows(gp + r0 * 2 * I, r1 - r0, I, static_cast<float>(alpha), static_cast<float>(limit),
-                        op + r0 * I);
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  return gated(gate_up, [a, l](const float* g, int64_t T, int64_t I, float* o) {
+    clamped_swiglu_rows(g, T, I, a, l, o);
   });
-  return out;
 }
 
 }  // namespace
