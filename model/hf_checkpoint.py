@@ -114,12 +114,13 @@ def has_mxfp4_experts(tensors: Mapping[str, torch.Tensor]) -> bool:
 def read_w4a8_blocks(config: ModelConfig, tensors: LazyTensors[torch.Tensor], source: str) -> LazyTensors[BlockWeight]:
     """A directory with MXFP4 experts (GPT-OSS's published checkpoints) as `--quantization w4a8` reads a GGUF
     (model/gguf_checkpoint.py `read_blocks`: the same names and layouts): each sparse layer's experts as the
-    table codes of their own blocks, gate and up stacked apart ([E * I, H] each) from the interleaved rows; every
+    table codes of their own blocks, gate and up as one stack ([E * 2I, H], each expert's gate rows then its up
+    rows, from the interleaved ones: the file's stack read once); every
     other linear (q, k, v, o, the LM head, 16-bit in these files) requantized to 8 bits per 32-block, as a
     GGUF's float linears are. Made tensor by tensor when asked for."""
     from model.block_quantization import linear_sources
     from model.gguf_blocks import requantize_8bit
-    from model.moe_checkpoint import mxfp4_block_weight
+    from model.moe_checkpoint import deinterleave_gate_up, mxfp4_block_weight
 
     if not has_mxfp4_experts(tensors):
         raise ModelLoadError(f"{source}: quantization w4a8 runs a GGUF file's own blocks, or MXFP4 experts (GPT-OSS's "
@@ -135,18 +136,17 @@ def read_w4a8_blocks(config: ModelConfig, tensors: LazyTensors[torch.Tensor], so
         if not config.is_sparse_layer(i):
             continue
         p = f"layers.{i}.mlp.experts."
-        e, rows, groups, _ = tensors.shapes[p + "gate_up_proj_blocks"]
 
-        def expert_rows(kind: str, take: slice, p: str = p) -> BlockWeight:
-            blocks, scales = tensors[p + kind + "_blocks"][:, take], tensors[p + kind + "_scales"][:, take]
+        def stack(kind: str, p: str = p) -> BlockWeight:  # [E, N, G, 16] and [E, N, G] -> [E * N, G * 32]
+            blocks, scales = tensors[p + kind + "_blocks"], tensors[p + kind + "_scales"]
+            if kind == "gate_up_proj":
+                blocks, scales = deinterleave_gate_up(blocks), deinterleave_gate_up(scales)
             return mxfp4_block_weight(blocks.reshape(-1, *blocks.shape[2:]), scales.reshape(-1, scales.shape[2]))
 
-        for part, take in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
-            shapes[p + part + ".weight"] = (e * rows // 2, groups * 32)
-            makers[p + part + ".weight"] = lambda take=take, fn=expert_rows: fn("gate_up_proj", take)
-        e, hidden, groups, _ = tensors.shapes[p + "down_proj_blocks"]
-        shapes[p + "down_proj.weight"] = (e * hidden, groups * 32)
-        makers[p + "down_proj.weight"] = lambda fn=expert_rows: fn("down_proj", slice(None))
+        for kind in ("gate_up_proj", "down_proj"):
+            e, rows, groups, _ = tensors.shapes[p + kind + "_blocks"]
+            name = p + kind if kind == "gate_up_proj" else p + kind + ".weight"  # the names quantize_w4a8 reads
+            shapes[name], makers[name] = (e * rows, groups * 32), lambda kind=kind, fn=stack: fn(kind)
     return LazyTensors(shapes, lambda name: makers[name]())
 
 

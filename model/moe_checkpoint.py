@@ -96,16 +96,18 @@ def mxfp4_block_weight(blocks: torch.Tensor, scales: torch.Tensor) -> BlockWeigh
     return BlockWeight(codes.contiguous(), d, None, TABLE_CODES, MXFP4_ZERO, table=MXFP4_TABLE)
 
 
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with GPT-OSS's gate and up rows alternating -> each expert's gate rows, then its up rows."""
+    index = torch.arange(t.shape[1])
+    return t.index_select(1, torch.cat([index[0::2], index[1::2]]))
+
+
 def gpt_oss_experts(config: ModelConfig, tensors: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
                     makers: dict[str, Callable[[], torch.Tensor]], layer: int, source: str) -> None:
     """GPT-OSS layer `layer`'s experts and router under the stacked names, in `shapes` and `makers` (in place),
     from transformers' layout, MXFP4 blocks or a GGUF's stacks (the module docstring lists them)."""
     p = f"layers.{layer}."
-
-    def deinterleave(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, ...] gate, up alternating -> gate rows, up rows
-        index = torch.arange(t.shape[1])
-        return t.index_select(1, torch.cat([index[0::2], index[1::2]]))
-
+    deinterleave = deinterleave_gate_up
     gate_up, down = p + GATE_UP, p + DOWN
     if p + "mlp.router.weight" in shapes:  # transformers' names
         if gate_up + "_blocks" in shapes:  # MXFP4: rows are outputs already, gate and up rows interleaved
