@@ -243,9 +243,16 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, win
     its own); `windowed` True or False: across the sliding-window layers' caches only, or the others' only."""
     total = 0
     for i in range(model.num_layers):
+        if model.is_linear_layer(i):  # a state per sequence instead (`state_bytes`)
+            continue
         if model.kv_source(i) == i and windowed in (None, model.layer_window(i) is not None):
             total += math.prod(kv_cache_shape(1, block_size, model.layer_kv_heads(i), model.layer_head_dim(i)))
     return total * dtype.itemsize
+
+
+def state_bytes(model: ModelConfig, num_slots: int) -> int:
+    """The linear-attention layers' state pools (float32; model/linear_attention.py) for `num_slots` sequences."""
+    return len(model.linear_layers) * model.linear_state_size * 4 * num_slots
 
 
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -257,6 +264,11 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
     max_model_len = _max_model_len(config, model)
     per_block = bytes_per_block(model, config.block_size, dtype)
     budget, source = kv_budget(config, device)
+    states = state_bytes(model, config.max_num_seqs)  # taken from the same budget as the KV blocks
+    if states >= budget:
+        raise ValueError(f"the linear-attention states of {config.max_num_seqs} sequences take {states / GIB:.3f} "
+                         f"GiB, the whole cache budget ({source}: {budget / GIB:.3f} GiB); lower --max-num-seqs")
+    budget -= states
     blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.
     num_blocks = min(budget // per_block, blocks_per_seq * max(config.max_num_seqs, num_pools))

@@ -31,6 +31,7 @@ from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler, compute_
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_decode
 from engine.speculative import NgramProposer, Proposer
+from engine.state_slots import StateSlots
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
 from engine.window_blocks import WindowedBlockManager
@@ -42,7 +43,7 @@ from model.lora_slots import LoRASlots
 from model.pooling import POOLING_KINDS, Pooling
 from model.precision import parse_kv_cache_dtype
 from model.quantization import release_unpacked, resolve_quantization
-from model.step import returns_hidden
+from model.step import keeps_states, returns_hidden
 from model.vision import EncodedImages, Vision, image_spans, joined
 from parallel import tensor_parallel_model
 
@@ -157,6 +158,16 @@ class LLMEngine:
             if freed:
                 return_freed_memory()
                 log.info("int8 weights kept in their kernels' layout only: %.0f MiB freed", freed / 2**20)
+        # Linear-attention layers (Qwen3.5) keep a state per sequence that holds every token before it: no prefix
+        # from the cache can stand in for it, and no rejected draft can be taken back out of it.
+        self.keeps_states = keeps_states(module)
+        if self.keeps_states:
+            if config.speculative_model is not None or config.speculative_tokens:
+                raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture}, whose "
+                                 "linear-attention states cannot take back rejected drafts")
+            if config.enable_prefix_caching:
+                log.info("prefix caching off: the linear-attention layers' states are not cached by prefix")
+                config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
         num_window_blocks = None
         if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:
             # Sliding-window layers (Gemma 3's beside full ones, or every layer of a Mistral with a window), in
@@ -187,8 +198,10 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                            prefill_bound, scored_tokens_per_step(self.model.config.vocab_size))
         lora_slots = self._set_up_lora(config)
-        self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora)
-        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks)
+        num_state_slots = config.max_num_seqs if self.keeps_states else 0
+        self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora,
+                                   StateSlots(num_state_slots) if num_state_slots else None)
+        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks, num_state_slots)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
         self.speculator = self._set_up_speculation(config)
@@ -267,6 +280,9 @@ class LLMEngine:
                              "this engine serves no LoRA adapters (start it with --enable-lora or --lora-modules)")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.speculative_tokens and self.keeps_states:
+            raise ValueError(f"speculative_tokens: {self.model.config.architecture}'s linear-attention states cannot "
+                             "take back rejected drafts")
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -11,7 +11,8 @@ import torch
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from model.lora_slots import LoRASlots
-from model.step import InputEmbeds, SeqChunk, StepInputs, StepModel, build_step, run_step, run_step_with_hidden
+from model.step import (InputEmbeds, SeqChunk, StepInputs, StepModel, allocate_caches, build_step, run_step,
+                        run_step_with_hidden)
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,16 @@ class PooledRows:
 
 class ModelRunner:
     def __init__(self, module: StepModel, num_blocks: int, lora: LoRASlots | None = None,
-                 num_window_blocks: int | None = None) -> None:
+                 num_window_blocks: int | None = None, num_state_slots: int = 0) -> None:
+        """`num_state_slots`: the sequences whose states the linear-attention layers keep at once (a model
+        without such layers keeps none; engine/state_slots.py)."""
         self.module = module
         self.lora = lora  # the model's LoRA slots, told each step's rows
         # The sliding-window layers' own pool (engine/window_blocks.py): each step then gives them the
         # requests' window_block_ids as their block tables.
         self.windowed = num_window_blocks is not None
-        self.kv_caches = (module.allocate_kv_caches(num_blocks, num_window_blocks) if self.windowed
-                          else module.allocate_kv_caches(num_blocks))
+        window = {"num_window_blocks": num_window_blocks} if self.windowed else {}
+        self.kv_caches = allocate_caches(module, num_blocks, num_state_slots, **window)
         # A cache split into pools (one per rank, tensor parallelism by sequences): the step's sequences go
         # pool by pool, so each rank's rows are one contiguous run of the batch (a view, not a gather).
         self.num_pools = module.kv_pools
@@ -109,7 +112,7 @@ class ModelRunner:
             tokens = request.all_token_ids[start:end] + list(draft)
             chunks.append(SeqChunk(tokens, start, request.block_ids, num_rows, request.lora_slot,
                                    request.window_block_ids if self.windowed else None,
-                                   image_rows(request, start, end)))
+                                   image_rows(request, start, end), request.state_slot))
             if num_scored:
                 scored.append(ScoredRows(request, row, num_scored, start + 1))
             if is_sampled:

@@ -88,6 +88,8 @@ class Request:
     # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
     lora: str | None = None
     lora_slot: int = -1
+    # Its row of the linear-attention layers' state pools while it runs (engine/state_slots.py); -1: none.
+    state_slot: int = -1
     cache_salt: bytes = b""
     # The prompt's log-probabilities (params.prompt_logprobs), by position 1 .. P - 1: each token's after
     # the tokens before it. Kept through preemption; a recomputed prompt writes the same values again.

@@ -16,6 +16,9 @@ back) together. With nothing decoding, prompts get the whole step budget.
 A prompt whose images attend to themselves both ways (Gemma 3, `Request.image_spans`) is chunked so no
 chunk ends inside an image: a chunk that would stops before it, or runs to its end when it starts inside.
 
+A model with linear-attention layers (Qwen3.5) keeps a state per running sequence: a request takes a state slot
+(engine/state_slots.py) when it is admitted and gives it back when it finishes or is preempted.
+
 A request with a LoRA adapter takes a slot of the adapter manager (engine/lora_manager.py) when it is
 admitted and gives it back when it finishes or is preempted; one whose adapter finds no free slot stays
 waiting, and the waiting requests behind it are considered in turn.
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import CachedPrefix, KVBlockManager
 from engine.lora_manager import LoRAManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.state_slots import StateSlots
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
-                 adapters: LoRAManager | None = None) -> None:
+                 adapters: LoRAManager | None = None, states: StateSlots | None = None) -> None:
         self.config = config
         self.blocks = block_manager
         self.adapters = adapters  # LoRA slots, taken at admission and given back at preemption or the end
+        self.states = states  # state slots (a model with linear-attention layers), held as the LoRA slots
+        if states is not None and states.num_slots < config.max_num_seqs:
+            raise ValueError(f"{states.num_slots} state slots cannot serve {config.max_num_seqs} running sequences")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -180,6 +187,8 @@ class Scheduler:
             request.num_computed_tokens = prefix.num_tokens
             request.num_cached_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
+            if self.states is not None:
+                self.states.acquire(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -205,6 +214,8 @@ class Scheduler:
             for request in finished:
                 self.blocks.release(request)
                 self._give_back_adapter(request)
+                if self.states is not None:
+                    self.states.release(request)
         return finished
 
     def _prompt_chunk_limit(self, request: Request) -> int:
@@ -261,6 +272,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._give_back_adapter(request)
+        if self.states is not None:
+            self.states.release(request)
         self.blocks.release(request)
         request.preempt()
         self.num_preemptions += 1

@@ -34,6 +34,8 @@ class AttentionMetadata:
     key_ends: [T] int64 or None, the keys (positions 0 .. key_ends[t] - 1) each new token sees where some
         token sees past its own position: an image's tokens see the whole image (Gemma 3). A sliding window
         still counts back from the token's own position. None: every token is causal (position + 1).
+    state_slots: [S] int64 or None, each sequence's row of the linear-attention layers' state pools
+        (model/linear_attention.py); None for a model without such layers.
     """
 
     query_start_loc: torch.Tensor
@@ -44,6 +46,7 @@ class AttentionMetadata:
     max_seq_len: int
     window: AttentionMetadata | None = None
     key_ends: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
 
     @classmethod
     def build(

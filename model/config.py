@@ -24,12 +24,15 @@ from typing import Any
 #   small models (E2B, E4B) per-layer token embeddings and layers that read an earlier layer's cache;
 #   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py);
 #   gpt_oss (GPT-OSS): every MLP a mixture of experts with biases and a clamped SwiGLU, a router with a bias,
-#   attention with biases (its output's too) and a sink logit per head, sliding-window layers between full ones.
+#   attention with biases (its output's too) and a sink logit per head, sliding-window layers between full ones;
+#   qwen3_5 (Qwen3.5): three linear-attention layers (a gated delta rule over a state per sequence,
+#   model/linear_attention.py) to one of attention, whose output is gated and whose heads rotate a quarter of
+#   their dims; every norm scales by (1 + w), as Gemma's.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3",
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3", "qwen3_5",
                            *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
-HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "ministral3": "mistral"}
+HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "ministral3": "mistral", "qwen3_5_text": "qwen3_5"}
 # A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
 # defaults, which the multimodal checkpoints' text_config relies on).
 GEMMA3_TEXT_DEFAULTS = {
@@ -168,6 +171,18 @@ class ModelConfig:
     output_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    # Qwen3.5. The layers whose token mixer is a gated delta rule (model/linear_attention.py) instead of attention:
+    # a fixed-size state per sequence in place of a KV cache. Their heads: linear_key_heads of linear_key_dim
+    # (queries and keys), linear_value_heads of linear_value_dim; a causal convolution of linear_conv_kernel taps
+    # over the projected queries, keys and values before them.
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    # Attention's output (before o_proj) times the sigmoid of a gate the query projection makes per head.
+    attention_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -227,6 +242,25 @@ class ModelConfig:
             self.kv_source(i)  # an earlier layer of its kind must hold the cache a shared layer reads
         if self.per_layer_input_size and self.per_layer_vocab_size <= 0:
             raise ValueError("per-layer embeddings need per_layer_vocab_size")
+        if any(not 0 <= i < self.num_layers for i in self.linear_layers):
+            raise ValueError(f"linear_layers {list(self.linear_layers)} outside 0..{self.num_layers - 1}")
+        if self.linear_layers and not (min(self.linear_key_heads, self.linear_key_dim, self.linear_value_dim) > 0
+                                       and self.linear_value_heads % self.linear_key_heads == 0
+                                       and self.linear_conv_kernel >= 2):
+            raise ValueError("linear-attention layers need key and value heads (values a multiple of keys), their "
+                             "dims and a convolution of at least 2 taps")
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether `layer` mixes tokens with a gated delta rule over a recurrent state (Qwen3.5), not attention."""
+        return layer in self.linear_layers
+
+    @property
+    def linear_state_size(self) -> int:
+        """float32 numbers of one sequence's state in one linear-attention layer: the convolution's last
+        linear_conv_kernel - 1 inputs, then each value head's [linear_key_dim, linear_value_dim] matrix."""
+        channels = 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        matrices = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim
+        return (self.linear_conv_kernel - 1) * channels + matrices
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (the keys a query sees, counted back from its own position); None:
@@ -282,15 +316,15 @@ class ModelConfig:
         """Whether every layer has the same attention shape and cache of its own, and no per-layer inputs:
         what the C++ step, tensor parallelism and the exporters assume."""
         return (self.global_head_dim in (None, self.head_dim) and self.global_num_kv_heads in (None, self.num_kv_heads)
-                and not self.attention_k_eq_v and not self.kv_shared_layers and not self.per_layer_input_size
+                and not self.linear_layers and not self.attention_k_eq_v and not self.kv_shared_layers and not self.per_layer_input_size
                 and not self.layer_scalars and not self.value_norm and not self.experts_beside_mlp)
 
     def require_alike_layers(self, what: str) -> None:
         """ValueError (one line) when `what` needs layers alike (`layers_alike`) and this model's differ, or
         attention without sink logits (GPT-OSS's run in the eager layers of one process only)."""
         if not self.layers_alike:
-            raise ValueError(f"{what} is not supported for {self.architecture}, whose layers differ in shape, share "
-                             "caches or take per-layer inputs")
+            raise ValueError(f"{what} is not supported for {self.architecture}, whose layers differ in shape or kind, "
+                             "share caches or take per-layer inputs")
         if self.attention_sinks:
             raise ValueError(f"{what} is not supported for {self.architecture}, whose attention has sink logits "
                              "(served by one process's eager layers)")
@@ -331,7 +365,8 @@ class ModelConfig:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         if fields.get("rope_yarn") is not None:
             fields["rope_yarn"] = YarnScaling(**fields["rope_yarn"])
-        for name in ("rope_freq_factors", "rope_long_freq_factors", "layer_types", "dense_layers", "nope_layers"):
+        for name in ("rope_freq_factors", "rope_long_freq_factors", "layer_types", "dense_layers", "nope_layers",
+                     "linear_layers"):
             if fields.get(name) is not None:
                 fields[name] = tuple(fields[name])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
@@ -360,6 +395,11 @@ class ModelConfig:
             # (not read: images to these are refused as for any text model).
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
             return cls.from_hf({"model_type": "mistral", **text})
+        if model_type == "qwen3_5" and "text_config" in cfg:
+            # Every Qwen3.5 checkpoint: its text model beside a vision tower (not read: images are refused).
+            text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"],
+                    "model_type": "qwen3_5_text"}
+            return cls.from_hf(text)
         if model_type in ("idefics3", "smolvlm") and "text_config" in cfg:
             # SmolVLM (Idefics3): a Llama-family text model with a vision tower beside it (model/vision.py).
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
@@ -410,8 +450,11 @@ class ModelConfig:
         if rope.get("llama_4_scaling_beta"):  # Ministral 3's attention temperature, past its original context
             extra["attention_temperature_beta"] = float(rope["llama_4_scaling_beta"])
             extra["attention_temperature_length"] = int(rope["original_max_position_embeddings"])
-        if arch == "phi3":
-            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if arch == "qwen3_5":
+            extra |= _qwen3_5_fields(cfg)
+        if arch in ("phi3", "qwen3_5"):
+            default = 0.25 if arch == "qwen3_5" else 1.0  # (transformers' default for Qwen3.5)
+            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
             if partial != 1.0:
                 extra["rotary_dim"] = int(int(head_dim) * partial)
         sliding_window = cfg.get("sliding_window")
@@ -445,7 +488,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v projections always carry biases; its config has no flag for it.
             attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3_moe", "qwen3_5"),
             sliding_window=int(sliding_window) if sliding_window else None,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
@@ -596,6 +639,27 @@ def _gpt_oss_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
             "rms_norm_eps": 1e-5, "head_dim": 64, "max_position_embeddings": 131_072,
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
             **{k: v for k, v in cfg.items() if v is not None}, "rope_parameters": rope, "rope_scaling": None}
+
+
+def _qwen3_5_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 text config's linear-attention layers (layer_types, else every full_attention_interval-th layer
+    attends) and their shapes. Its M-RoPE rotates a text token's three position ids alike: plain RoPE."""
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(kinds) != num_layers or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ValueError(f"layer_types must name full_attention or linear_attention for each of {num_layers} layers")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (Qwen3.5: silu)")
+    return {"linear_layers": tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+            "linear_key_heads": int(cfg.get("linear_num_key_heads", 16)),
+            "linear_value_heads": int(cfg.get("linear_num_value_heads", 32)),
+            "linear_key_dim": int(cfg.get("linear_key_head_dim", 128)),
+            "linear_value_dim": int(cfg.get("linear_value_head_dim", 128)),
+            "linear_conv_kernel": int(cfg.get("linear_conv_kernel_dim", 4)),
+            "attention_output_gate": True}
 
 
 def _smollm3_nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:

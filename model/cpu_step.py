@@ -109,6 +109,8 @@ def step_support(model: nn.Module) -> str | None:
         return f"the gate {config.hidden_act}"
     if config.attention_sinks:
         return "attention with sink logits (GPT-OSS)"
+    if config.linear_layers:
+        return "linear-attention layers (Qwen3.5)"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global forward hooks are registered"
     if _hooked(model) or _hooked(model.norm) or model.norm.weight.dtype != torch.float32:

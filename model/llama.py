@@ -3,7 +3,9 @@
 Gemma 4 (Gemma 3's layers with heads of another size in the full-attention ones, normed values, a scale on
 each layer's output, per-layer embeddings and layers that read an earlier layer's cache); Qwen3-MoE and
 Mixtral swap a layer's MLP for a sparse mixture of experts (model/moe.py); GPT-OSS for experts with biases
-and a clamped SwiGLU, beside attention with a sink logit per head and biases on every projection.
+and a clamped SwiGLU, beside attention with a sink logit per head and biases on every projection; Qwen3.5
+swaps three layers' attention in four for a gated delta rule over a state per sequence
+(model/linear_attention.py) and gates the others' attention output.
 
 One module serves every caller: `forward` takes a flat batch of tokens from many sequences, the paged KV
 cache tensors and the attention metadata as arguments, and keeps no state between calls, so the engine,
@@ -27,6 +29,7 @@ from kernels.rotary import rotary_cos_sin_ref, rotate_ref
 from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
+from model.linear_attention import GatedDeltaNet, RecurrentPlan
 from model.cpu_step import CpuDecoderStep, step_support, structure_version
 from model.moe import Gemma4Experts, Gemma4Router, GptOssMoeBlock, SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
@@ -65,8 +68,10 @@ class Attention(nn.Module):
         # full-attention layer with attention_k_eq_v takes its values from its keys' projection.
         self.kv_source = config.kv_source(layer_index)
         self.kv_outputs = len(config.layer_projections(layer_index)) - 1
+        # Qwen3.5: a gate per query head's output, projected after the keys and values (`gate_size` rows).
+        self.gate_size = self.q_size if config.attention_output_gate else 0
         self.value_norm_eps = config.rms_norm_eps if config.value_norm else None
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_outputs * self.kv_size,
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_outputs * self.kv_size + self.gate_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
         # GPT-OSS: each query head's sink logit [num_heads] (see kernels/paged_attention.py)
@@ -91,7 +96,11 @@ class Attention(nn.Module):
         `q_scale`: each token's queries multiplied by it after their rotation."""
         # One view of the whole projection, then a split along the heads: viewing each non-contiguous slice
         # instead makes Inductor guard on T == 1 and compile the decode step a second time for batch 2.
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + self.kv_outputs * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        gate = None
+        if self.gate_size:
+            qkv, gate = qkv.split([qkv.shape[-1] - self.gate_size, self.gate_size], dim=-1)
+        qkv = qkv.view(-1, self.num_heads + self.kv_outputs * self.num_kv_heads, self.head_dim)
         if not self.kv_outputs:  # the source layer's keys and values, already normed and rotated
             q = self.q_norm(qkv)[0] if self.q_norm is not None else qkv
             k, v = shared_kv[self.kv_source]
@@ -120,7 +129,8 @@ class Attention(nn.Module):
             out = self.backend.forward(q, k, v, kv_cache, plan, self.scale, sinks=self.sinks)
         else:  # (wrappers of the backend, tensor parallelism's, take no sinks)
             out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class MLP(nn.Module):
@@ -147,7 +157,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, backend, ops, layer_index)
+        # A layer mixes its tokens with attention or (Qwen3.5) with a gated delta rule, never both.
+        self.linear_attn = GatedDeltaNet(config) if config.is_linear_layer(layer_index) else None
+        self.self_attn = Attention(config, backend, ops, layer_index) if self.linear_attn is None else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         if not config.is_sparse_layer(layer_index):
             self.mlp = MLP(config, ops, config.layer_intermediate_size(layer_index))
@@ -186,8 +198,8 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: AttentionPlan,
+        kv_cache: torch.Tensor,  # a linear-attention layer's: its state pool
+        plan: AttentionPlan,  # a linear-attention layer's: the step's RecurrentPlan
         per_layer_input: torch.Tensor | None = None,  # [T, per_layer_input_size] (Gemma 4's E2B, E4B)
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         q_scale: torch.Tensor | None = None,  # [T, 1, 1] (Ministral 3 past its original context)
@@ -196,7 +208,9 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         # (wrappers of the attention, tensor parallelism's, take neither `shared_kv` nor `q_scale`: only Gemma 4
         # passes the one, and only a model served in one process past Ministral 3's original context the other)
-        if shared_kv is not None:
+        if self.linear_attn is not None:
+            h = self.linear_attn(h, kv_cache, plan)
+        elif shared_kv is not None:
             h = self.self_attn(h, cos, sin, kv_cache, plan, shared_kv)
         elif q_scale is not None:
             h = self.self_attn(h, cos, sin, kv_cache, plan, q_scale=q_scale)
@@ -352,6 +366,8 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         """The backend's plan; with sliding-window layers among full ones, (full layers' plan, windowed
         layers' plan): a plan may hold the window's mask. The windowed layers read the metadata's `window`
         tables when the engine gives them a pool of their own (engine/window_blocks.py)."""
+        if self.config.linear_layers:  # (attention plan, RecurrentPlan) for the attention and linear layers
+            return self.attention.plan(attn_metadata), RecurrentPlan.build(attn_metadata)
         if self.local_attention is None:  # every layer alike: windowed ones read the windowed tables, if any
             return self.attention.plan(attn_metadata.window or attn_metadata)
         return self.attention.plan(attn_metadata), self.local_attention.plan(attn_metadata.window or attn_metadata)
@@ -395,6 +411,11 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
                 for layer, kv_cache, windowed in zip(self.layers, kv_caches, self.windowed, strict=True):
                     x, residual = layer(x, residual, *(local if windowed else (cos, sin)), kv_cache,
                                         local_plan if windowed else full_plan)
+        elif self.config.linear_layers:  # Qwen3.5
+            attention_plan, recurrent_plan = plan
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache,
+                                    attention_plan if layer.linear_attn is None else recurrent_plan)
         else:  # Gemma 4
             x, residual = self.run_gemma4_layers(x, input_ids, cos, sin, positions, kv_caches, plan)
         x, _ = self.norm(x, residual)
@@ -494,8 +515,10 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
         hidden = self.run(input_ids, positions, kv_caches, plan, input_embeds)
         return self.compute_logits(hidden[sample_rows]), hidden[hidden_rows].float()
 
-    def allocate_kv_caches(self, num_blocks: int, num_window_blocks: int | None = None) -> list[torch.Tensor]:
+    def allocate_kv_caches(self, num_blocks: int, num_window_blocks: int | None = None,
+                           num_state_slots: int = 0) -> list[torch.Tensor]:
         """`num_window_blocks`: the sliding-window layers' own pool (engine/window_blocks.py); None: every
-        layer takes `num_blocks` under the same block ids."""
+        layer takes `num_blocks` under the same block ids. `num_state_slots`: the rows of the linear-attention
+        layers' state pools (model/linear_attention.py)."""
         return allocate_kv_caches(self.config, self.block_size, num_blocks, self.kv_cache_dtype, self.device,
-                                  num_window_blocks)
+                                  num_window_blocks, num_state_slots)

@@ -29,7 +29,7 @@ from model.pooling import Pooling, gguf_pooling, hf_dir_pooling
 from model.precision import QUANTIZATIONS, parse_dtype, resolve_dtype, resolve_vision_dtype
 from model.step import StepModel
 from model.vision import VISION_MODEL_TYPES, read_vision
-from model.weights import build_model, shift_norm_weights, split_fused_phi3
+from model.weights import build_model, shift_norm_weights, split_fused_phi3, split_qwen3_5
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -143,6 +143,8 @@ def load(
             tensors = shift_norm_weights(tensors)
         if config.architecture == "phi3":
             tensors = split_fused_phi3(config, tensors)
+        if config.architecture == "qwen3_5":
+            tensors = split_qwen3_5(config, tensors)
         skip: set[str] = set()
         if quantization == "w4a8":  # MXFP4 experts (GPT-OSS's published files), read as a GGUF's blocks are
             from model.block_quantization import replaced_weights

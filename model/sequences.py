@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_layout import blocks_for_tokens
-from model.step import InputEmbeds, SeqChunk, StepModel, build_step, run_step
+from model.step import InputEmbeds, SeqChunk, StepModel, allocate_caches, build_step, keeps_states, run_step
 
 
 class Sequences:
@@ -23,7 +23,8 @@ class Sequences:
         # blocks in one pool: sequence i goes to pool i % pools.
         pools = model.kv_pools
         per_pool = -(-num_seqs // pools) * blocks_per_seq
-        self.kv_caches = model.allocate_kv_caches(pools * per_pool)
+        self.kv_caches = allocate_caches(model, pools * per_pool, num_seqs)
+        self.keeps_states = keeps_states(model)  # then sequence s keeps its state in slot s
         self.tables = [list(range(start, start + blocks_per_seq))
                        for i in range(num_seqs) for start in [i % pools * per_pool + i // pools * blocks_per_seq]]
         self.lengths = [0] * num_seqs
@@ -39,7 +40,8 @@ class Sequences:
                 raise ValueError(f"sequence of {self.lengths[s] + len(tokens)} tokens exceeds the reserved "
                                  f"{self.max_len}")
             chunks.append(SeqChunk(tokens, self.lengths[s], self.tables[s], len(tokens) if all_rows else 1,
-                                   embeds=embeds[s] if embeds is not None else None))
+                                   embeds=embeds[s] if embeds is not None else None,
+                                   state_slot=s if self.keeps_states else -1))
             self.lengths[s] += len(tokens)
         inputs = build_step(chunks, self.model.block_size, self.model.device)
         return run_step(self.model, inputs, self.kv_caches).float()

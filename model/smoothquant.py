@@ -8,6 +8,7 @@ s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) evens out the channels of x at the
 whatever produces x, so it costs nothing at run time:
 
   qkv_proj  input = input_layernorm(h)           -> input_layernorm.weight /= s
+                                                    (Qwen3.5's linear-attention layers: linear_attn.in_proj)
   gate_up   input = post_attention_layernorm(h)  -> post_attention_layernorm.weight /= s
                                                     (Gemma: pre_feedforward_layernorm, `mlp_norm`)
   down_proj input = silu(gate) * up              -> the up rows of gate_up_proj /= s (up is linear)
@@ -132,11 +133,20 @@ def calibrate(module: LlamaForCausalLM, token_ids: list[int]) -> Smoothing:
     return Smoothing(alphas, scales)
 
 
+def mixer_input(layer: nn.Module) -> tuple[str, nn.Linear]:
+    """The linear that reads a layer's input norm, by its name in the layer: the attention's q/k/v, or a
+    linear-attention layer's input projection (Qwen3.5)."""
+    if layer.linear_attn is not None:
+        return "linear_attn.in_proj", layer.linear_attn.in_proj
+    return "self_attn.qkv_proj", layer.self_attn.qkv_proj
+
+
 def smoothed_linears(module: LlamaForCausalLM) -> dict[str, nn.Linear]:
     """Every linear smoothing touches, by name (module.named_modules names)."""
     found = {}
     for i, layer in enumerate(module.layers):
-        found[f"layers.{i}.self_attn.qkv_proj"] = layer.self_attn.qkv_proj
+        name, linear = mixer_input(layer)
+        found[f"layers.{i}.{name}"] = linear
         found[f"layers.{i}.mlp.gate_up_proj"] = layer.mlp.gate_up_proj
         found[f"layers.{i}.mlp.down_proj"] = layer.mlp.down_proj
     found["lm_head"] = module.lm_head
@@ -158,8 +168,9 @@ def apply(module: LlamaForCausalLM, smoothing: Smoothing) -> None:
         linear.weight.mul_(s.to(linear.weight.dtype))
 
     for i, layer in enumerate(module.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        fold(layer.input_layernorm.weight, attn.qkv_proj, f"layers.{i}.self_attn.qkv_proj")
+        mlp = layer.mlp
+        name, linear = mixer_input(layer)
+        fold(layer.input_layernorm.weight, linear, f"layers.{i}.{name}")
         fold(layer.mlp_norm.weight, mlp.gate_up_proj, f"layers.{i}.mlp.gate_up_proj")
         intermediate = mlp.down_proj.in_features
         fold(mlp.gate_up_proj.weight[intermediate:].T, mlp.down_proj, f"layers.{i}.mlp.down_proj")

@@ -36,7 +36,8 @@ class StepModel(Protocol):
         """The attention plan of a step: the tensors every layer shares (backend-specific)."""
 
     def allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """Zeroed caches, one per layer, each `kernels.kv_cache.kv_cache_shape(num_blocks, ...)`."""
+        """Zeroed caches, one per layer, each `kernels.kv_cache.kv_cache_shape(num_blocks, ...)`. A model with
+        linear-attention layers (`keeps_states`) takes `num_state_slots=` too: those layers' state pools."""
 
     def sample_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       plan: Any, sample_rows: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,20 @@ def returns_hidden(model: StepModel) -> bool:
     return callable(getattr(model, "sample_logits_and_hidden", None))
 
 
+def keeps_states(model: StepModel) -> bool:
+    """Whether the model has linear-attention layers, which keep a state per sequence in a slot of their pools
+    (model/linear_attention.py): its caches are allocated with `num_state_slots` and each step's chunks name
+    their slots (`SeqChunk.state_slot`)."""
+    return bool(model.config.linear_layers)
+
+
+def allocate_caches(model: StepModel, num_blocks: int, num_state_slots: int, **kwargs: Any) -> list[torch.Tensor]:
+    """`model.allocate_kv_caches`, with room for `num_state_slots` sequences' states where the model keeps any."""
+    if keeps_states(model):
+        kwargs["num_state_slots"] = num_state_slots
+    return model.allocate_kv_caches(num_blocks, **kwargs)
+
+
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a step."""
@@ -88,6 +103,8 @@ class SeqChunk:
     window_block_table: list[int] | None = None
     # Rows of the chunk that take these embeddings instead of their tokens' (an image's, model/vision.py).
     embeds: InputEmbeds | None = None
+    # The sequence's row of the linear-attention layers' state pools (model/linear_attention.py); -1: none.
+    state_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,7 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
     window_tables: list[list[int]] = []
     adapters: list[int] = []
+    state_slots: list[int] = []
     embeds: list[InputEmbeds] = []
     key_ends: dict[int, int] = {}  # flat row -> the keys it sees, where more than its position + 1
     for chunk in chunks:
@@ -150,8 +168,13 @@ def build_step(chunks: Sequence[SeqChunk], block_size: int, device: torch.device
             if chunk.embeds.bidirectional:
                 key_ends.update(run_key_ends(chunk.embeds.rows.tolist(), first, chunk.num_cached))
         adapters.extend([chunk.adapter] * len(chunk.token_ids))
+        state_slots.append(chunk.state_slot)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
     as_long = {"dtype": torch.long, "device": device}
+    if any(slot >= 0 for slot in state_slots):
+        if min(state_slots) < 0:
+            raise ValueError("either every chunk of a step has a state slot or none has")
+        meta = dataclasses.replace(meta, state_slots=torch.tensor(state_slots, **as_long))
     if key_ends:
         ends = [key_ends.get(row, position + 1) for row, position in enumerate(positions)]
         meta = dataclasses.replace(meta, key_ends=torch.tensor(ends, **as_long))
@@ -211,7 +234,8 @@ class BaseStepModel:
     def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
         if self.block_size < 3 or not kv_caches:
             return
-        for chunk in (SeqChunk([0, 0], 0, [0]), SeqChunk([0], 2, [0])):
+        slot = 0 if keeps_states(self) else -1  # (a state slot's next sequence starts it from zeros)
+        for chunk in (SeqChunk([0, 0], 0, [0], state_slot=slot), SeqChunk([0], 2, [0], state_slot=slot)):
             run_step(self, build_step([chunk], self.block_size, self.device), kv_caches)
 
     def communication_seconds(self) -> dict[str, float]:
@@ -225,15 +249,22 @@ class BaseStepModel:
 
 
 def allocate_kv_caches(config: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
-                       device: torch.device | str, num_window_blocks: int | None = None) -> list[torch.Tensor]:
+                       device: torch.device | str, num_window_blocks: int | None = None,
+                       num_state_slots: int = 0) -> list[torch.Tensor]:
     """Zeroed paged caches, one per layer; with `num_window_blocks`, the sliding-window layers' hold that
-    many blocks (their own block ids, engine/window_blocks.py) and the others `num_blocks`."""
+    many blocks (their own block ids, engine/window_blocks.py) and the others `num_blocks`. A linear-attention
+    layer's entry is its state pool of `num_state_slots` rows instead (model/linear_attention.py)."""
+    if config.linear_layers and num_state_slots < 1:
+        raise ValueError(f"{config.architecture}'s linear-attention layers need at least one state slot")
     def blocks(layer: int) -> int:
         windowed = num_window_blocks is not None and config.layer_window(layer) is not None
         return num_window_blocks if windowed else num_blocks
 
     caches: list[torch.Tensor] = []
     for i in range(config.num_layers):
+        if config.is_linear_layer(i):
+            caches.append(torch.zeros(num_state_slots, config.linear_state_size, dtype=torch.float32, device=device))
+            continue
         source = config.kv_source(i)  # a layer that reads an earlier layer's cache gets that very tensor
         caches.append(caches[source] if source != i else torch.zeros(
             kv_cache_shape(blocks(i), block_size, config.layer_kv_heads(i), config.layer_head_dim(i)), dtype=dtype,

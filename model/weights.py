@@ -47,12 +47,16 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h),
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
+        if config.is_linear_layer(i):
+            shapes |= linear_attention_shapes(config, p + "linear_attn.")
+            continue
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.o_proj.weight": (h, q)}
+        if config.attention_output_gate:
+            shapes |= {p + "self_attn.q_gate_proj.weight": (q, h)}
         own_kv = config.kv_source(i) == i  # a layer that reads an earlier layer's cache has no k/v of its own
         kinds = config.layer_projections(i)[1:]
         shapes |= {p + f"self_attn.{x}_proj.weight": (kv, h) for x in kinds}
@@ -86,6 +90,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_attention_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A linear-attention layer's checkpoint tensors (Qwen3.5's `linear_attn.*`) and their shapes."""
+    h, heads = config.hidden_size, config.linear_value_heads
+    keys, values = config.linear_key_heads * config.linear_key_dim, heads * config.linear_value_dim
+    channels = 2 * keys + values
+    return {prefix + "in_proj_qkv.weight": (channels, h), prefix + "in_proj_z.weight": (values, h),
+            prefix + "in_proj_b.weight": (heads, h), prefix + "in_proj_a.weight": (heads, h),
+            prefix + "conv1d.weight": (channels, 1, config.linear_conv_kernel), prefix + "dt_bias": (heads,),
+            prefix + "A_log": (heads,), prefix + "norm.weight": (config.linear_value_dim,),
+            prefix + "out_proj.weight": (h, values)}
+
+
 T = TypeVar("T")
 
 
@@ -113,12 +129,54 @@ class LazyTensors(Mapping[str, T]):
 
 
 def shift_norm_weights(tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.Tensor]:
-    """Gemma's RMSNorm scales by (1 + w) and its checkpoints store w; the decoder's RMSNorm scales by its
-    weight, so each norm weight is read as 1 + w, in float32. (GGUF files store 1 + w already.)"""
+    """Gemma's and Qwen3.5's RMSNorm scale by (1 + w) and their checkpoints store w; the decoder's RMSNorm scales
+    by its weight, so each norm weight is read as 1 + w, in float32. (GGUF files store 1 + w already.) Qwen3.5's
+    linear-attention output norm scales by its weight itself."""
     def read(name: str) -> torch.Tensor:
-        return tensors[name].float() + 1.0 if name.endswith("norm.weight") else tensors[name]
+        shifted = name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+        return tensors[name].float() + 1.0 if shifted else tensors[name]
 
     return LazyTensors(tensors.shapes, read)
+
+
+def rotary_order(config: ModelConfig) -> torch.Tensor:
+    """With a rotary part of each head (`rotary_dim`), the order [head_dim] in which a head's dims are read so
+    the rotated pairs (j, j + rotary_dim / 2) sit at (j, j + head_dim / 2), where the decoder's rotation pairs
+    them, and the passing dims fill the rest of both halves, paired at frequency 0 (model/rope.py): q . k is a
+    sum over the dims, the same in any order both share (a per-dim norm weight is read in it too)."""
+    head, rot = config.head_dim, config.rotary_dims
+    passing = (head - rot) // 2
+    # [rotated first half, passing first half, rotated second half, passing second half]
+    return torch.cat([torch.arange(rot // 2), rot + torch.arange(passing),
+                      rot // 2 + torch.arange(rot // 2), rot + passing + torch.arange(passing)])
+
+
+def split_qwen3_5(config: ModelConfig, tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.Tensor]:
+    """A Qwen3.5 checkpoint's tensors as the decoder reads them: norms as (1 + w) (`shift_norm_weights`); each
+    attention layer's q_proj, which holds each head's queries then its output gate, read as `q_proj` and
+    `q_gate_proj`; queries, keys and their norms' weights in `rotary_order`."""
+    tensors = shift_norm_weights(tensors)
+    heads, head = config.num_heads, config.head_dim
+    order = rotary_order(config)
+    shapes, sources = dict(tensors.shapes), {}
+    for name in [n for n in tensors.shapes if n.endswith("self_attn.q_proj.weight")]:
+        for part, index in (("q_proj", 0), ("q_gate_proj", 1)):
+            shapes[name.replace("q_proj", part)] = (heads * head, tensors.shapes[name][1])
+            sources[name.replace("q_proj", part)] = (name, index)
+
+    def read(name: str) -> torch.Tensor:
+        if name in sources:
+            whole, index = sources[name]
+            rows = tensors[whole].view(heads, 2, head, -1)[:, index]  # [heads, head, hidden]
+            return (rows[:, order] if index == 0 else rows).reshape(heads * head, -1)
+        tensor = tensors[name]
+        if name.endswith("self_attn.k_proj.weight"):
+            return tensor.view(-1, head, tensor.shape[-1])[:, order].reshape(tensor.shape)
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            return tensor[order]
+        return tensor
+
+    return LazyTensors(shapes, read)
 
 
 def phi3_rows(config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
@@ -128,12 +186,7 @@ def phi3_rows(config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
     sit at (j, j + head_dim / 2), where the decoder's rotation pairs them, and the passing dims fill the rest of
     both halves, paired at frequency 0 (model/rope.py): q . k is a sum over the dims, the same in any order
     both share."""
-    head, rot = config.head_dim, config.rotary_dims
-    passing = (head - rot) // 2
-    # Row j of a head takes row order[j]: [rotated first half, passing first half, rotated second half,
-    # passing second half].
-    order = torch.cat([torch.arange(rot // 2), rot + torch.arange(passing),
-                       rot // 2 + torch.arange(rot // 2), rot + passing + torch.arange(passing)])
+    head, order = config.head_dim, rotary_order(config)  # row j of a head takes row order[j]
 
     def heads(start: int, count: int) -> torch.Tensor:
         return (start + head * torch.arange(count)[:, None] + order[None, :]).flatten()
@@ -195,6 +248,16 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
     for i in range(config.num_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]
+        if config.is_linear_layer(i):  # Qwen3.5: its norms, MLP and linear attention (model/linear_attention.py)
+            linear = p + "linear_attn."
+            sources |= {name: [name] for name in (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")}
+            sources |= {linear + name: [linear + name] for name in ("conv1d.weight", "dt_bias", "A_log",
+                                                                     "out_proj.weight")}
+            sources[linear + "in_proj.weight"] = [linear + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+            sources[linear + "norm_weight"] = [linear + "norm.weight"]
+            continue
         own = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", attn + "o_proj.weight"]
         if config.sandwich_norms:
             own += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
@@ -217,13 +280,13 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
         sources |= {name: [name] for name in own}
         kinds = config.layer_projections(i)
         sources[attn + "qkv_proj.weight"] = [attn + f"{x}_proj.weight" for x in kinds]
+        if config.attention_output_gate:  # the gates after the keys and values (model/llama.py `Attention`)
+            sources[attn + "qkv_proj.weight"].append(attn + "q_gate_proj.weight")
         if config.attention_bias:
             sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in kinds]
         if config.is_sparse_layer(i):  # the router and the stacked experts (model/moe_checkpoint.py)
+            del sources[mlp + "gate_up_proj.weight"], sources[mlp + "down_proj.weight"]
             sources |= expert_sources(config, i)
-        else:
-            sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-            sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]
     return sources
 
 

@@ -16,6 +16,8 @@ GEMMA4_MOE = "gemma4_moe"
 # GPT-OSS: experts with biases and a clamped SwiGLU, attention sinks (tests/model/test_gpt_oss.py and the parity
 # tests of every family).
 GPT_OSS = "gpt_oss"
+# Qwen3.5: linear-attention layers (a gated delta rule) between gated attention ones (tests/model/test_qwen3_5.py).
+QWEN3_5 = "qwen3_5"
 
 
 def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
@@ -93,6 +95,16 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
         return transformers.GptOssConfig(**{**common, "intermediate_size": 32}, head_dim=16, num_local_experts=4,
                                          num_experts_per_tok=2, sliding_window=16, pad_token_id=None,
                                          bos_token_id=None, eos_token_id=None)
+    if family == QWEN3_5:
+        # Qwen3.5's shape on four layers (linear, attention, linear, attention): 2 key heads serving 4 value heads,
+        # a 4-tap convolution, attention with an output gate rotating a quarter of each 32-dim head.
+        return transformers.Qwen3_5TextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"] * 2, pad_token_id=None, bos_token_id=None,
+            eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                                "mrope_section": [2, 1, 1]})
     if family == "mixtral":  # the experts are intermediate_size wide; weights always renormalised
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
                                           num_experts_per_tok=2, sliding_window=None)
@@ -137,6 +149,13 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
                     tensor.normal_(1, 0.2)
                 if name.endswith("layer_scalar"):
                     tensor.uniform_(0.5, 1.5)
+    if family == QWEN3_5:  # norms (1 + w) away from 1, the decays and write rates spread
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0 if "linear_attn" not in name else 1, 0.2)
+                if name.endswith(("A_log", "dt_bias")):
+                    param.normal_(0, 1)
     if family == GPT_OSS:  # biases, sinks and the router's bias away from 0
         with torch.no_grad():
             for name, param in model.named_parameters():

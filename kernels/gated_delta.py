@@ -1,0 +1,93 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3.5's linear-attention layers) and its causal convolution, in torch.
+
+A linear-attention layer keeps, per sequence and value head, a state S [Dk, Dv] in place of a KV cache. Token t
+(queries and keys L2-normed, queries also scaled by Dk^-1/2) decays the state by exp(g_t) (g_t <= 0), moves
+what the state recalls for its key toward its value at the rate beta_t in (0, 1), and reads the state with its
+query:
+
+    S <- exp(g_t) S;    u_t = beta_t (v_t - S^T k_t);    S <- S + k_t u_t^T;    o_t = S^T q_t
+
+`delta_rule_step` runs one token of each of B sequences (decode); `chunked_delta_rule` a sequence's run of
+tokens in chunks of C with matrix products (prefill). In a chunk, with G_t the sum of g over the chunk up to t
+and S0 the state before it, the corrections u solve a unit lower-triangular system
+
+    u_s + beta_s sum_{r<s} exp(G_s - G_r) (k_s . k_r) u_r = beta_s (v_s - exp(G_s) S0^T k_s),
+
+each output is o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u_s, and the state after it is
+exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T. `recurrent_delta_rule` (token by token) is the reference both
+are tested against.
+
+Everything here is float32: the state accumulates over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the eps inside the root, as the reference kernels)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A depthwise causal convolution, then SiLU. window [..., K - 1 + L, C]: the K - 1 inputs before the run
+    (zeros at a sequence's start), then the run's L; weight [C, K] -> [..., L, C]. The taps are summed in one
+    order for any batch, so a sequence's outputs do not depend on what runs beside it."""
+    taps = weight.shape[1]
+    length = window.shape[-2] - taps + 1
+    out = window[..., 0:length, :] * weight[:, 0]
+    for j in range(1, taps):
+        out = out + window[..., j:j + length, :] * weight[:, j]
+    return torch.nn.functional.silu(out)
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> torch.Tensor:
+    """One token of each of B sequences. q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv],
+    updated in place. Returns o [B, H, Dv].
+
+    One read of the state gives both what it recalls for k and what q reads from it, since
+    S_new^T q = exp(g) S^T q + (k . q) u; one read-and-write updates it."""
+    decay = g.exp()  # [B, H]
+    read = torch.stack([k, q], dim=2) @ state  # [B, H, 2, Dv]: S^T k, S^T q
+    u = beta[..., None] * (v - decay[..., None] * read[:, :, 0])  # [B, H, Dv]
+    state.mul_(decay[..., None, None]).add_(k[..., :, None] * u[..., None, :])
+    return decay[..., None] * read[:, :, 1] + (k * q).sum(-1, keepdim=True) * u
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> torch.Tensor:
+    """The rule token by token, as written: the reference. q, k [L, H, Dk]; v [L, H, Dv]; g, beta [L, H];
+    state [H, Dk, Dv], updated in place. Returns o [L, H, Dv]."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state.mul_(g[t].exp()[:, None, None])
+        u = beta[t][:, None] * (v[t] - (state * k[t][:, :, None]).sum(1))
+        state.add_(k[t][:, :, None] * u[:, None, :])
+        out[t] = (state * q[t][:, :, None]).sum(1)
+    return out
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The rule over a sequence's L tokens, C = `chunk` at a time (see the module's docstring). Shapes as
+    `recurrent_delta_rule`; state [H, Dk, Dv] updated in place. Returns o [L, H, Dv]."""
+    out = torch.empty_like(v)
+    for start in range(0, q.shape[0], chunk):
+        end = min(start + chunk, q.shape[0])
+        qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, C, D]
+        cum = g[start:end].T.cumsum(-1)  # [H, C]: G
+        bc = beta[start:end].T[..., None]  # [H, C, 1]
+        n = end - start
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: those differences are positive)
+        decay = torch.where(causal, cum[:, :, None] - cum[:, None, :], -torch.inf).exp()  # [H, C, C]
+        lower = (decay * (kc @ kc.transpose(1, 2))).tril(-1) * bc
+        system = lower + torch.eye(n, dtype=q.dtype, device=q.device)
+        rhs = bc * (vc - cum.exp()[..., None] * (kc @ state))  # [H, C, Dv]
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[start:end] = (cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(1, 2))) @ u).transpose(0, 1)
+        last = cum[:, -1:]  # [H, 1]: G_C
+        state.mul_(last.exp()[..., None]).add_((kc * (last - cum).exp()[..., None]).transpose(1, 2) @ u)
+    return out
