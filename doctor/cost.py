@@ -52,7 +52,14 @@ class ModelCost:
         total = float(h * c.num_layers * c.per_layer_input_size)  # the per-layer embeddings' model projection
         for i in range(c.num_layers):
             q, kv = c.num_heads * c.layer_head_dim(i), c.layer_kv_heads(i) * c.layer_head_dim(i)
-            total += h * (q + (len(c.layer_projections(i)) - 1) * kv) + q * h + 2 * h * c.per_layer_input_size
+            if c.is_linear_layer(i):  # Qwen3.5's linear attention: its input and output projections
+                values = c.linear_value_heads * c.linear_value_dim
+                inputs = 2 * c.linear_key_heads * c.linear_key_dim + 2 * values + 2 * c.linear_value_heads
+                total += h * inputs + values * h
+            else:
+                gates = q if c.attention_output_gate else 0
+                total += h * (q + (len(c.layer_projections(i)) - 1) * kv + gates) + q * h
+            total += 2 * h * c.per_layer_input_size
             if not c.is_sparse_layer(i):
                 total += 3 * h * c.layer_intermediate_size(i)
             if c.is_sparse_layer(i) or c.experts_beside_mlp:
@@ -108,7 +115,10 @@ class ModelCost:
         total = h + (c.per_layer_input_size if c.per_layer_input_size else 0)  # the final norm; Gemma 4's PLE norm
         for i in range(c.num_layers):
             total += h * (4 if c.sandwich_norms else 2) + (1 if c.layer_scalars else 0)
-            if c.qk_norm:
+            if c.is_linear_layer(i):  # the convolution's taps, the decay's two vectors, the output norm
+                channels = 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
+                total += channels * c.linear_conv_kernel + 2 * c.linear_value_heads + c.linear_value_dim
+            elif c.qk_norm:
                 total += c.layer_head_dim(i) * (2 if c.kv_source(i) == i else 1)
             if c.per_layer_input_size:
                 total += h
@@ -132,7 +142,7 @@ class ModelCost:
     def kv_bytes_per_token(self) -> int:
         c = self.config  # a layer that reads an earlier layer's cache adds none
         return sum(2 * c.layer_kv_heads(i) * c.layer_head_dim(i) for i in range(c.num_layers)
-                   if c.kv_source(i) == i) * self.kv_itemsize
+                   if c.kv_source(i) == i and not c.is_linear_layer(i)) * self.kv_itemsize
 
     @property
     def matmul_kind(self) -> str:

@@ -1,0 +1,165 @@
+"""Qwen3.5: linear-attention layers (a gated delta rule over a state per sequence) between gated attention ones,
+against transformers on the same weights; the state slots a step names; what refuses the model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from greedy_checks import NUM_GREEDY, assert_same_greedy
+from tiny_models import QWEN3_5, hf_config, make_hf_model
+
+import model
+from doctor.cost import ModelCost
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+from model.generator import Generator
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3_5")
+    hf = make_hf_model(QWEN3_5, directory)
+    return hf, directory, model.load(directory)
+
+
+def test_the_published_config_maps_onto_the_model_config():
+    """Qwen3.5-0.8B's config.json shape: the text model's fields under text_config beside a vision tower's,
+    every fourth layer attention, M-RoPE over a quarter of each head."""
+    raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": True,
+           "text_config": {"model_type": "qwen3_5_text", "hidden_size": 1024, "intermediate_size": 3584,
+                           "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+                           "head_dim": 256, "vocab_size": 248320, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
+                           "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
+                           "max_position_embeddings": 262144, "eos_token_id": 248044,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                               "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                               "mrope_section": [11, 11, 10]}},
+           "vision_config": {"depth": 12, "hidden_size": 768}}
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.architecture == "qwen3_5" and cfg.tie_word_embeddings
+    assert cfg.linear_layers == tuple(i for i in range(24) if (i + 1) % 4)
+    assert (cfg.rotary_dims, cfg.qk_norm, cfg.attention_output_gate, cfg.rope_theta) == (64, True, True, 1e7)
+    assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_conv_kernel) == (16, 16, 128, 4)
+    assert cfg.linear_state_size == 3 * 6144 + 16 * 128 * 128
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert not cfg.layers_alike
+    with pytest.raises(ValueError, match="differ in shape or kind"):
+        cfg.require_alike_layers("tensor parallelism")
+
+
+def test_logits_match_transformers(qwen3_5):
+    """150 tokens: the prompt's chunks of the rule (64) and a short last one."""
+    hf, _, ours = qwen3_5
+    ids = prompt(150, seed=1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert relative_error(Generator(ours.module, 160).step(ids), ref) < 1e-4
+
+
+def test_greedy_matches_transformers(qwen3_5):
+    """Decode steps advance the states one token at a time, as transformers' cache does."""
+    hf, _, ours = qwen3_5
+    for seed in range(3):
+        ids = prompt(11 + 7 * seed, seed=seed)
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_GREEDY, min_new_tokens=NUM_GREEDY,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ours_tokens = [s.token_id for s in Generator(ours.module, 128).generate(ids, NUM_GREEDY)]
+        assert_same_greedy(ours_tokens, gen.sequences[0, len(ids):].tolist(), [step[0] for step in gen.logits])
+
+
+def step_logits(module, caches, shapes, seqs, tables, slots):
+    """One step of every (cached, new) shape's new tokens, sequence s in state slot slots[s]."""
+    meta = AttentionMetadata.build([n for _, n in shapes], [c + n for c, n in shapes], tables, module.block_size)
+    meta = AttentionMetadata(**{**meta.__dict__, "state_slots": torch.tensor(slots)})
+    ids = torch.tensor([t for (c, _), seq in zip(shapes, seqs) for t in seq[c:c + _]])
+    positions = torch.cat([torch.arange(c, c + n) for c, n in shapes])
+    with torch.inference_mode():
+        return module.compute_logits(module(ids, positions, caches, meta))
+
+
+def test_a_mixed_flat_batch_equals_each_sequence_alone(qwen3_5):
+    """A fresh prompt, decodes, a prompt's second chunk and a one-token prompt in one step: each sequence's logits
+    and states those it gets alone."""
+    _, _, ours = qwen3_5
+    module = ours.module
+    shapes = [(0, 37), (20, 1), (16, 9), (0, 1), (33, 1)]
+    seqs = [prompt(c + n, seed=10 + i) for i, (c, n) in enumerate(shapes)]
+    slots = [4, 0, 2, 1, 3]  # not in the sequences' order
+    caches = module.allocate_kv_caches(len(seqs) * 4, num_state_slots=5)
+    tables = [list(range(i * 4, (i + 1) * 4))[::-1] for i in range(len(seqs))]
+    for (cached, _), seq, table, slot in zip(shapes, seqs, tables, slots):
+        if cached:
+            step_logits(module, caches, [(0, cached)], [seq], [table], [slot])
+    before = [c.clone() for c in caches]
+    alone = [step_logits(module, caches, [shape], [seq], [table], [slot])
+             for shape, seq, table, slot in zip(shapes, seqs, tables, slots)]
+    after_alone = [c.clone() for c in caches]
+    for cache, saved in zip(caches, before):
+        cache.copy_(saved)
+    batched = step_logits(module, caches, shapes, seqs, tables, slots)
+    assert torch.allclose(batched, torch.cat(alone), rtol=1e-4, atol=1e-5)
+    for i in module.config.linear_layers:
+        assert torch.allclose(caches[i], after_alone[i], rtol=1e-4, atol=1e-5)
+
+
+def test_a_prompt_in_chunks_equals_the_prompt_at_once(qwen3_5):
+    """The scheduler cuts long prompts into chunks: each chunk carries the state (and the convolution's last
+    inputs) into the next."""
+    _, _, ours = qwen3_5
+    ids = prompt(130, seed=4)
+    whole = Generator(ours.module, 160).step(ids)
+    gen = Generator(ours.module, 160)
+    for start, end in ((0, 3), (3, 70), (70, 71), (71, 130)):
+        out = gen.step(ids[start:end])
+    assert relative_error(out, whole[71:]) < 1e-5
+
+
+def test_the_multimodal_directory_reads_its_text_model(tmp_path):
+    """Qwen3_5ForConditionalGeneration's checkpoint (the text model under model.language_model, a vision tower
+    beside it, not read): transformers' logits for a text prompt."""
+    torch.manual_seed(0)
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=64, patch_size=8, num_position_embeddings=16)
+    both = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=hf_config(QWEN3_5).to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False)).eval()
+    both.save_pretrained(tmp_path)
+    ours = model.load(tmp_path)
+    assert ours.config.architecture == "qwen3_5" and ours.module.vision is None
+    ids = prompt(57, seed=2)
+    with torch.no_grad():
+        ref = both(input_ids=torch.tensor([ids])).logits[0]
+    assert relative_error(Generator(ours.module, 64).step(ids), ref) < 1e-4
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_int8_linears_cover_the_linear_attention(qwen3_5, quantization):
+    """Every projection of the linear-attention layers goes int8 (SmoothQuant folds the input norm's scales into
+    in_proj as into q/k/v); the logits stay near the float model's."""
+    _, directory, ours = qwen3_5
+    low = model.load(directory, quantization=quantization)
+    linear = low.module.layers[0].linear_attn
+    assert type(linear.in_proj).__name__ == type(linear.out_proj).__name__ == type(low.module.lm_head).__name__
+    assert type(linear.in_proj) is not torch.nn.Linear
+    ids = prompt(40, seed=6)
+    assert relative_error(Generator(low.module, 64).step(ids), Generator(ours.module, 64).step(ids)) < 0.2
+
+
+def test_the_eager_layers_run_and_the_cost_model_counts_every_weight(qwen3_5):
+    hf, _, ours = qwen3_5
+    Generator(ours.module, 16).step([1, 2, 3])
+    assert ours.module.decoder_step() is None and "linear-attention" in ours.module.cpu_step_reason
+    cost = ModelCost(ours.config, "fp32", 4)
+    assert cost.num_params == sum(p.numel() for p in hf.parameters())
+    assert cost.kv_bytes_per_token == 2 * (2 * 2 * 32) * 4  # two attention layers' keys and values
