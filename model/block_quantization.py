@@ -31,8 +31,15 @@ def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
     sources = {"lm_head": ["lm_head.weight"]}
     for i in range(config.num_layers):
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        sources[attn + "qkv_proj"] = [attn + f"{x}_proj.weight" for x in config.layer_projections(i)]
-        sources[attn + "o_proj"] = [attn + "o_proj.weight"]
+        if config.is_linear_layer(i):  # Qwen3.5's linear attention: its fused input projection and its output
+            linear = f"layers.{i}.linear_attn."
+            sources[linear + "in_proj"] = [linear + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+            sources[linear + "out_proj"] = [linear + "out_proj.weight"]
+        else:
+            sources[attn + "qkv_proj"] = [attn + f"{x}_proj.weight" for x in config.layer_projections(i)]
+            if config.attention_output_gate:
+                sources[attn + "qkv_proj"].append(attn + "q_gate_proj.weight")
+            sources[attn + "o_proj"] = [attn + "o_proj.weight"]
         if not config.is_sparse_layer(i):
             sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
             sources[mlp + "down_proj"] = [mlp + "down_proj.weight"]

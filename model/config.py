@@ -181,6 +181,9 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # The value heads' order when there are more of them than key heads: grouped by the key head they read
+    # (Hugging Face's: value head j reads key head j // (Hv / Hk)) or tiled (llama.cpp's GGUF files: j % Hk).
+    linear_heads_tiled: bool = False
     # Attention's output (before o_proj) times the sigmoid of a gate the query projection makes per head.
     attention_output_gate: bool = False
 

@@ -29,7 +29,7 @@ from model.config import ModelConfig, YarnScaling, yarn_attention_factor
 from model.errors import ModelLoadError, one_line
 from model.gguf_blocks import FLOAT_TYPES, BlockWeight, block_weight, how_read, is_block_type, w4a8_bytes
 from model.gguf_file import GGUFFile, GGUFTensor
-from model.weights import LazyTensors, split_fused_phi3
+from model.weights import LazyTensors, split_fused_phi3, split_qwen3_5
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,7 +37,7 @@ T = TypeVar("T")
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3", "mistral3": "mistral",
-                 "gpt-oss": "gpt_oss"}
+                 "gpt-oss": "gpt_oss", "qwen35": "qwen3_5"}
 # Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
 PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
@@ -81,6 +81,15 @@ PARAMETER_NAMES = frozenset({"layer_scalar", "mlp.experts.gate_up_proj", "expert
 # GPT-OSS: the norm before the experts is its post_attention_norm; a sink logit per head.
 GPT_OSS_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "attn_sinks": "self_attn.sinks"}
+# Qwen3.5: the norm before the MLP is its post_attention_norm; the linear-attention layers' projections, each its
+# own tensor (attn_qkv the convolution's queries, keys and values; attn_gate the output gate z), the convolution,
+# the decay's bias and log-rate (`ssm_a`, stored as -exp(A_log)) and the output norm.
+QWEN35_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                      "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                      "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm", "ssm_conv1d": "linear_attn.conv1d",
+                      "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
+QWEN35_LINEAR_PARTS = frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"})
 # llama.cpp's GPT-OSS constants (not in the file): the experts' SwiGLU clamp and gain, and every other layer
 # (the first among them) windowed.
 GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
@@ -114,6 +123,8 @@ GEMMA4_LINEAR_PARTS = frozenset({"inp_gate", "proj"})
 # Gemma 4's router scales, by (llama.cpp part, kind): the parameters' own names.
 GEMMA4_ROUTER_SCALES = {("ffn_gate_inp", "scale"): "router.scale", ("ffn_down_exps", "scale"): "router.per_expert_scale"}
 LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)")
+# A layer's tensor without a kind (Qwen3.5's `blk.N.ssm_a`).
+BARE_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(ssm_a)")
 # llama.cpp's Gemma 3 constants where older files have no metadata: every sixth layer attends to the
 # whole context, the sliding-window layers rotate with base 10,000.
 GEMMA3_WINDOW_PATTERN = 6
@@ -123,7 +134,8 @@ def linear_gguf_names(types: dict[str, str]) -> list[str]:
     """The file's tensors that become linear layers: the projections, and the LM head (the token
     embedding when the file ties them)."""
     projections = {**LAYER_NAMES, **PHI3_FUSED_NAMES}
-    linear = {part for part, name in projections.items() if name.endswith("_proj")} | GEMMA4_LINEAR_PARTS
+    linear = ({part for part, name in projections.items() if name.endswith("_proj")} | GEMMA4_LINEAR_PARTS
+              | QWEN35_LINEAR_PARTS)
     names = [name for name in types if (match := LAYER_PATTERN.fullmatch(name)) and match.group(3) == "weight"
              and match.group(2) in linear]
     return names + ["output.weight" if "output.weight" in types else "token_embd.weight"]
@@ -229,6 +241,8 @@ class GGUFCheckpoint:
                                                         or self._require("context_length"))
         if self.gguf_arch == "gpt-oss":
             extra |= self._gpt_oss_fields()
+        if self.gguf_arch == "qwen35":
+            extra |= self._qwen35_fields(hidden, num_heads)
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
             extra["nope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
@@ -239,7 +253,7 @@ class GGUFCheckpoint:
                 vocab_size=int(vocab_size),
                 hidden_size=hidden,
                 intermediate_size=int(extra.pop("intermediate_size", None) or self._require("feed_forward_length")),
-                num_layers=int(self._require("block_count")),
+                num_layers=int(extra.pop("num_layers", None) or self._require("block_count")),
                 num_heads=num_heads,
                 num_kv_heads=int(extra.pop("num_kv_heads", None) or self._get("attention.head_count_kv", num_heads)),
                 head_dim=int(extra.pop("head_dim", None) or self._get("attention.key_length", hidden // num_heads)),
@@ -248,7 +262,7 @@ class GGUFCheckpoint:
                 max_position_embeddings=int(self._get("context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self.tensor_names,
                 attention_bias=self.gguf_arch in ("qwen2", "gpt-oss"),
-                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe"),
+                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe", "qwen35"),
                 rope_freq_factors=extra.pop("rope_freq_factors", freq_factors),
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=(int(eos),) if eos is not None else (),
@@ -286,6 +300,27 @@ class GGUFCheckpoint:
         return {"layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
                 "sliding_window": int(self._require("attention.sliding_window")), "attention_sinks": True,
                 "output_bias": True, **GPT_OSS_SWIGLU}
+
+    def _qwen35_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
+        """Qwen3.5 as llama.cpp's converter writes it: the layers past block_count - nextn_predict_layers are
+        multi-token-prediction layers (not read); the recurrent ones listed, else all but every
+        full_attention_interval-th; the linear attention's heads as the `ssm` keys name them (value heads tiled,
+        `ModelConfig.linear_heads_tiled`); a quarter of each head rotating."""
+        num_layers = int(self._require("block_count")) - int(self._get("nextn_predict_layers", 0) or 0)
+        listed = self._get("attention.recurrent_layers")
+        if listed is not None:
+            recurrent = [bool(x) for x in listed][:num_layers]
+        else:
+            interval = int(self._get("full_attention_interval", 4))
+            recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
+        head_dim = int(self._get("attention.key_length", hidden // num_heads))
+        value_heads = int(self._require("ssm.time_step_rank"))
+        return {"num_layers": num_layers, "linear_layers": tuple(i for i, r in enumerate(recurrent) if r),
+                "linear_key_heads": int(self._require("ssm.group_count")), "linear_value_heads": value_heads,
+                "linear_key_dim": int(self._require("ssm.state_size")),
+                "linear_value_dim": int(self._require("ssm.inner_size")) // value_heads,
+                "linear_conv_kernel": int(self._require("ssm.conv_kernel")), "linear_heads_tiled": True,
+                "attention_output_gate": True, "rotary_dim": int(self._get("rope.dimension_count", head_dim // 4))}
 
     def _phi3_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
         """Phi-3's rotation as llama.cpp's converter writes it: the rotated dims of each head, LongRoPE's short
@@ -436,6 +471,10 @@ class GGUFCheckpoint:
         tensors = LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
         if self.gguf_arch == "gemma4":
             return stack_gate_up(tensors)
+        if self.gguf_arch == "qwen35":
+            for name in [n for n in shapes if n.endswith("linear_attn.conv1d.weight")]:
+                shapes[name] = (shapes[name][0], 1, shapes[name][1])  # [C, K] in the file, conv1d's [C, 1, K]
+            return split_qwen3_5(self.config, tensors, shift_norms=False)
         return split_fused_phi3(self.config, tensors) if self.gguf_arch == "phi3" else tensors
 
     def _read_tensor(self, name: str, tensor: GGUFTensor) -> torch.Tensor:
@@ -447,6 +486,10 @@ class GGUFCheckpoint:
             weight = unpermute_rotary(weight, self.config.num_heads)
         elif self.gguf_arch in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rotary(weight, self.config.num_kv_heads)
+        elif name.endswith("linear_attn.A_log"):  # the file's ssm_a is -exp(A_log)
+            weight = torch.log(-weight)
+        elif name.endswith("linear_attn.conv1d.weight"):
+            weight = weight[:, None]
         return weight
 
     def _yarn_fields(self) -> dict[str, Any]:
@@ -499,6 +542,8 @@ class GGUFCheckpoint:
         blocks = LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
         if self.gguf_arch == "phi3":
             return split_fused_phi3(self.config, blocks, lambda weight, rows: weight.rows(rows))
+        if self.gguf_arch == "qwen35":
+            return split_qwen3_5(self.config, blocks, shift_norms=False, take=lambda weight, rows: weight.rows(rows))
         return blocks
 
     def _read_blocks(self, name: str, tensor: GGUFTensor) -> BlockWeight:
@@ -514,7 +559,11 @@ class GGUFCheckpoint:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
         names = {"gemma3": GEMMA_LAYER_NAMES, "gemma4": GEMMA4_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES,
-                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}}.get(self.gguf_arch, LAYER_NAMES)
+                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}, "qwen35": QWEN35_LAYER_NAMES}.get(self.gguf_arch,
+                                                                                             LAYER_NAMES)
+        bare = BARE_LAYER_PATTERN.fullmatch(name)
+        if bare is not None and self.gguf_arch == "qwen35":
+            return f"layers.{bare.group(1)}.{names[bare.group(2)]}"
         match = LAYER_PATTERN.fullmatch(name)
         if match is None or match.group(2) not in names:
             return None
@@ -523,7 +572,7 @@ class GGUFCheckpoint:
             return f"layers.{layer}.{GEMMA4_ROUTER_SCALES[part, kind]}"
         if kind == "scale":
             return None
-        if names[part] in PARAMETER_NAMES:
+        if names[part] in PARAMETER_NAMES or (part, kind) == ("ssm_dt", "bias"):  # (Qwen3.5's dt_bias)
             return f"layers.{layer}.{names[part]}"
         return f"layers.{layer}.{names[part]}.{kind}"
 

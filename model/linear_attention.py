@@ -76,6 +76,7 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(self.value_dim))  # the checkpoint's `norm.weight`
         self.out_proj = nn.Linear(self.value_size, config.hidden_size, bias=False)
         self.eps = config.rms_norm_eps
+        self.tiled = config.linear_heads_tiled  # which key head each value head reads (model/config.py)
 
     def state_views(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A pool [num_slots, linear_state_size] as its convolution inputs [num_slots, K - 1, C] and matrices
@@ -114,11 +115,13 @@ class GatedDeltaNet(nn.Module):
 
     def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [N, C] as queries and keys [N, Hv, Dk] (normed, queries scaled; each key head
-        serves Hv / Hk consecutive value heads) and values [N, Hv, Dv]."""
+        serves Hv / Hk value heads, consecutive ones or, tiled, every Hk-th) and values [N, Hv, Dv]."""
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = l2_normalize(q.view(-1, self.key_heads, self.key_dim)) * self.key_dim**-0.5
         k = l2_normalize(k.view(-1, self.key_heads, self.key_dim))
         repeat = self.value_heads // self.key_heads
-        if repeat > 1:
+        if repeat > 1 and self.tiled:
+            q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+        elif repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         return q, k, v.view(-1, self.value_heads, self.value_dim)

@@ -151,27 +151,33 @@ def rotary_order(config: ModelConfig) -> torch.Tensor:
                       rot // 2 + torch.arange(rot // 2), rot + passing + torch.arange(passing)])
 
 
-def split_qwen3_5(config: ModelConfig, tensors: LazyTensors[torch.Tensor]) -> LazyTensors[torch.Tensor]:
-    """A Qwen3.5 checkpoint's tensors as the decoder reads them: norms as (1 + w) (`shift_norm_weights`); each
-    attention layer's q_proj, which holds each head's queries then its output gate, read as `q_proj` and
-    `q_gate_proj`; queries, keys and their norms' weights in `rotary_order`."""
-    tensors = shift_norm_weights(tensors)
+def split_qwen3_5(config: ModelConfig, tensors: LazyTensors[T], shift_norms: bool = True,
+                  take: Callable[[T, torch.Tensor], T] = lambda t, index: t.index_select(0, index)) -> LazyTensors[T]:
+    """A Qwen3.5 checkpoint's tensors as the decoder reads them: each attention layer's q_proj, which holds each
+    head's queries then its output gate, read as `q_proj` and `q_gate_proj`; queries, keys and their norms'
+    weights in `rotary_order`; with `shift_norms`, norms as (1 + w) (a directory's: `shift_norm_weights`; a GGUF
+    file holds 1 + w). `take(tensor, rows)` selects rows (a GGUF file's raw blocks take them their own way)."""
+    if shift_norms:
+        tensors = shift_norm_weights(tensors)
     heads, head = config.num_heads, config.head_dim
     order = rotary_order(config)
+    # Rows of the checkpoint's q_proj: head h's queries at 2 h D + order, its gate at 2 h D + D ..
+    starts = 2 * head * torch.arange(heads)[:, None]
+    query_rows, gate_rows = (starts + order).flatten(), (starts + head + torch.arange(head)).flatten()
     shapes, sources = dict(tensors.shapes), {}
     for name in [n for n in tensors.shapes if n.endswith("self_attn.q_proj.weight")]:
-        for part, index in (("q_proj", 0), ("q_gate_proj", 1)):
+        for part, rows in (("q_proj", query_rows), ("q_gate_proj", gate_rows)):
             shapes[name.replace("q_proj", part)] = (heads * head, tensors.shapes[name][1])
-            sources[name.replace("q_proj", part)] = (name, index)
+            sources[name.replace("q_proj", part)] = (name, rows)
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> T:
         if name in sources:
-            whole, index = sources[name]
-            rows = tensors[whole].view(heads, 2, head, -1)[:, index]  # [heads, head, hidden]
-            return (rows[:, order] if index == 0 else rows).reshape(heads * head, -1)
+            whole, rows = sources[name]
+            return take(tensors[whole], rows)
         tensor = tensors[name]
         if name.endswith("self_attn.k_proj.weight"):
-            return tensor.view(-1, head, tensor.shape[-1])[:, order].reshape(tensor.shape)
+            kv_heads = tensors.shapes[name][0] // head
+            return take(tensor, (head * torch.arange(kv_heads)[:, None] + order).flatten())
         if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             return tensor[order]
         return tensor

@@ -163,3 +163,56 @@ def test_the_eager_layers_run_and_the_cost_model_counts_every_weight(qwen3_5):
     cost = ModelCost(ours.config, "fp32", 4)
     assert cost.num_params == sum(p.numel() for p in hf.parameters())
     assert cost.kv_bytes_per_token == 2 * (2 * 2 * 32) * 4  # two attention layers' keys and values
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """A Qwen3.5 (value heads as wide as key heads, as llama.cpp requires) written as llama.cpp's converter writes
+    it, Q8_0; the reference holds what the file holds."""
+    from tiny_models import write_qwen35_gguf
+
+    directory = tmp_path_factory.mktemp("qwen35_gguf")
+    config = hf_config(QWEN3_5)
+    config.linear_value_head_dim = 16
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0 if "linear_attn" not in name else 1, 0.2)
+            if name.endswith(("A_log", "dt_bias")):
+                param.normal_(0, 1)
+    path = directory / "qwen35.gguf"
+    hf.load_state_dict(write_qwen35_gguf(hf, path, "Q8_0"), strict=True)
+    return hf, path
+
+
+def test_gguf_matches_transformers_on_what_the_file_holds(gguf_pair):
+    """llama.cpp's layout: value heads tiled (each reads key head j % Hk), ssm_a = -exp(A_log), norms stored as
+    1 + w, the convolution [C, K]."""
+    hf, path = gguf_pair
+    ours = model.load(path, quantization="none")
+    cfg = ours.config
+    assert (cfg.architecture, cfg.linear_layers, cfg.linear_heads_tiled, cfg.rotary_dims) == ("qwen3_5", (0, 2), True, 8)
+    assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_value_dim) == (2, 4, 16)
+    ids = prompt(90, seed=4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert relative_error(Generator(ours.module, 128).step(ids), ref) < 1e-4
+
+
+def test_w4a8_computes_on_the_files_blocks(gguf_pair):
+    """Under W4A8 the fused projections hold the file's weights exactly: the linear attention's four inputs in one
+    in_proj, and attention's queries (rows in rotary order), keys, values and gates in one qkv_proj."""
+    hf, path = gguf_pair
+    low, plain = model.load(path, quantization="w4a8").module, model.load(path, quantization="none").module
+    for i, name in ((0, "linear_attn.in_proj"), (1, "self_attn.qkv_proj"), (0, "linear_attn.out_proj")):
+        w4a8, dense = low.layers[i].get_submodule(name), plain.layers[i].get_submodule(name)
+        eye = torch.eye(dense.in_features)
+        assert torch.equal(w4a8(eye).t(), dense.weight), name  # one-hot rows are exact in int8
+    ids = prompt(40, seed=5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    # The rest is the activations' rounding to int8 per 32-block, through four tiny random layers (qwen3's two
+    # layers: 2%).
+    assert relative_error(Generator(low, 64).step(ids), ref) < 0.1

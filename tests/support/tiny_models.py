@@ -359,6 +359,21 @@ def write_gemma4_metadata(writer, cfg) -> None:
     writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
+def write_byte_vocab(writer, vocab_size: int) -> None:
+    """A vocabulary of the 256 byte tokens and control tokens up to `vocab_size` (eos 256, bos 257)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    byte_tokens = list(bytes_to_unicode().values())
+    extra = [f"<|extra_{i}|>" for i in range(vocab_size - 256)]
+    writer.add_token_list(byte_tokens + extra)
+    writer.add_token_types([1] * 256 + [3] * len(extra))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(256)
+    writer.add_bos_token_id(257)
+
+
 def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama", rng_seed: int = 0,
                qtypes: dict[str, str] | None = None, smollm2_tokenizer: bool | dict = False,
                reranker: tuple[int, int] | None = None, vocab: dict | None = None,
@@ -441,17 +456,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
     elif smollm2_tokenizer:
         copy_smollm2_tokenizer(writer, **(smollm2_tokenizer if isinstance(smollm2_tokenizer, dict) else {}))
     else:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-        byte_tokens = list(bytes_to_unicode().values())
-        extra = [f"<|extra_{i}|>" for i in range(cfg.vocab_size - 256)]
-        writer.add_token_list(byte_tokens + extra)
-        writer.add_token_types([1] * 256 + [3] * len(extra))
-        writer.add_token_merges([])
-        writer.add_eos_token_id(256)
-        writer.add_bos_token_id(257)
+        write_byte_vocab(writer, cfg.vocab_size)
     if reranker is not None:
         writer.add_pooling_type(gguf.PoolingType.RANK)
         writer.add_array(f"{arch}.classifier.output_labels", ["yes", "no"])
@@ -517,6 +522,121 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
             writer.add_tensor(gguf_name, raw)
         else:
             writer.add_tensor(gguf_name, raw, raw_dtype=tensor_type)
+    if cfg.tie_word_embeddings:
+        held["lm_head.weight"] = held["model.embed_tokens.weight"]
+    write_and_close(writer)
+    return held
+
+
+QWEN35_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.out_proj": "ssm_out", "linear_attn.norm": "ssm_norm",
+    "linear_attn.conv1d": "ssm_conv1d",
+}
+
+
+def tile_value_heads(tensor: torch.Tensor, dim: int, key_heads: int, value_heads: int, size: int) -> torch.Tensor:
+    """Value heads (each `size` wide along `dim`) from grouped by key head to tiled, as llama.cpp's converter
+    orders them: [k0v0, k0v1, k1v0, k1v1] -> [k0v0, k1v0, k0v1, k1v1]."""
+    shape = list(tensor.shape)
+    grouped = tensor.reshape(*shape[:dim], key_heads, value_heads // key_heads, size, *shape[dim + 1:])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def untile_value_heads(tensor: torch.Tensor, dim: int, key_heads: int, value_heads: int, size: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    tiled = tensor.reshape(*shape[:dim], value_heads // key_heads, key_heads, size, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32") -> dict:
+    """A Qwen3.5 text model as llama.cpp's converter writes it (arch qwen35): norms as 1 + w (the linear
+    attention's output norm as it is), ssm_a = -exp(A_log), dt_bias as `ssm_dt.bias`, the convolution [C, K], the
+    linear attention's value heads tiled; 2-D weights in `qtype_name`, norms and vectors F32. Returns the state dict
+    the file holds, in Hugging Face names and layout."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    cfg = hf_model.config
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections(list(cfg.rope_parameters["mrope_section"]) + [0])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(hk)
+    writer.add_ssm_time_step_rank(hv)
+    writer.add_ssm_inner_size(dv * hv)
+    writer.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
+    writer.add_vocab_size(cfg.vocab_size)
+    write_byte_vocab(writer, cfg.vocab_size)
+
+    def tiled(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, callable]:
+        """The tensor as the file orders it, and the inverse for what it holds."""
+        identity = (tensor, lambda t: t)
+        if hk == hv or "linear_attn." not in name:
+            return identity
+        channels = 2 * hk * dk
+        if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+            qk, v = tensor[:channels], tensor[channels:]
+            return (torch.cat([qk, tile_value_heads(v, 0, hk, hv, dv)]),
+                    lambda t: torch.cat([t[:channels], untile_value_heads(t[channels:], 0, hk, hv, dv)]))
+        if name.endswith("in_proj_z.weight"):
+            return tile_value_heads(tensor, 0, hk, hv, dv), lambda t: untile_value_heads(t, 0, hk, hv, dv)
+        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            return tile_value_heads(tensor, 0, hk, hv, 1), lambda t: untile_value_heads(t, 0, hk, hv, 1)
+        if name.endswith("out_proj.weight"):
+            return tile_value_heads(tensor, 1, hk, hv, dv), lambda t: untile_value_heads(t, 1, hk, hv, dv)
+        return identity
+
+    held = {}
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        short = name.removeprefix("model.")
+        tensor, back = tiled(name, tensor.float())
+        if short.startswith("layers."):
+            _, layer, *rest = short.split(".")
+            module, kind = ".".join(rest[:-1]), rest[-1]
+            if kind == "A_log":
+                gguf_name, raw = f"blk.{layer}.ssm_a", -torch.exp(tensor)
+            elif kind == "dt_bias":
+                gguf_name, raw = f"blk.{layer}.ssm_dt.bias", tensor
+            elif module == "linear_attn.conv1d":
+                gguf_name, raw = f"blk.{layer}.ssm_conv1d.weight", tensor[:, 0]
+            else:
+                gguf_name, raw = f"blk.{layer}.{QWEN35_GGUF_NAMES[module]}.{kind}", tensor
+        else:
+            gguf_name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[short]
+            raw = tensor
+        raw = raw.numpy()
+        if raw.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and "conv1d" not in gguf_name:
+            blocks = quantize(raw, qtype)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            held[name] = back(torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype), dtype=np.float32)))
+            continue
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            raw = raw + 1.0  # llama.cpp's files store the (1 + w) scale
+        writer.add_tensor(gguf_name, np.ascontiguousarray(raw, dtype=np.float32))
+        held[name] = back(tensor)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     write_and_close(writer)
