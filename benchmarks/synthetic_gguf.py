@@ -21,6 +21,12 @@ scales of 2^-8), every other layer sliding-window (128 tokens), YaRN, sinks and 
 and LM head in `--preset` (q8_0 for the published files' kind). gpt-oss-20b's layer shapes with fewer layers:
 `--gpt-oss --preset q8_0 --hidden 2880 --heads 64 --kv-heads 8 --head-dim 64 --intermediate 2880 --experts 32
 --experts-used 4` (rows of 2880 are not a multiple of 256: the q8_0 preset only).
+`--qwen35` writes a Qwen3.5 as llama.cpp's converter lays it out (arch qwen35): three linear-attention layers
+(gated delta rule) to one of gated attention, `--linear-heads` key and value heads of 128 dims each, a 4-tap
+convolution, norms near 1, decays spread; `--vocab` pads the embedded tokenizer's vocabulary with control tokens
+to the real model's size (the LM head is a large part of a small model's bytes). Qwen3.5-0.8B's shapes:
+`--qwen35 --hidden 1024 --layers 24 --intermediate 3584 --heads 8 --kv-heads 2 --head-dim 256 --linear-heads 16
+--vocab 248320`.
 """
 
 from __future__ import annotations
@@ -71,14 +77,17 @@ def tokenizer_source():
     return GGUFFile(packaged_model_path())
 
 
-def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+def copy_tokenizer(writer: gguf.GGUFWriter, vocab: int | None = None) -> None:
     """The embedded model's tokenizer (SmolLM2's 49,152 BPE tokens, merges and chat template): real text
-    tokenizes as it does for a real model, and llama.cpp's server loads it."""
+    tokenizes as it does for a real model, and llama.cpp's server loads it. `vocab`: padded with control tokens
+    to that many."""
     meta = tokenizer_source().metadata
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    padding = max(0, (vocab or 0) - len(tokens))
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_list(tokens + [f"<|pad_{i}|>" for i in range(padding)])
+    writer.add_token_types(types + [3] * padding)
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
     writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
@@ -327,6 +336,66 @@ def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate
     writer.close()
 
 
+def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+                 head_dim: int, linear_heads: int, vocab: int | None, seed: int = 0) -> None:
+    """A Qwen3.5 (module docstring) with the embedded model's tokenizer, padded to `vocab` tokens; every fourth
+    layer attention, a quarter of each head rotating, the LM head tied to the embedding (as the small models)."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    state = 128  # the linear attention's key and value head size (every Qwen3.5)
+    for add, value in (("block_count", layers), ("context_length", 262144), ("embedding_length", hidden),
+                       ("feed_forward_length", intermediate), ("head_count", heads), ("head_count_kv", kv_heads),
+                       ("key_length", head_dim), ("value_length", head_dim), ("rope_freq_base", 1e7),
+                       ("rope_dimension_count", head_dim // 4), ("layer_norm_rms_eps", 1e-6),
+                       ("ssm_conv_kernel", 4), ("ssm_state_size", state), ("ssm_group_count", linear_heads),
+                       ("ssm_time_step_rank", linear_heads), ("ssm_inner_size", state * linear_heads),
+                       ("full_attention_interval", 4)):
+        getattr(writer, f"add_{add}")(value)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    copy_tokenizer(writer, vocab)
+    vocab = max(vocab or 0, len(tokenizer_source().metadata["tokenizer.ggml.tokens"]))
+    writer.add_vocab_size(vocab)
+
+    def linear(name: str, rows: int, cols: int, layer: int | None) -> None:
+        kind = tensor_kind(preset, name.split(".")[-2] if layer is not None else "output", layer)
+        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    def floats(name: str, *shape: int, scale: float = 0.0, fill: float = 0.0) -> None:
+        writer.add_tensor(name, (fill + scale * rng.standard_normal(shape)).astype(np.float32))
+
+    linear("token_embd.weight", vocab, hidden, None)
+    floats("output_norm.weight", hidden, fill=1.0)
+    keys, values = linear_heads * state, linear_heads * state
+    for i in range(layers):
+        p = f"blk.{i}."
+        floats(p + "attn_norm.weight", hidden, fill=1.0)
+        floats(p + "post_attention_norm.weight", hidden, fill=1.0)
+        if (i + 1) % 4:  # linear attention
+            linear(p + "attn_qkv.weight", 2 * keys + values, hidden, i)
+            linear(p + "attn_gate.weight", values, hidden, i)
+            linear(p + "ssm_beta.weight", linear_heads, hidden, i)
+            linear(p + "ssm_alpha.weight", linear_heads, hidden, i)
+            linear(p + "ssm_out.weight", hidden, values, i)
+            floats(p + "ssm_conv1d.weight", 2 * keys + values, 4, scale=0.3)
+            floats(p + "ssm_dt.bias", linear_heads, scale=1.0)
+            floats(p + "ssm_a", linear_heads, fill=-1.0, scale=0.0)
+            floats(p + "ssm_norm.weight", state, fill=1.0)
+        else:
+            linear(p + "attn_q.weight", 2 * heads * head_dim, hidden, i)
+            linear(p + "attn_k.weight", kv_heads * head_dim, hidden, i)
+            linear(p + "attn_v.weight", kv_heads * head_dim, hidden, i)
+            linear(p + "attn_output.weight", hidden, heads * head_dim, i)
+            floats(p + "attn_q_norm.weight", head_dim, fill=1.0)
+            floats(p + "attn_k_norm.weight", head_dim, fill=1.0)
+        linear(p + "ffn_gate.weight", intermediate, hidden, i)
+        linear(p + "ffn_up.weight", intermediate, hidden, i)
+        linear(p + "ffn_down.weight", hidden, intermediate, i)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -346,6 +415,9 @@ def main() -> int:
     parser.add_argument("--per-layer", type=int, default=256)
     parser.add_argument("--shared-layers", type=int, default=20)
     parser.add_argument("--gpt-oss", action="store_true", help="a GPT-OSS (see above)")
+    parser.add_argument("--qwen35", action="store_true", help="a Qwen3.5 (see above)")
+    parser.add_argument("--linear-heads", type=int, default=16, help="with --qwen35: linear attention's heads")
+    parser.add_argument("--vocab", type=int, default=None, help="with --qwen35: the vocabulary padded to this")
     parser.add_argument("--expert-intermediate", type=int, default=512,
                         help="with --gemma4 --experts: each expert's width (26B-A4B's experts beside the MLP)")
     args = parser.parse_args()
@@ -356,6 +428,9 @@ def main() -> int:
     if args.gpt_oss:
         write_gpt_oss(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
                       args.head_dim or args.hidden // args.heads, args.experts or 32, args.experts_used)
+    elif args.qwen35:
+        write_qwen35(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
+                     args.head_dim or args.hidden // args.heads, args.linear_heads, args.vocab)
     elif args.gemma4:
         write_gemma4(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
                      args.head_dim or args.hidden // args.heads, args.global_head_dim,

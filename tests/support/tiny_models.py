@@ -553,11 +553,12 @@ def untile_value_heads(tensor: torch.Tensor, dim: int, key_heads: int, value_hea
     return tiled.transpose(dim, dim + 1).reshape(shape)
 
 
-def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32") -> dict:
+def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tokenizer: bool = False) -> dict:
     """A Qwen3.5 text model as llama.cpp's converter writes it (arch qwen35): norms as 1 + w (the linear
     attention's output norm as it is), ssm_a = -exp(A_log), dt_bias as `ssm_dt.bias`, the convolution [C, K], the
     linear attention's value heads tiled; 2-D weights in `qtype_name`, norms and vectors F32. Returns the state dict
-    the file holds, in Hugging Face names and layout."""
+    the file holds, in Hugging Face names and layout. `smollm2_tokenizer`: the embedded model's vocabulary (as
+    `write_gguf`'s)."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -586,7 +587,10 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32") -> dict:
     writer.add_ssm_inner_size(dv * hv)
     writer.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
     writer.add_vocab_size(cfg.vocab_size)
-    write_byte_vocab(writer, cfg.vocab_size)
+    if smollm2_tokenizer:
+        copy_smollm2_tokenizer(writer)
+    else:
+        write_byte_vocab(writer, cfg.vocab_size)
 
     def tiled(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, callable]:
         """The tensor as the file orders it, and the inverse for what it holds."""
