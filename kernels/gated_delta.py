@@ -17,12 +17,16 @@ each output is o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u
 exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T. `recurrent_delta_rule` (token by token) is the reference both
 are tested against.
 
-Everything here is float32: the state accumulates over the whole sequence.
+`gated_delta_decode` is a decode step of the whole layer between its projections, one C++ call
+(kernels/csrc/gated_delta.cpp: each state read once and written once) with `gated_delta_decode_ref` as its
+reference. Everything here is float32: the state accumulates over the whole sequence.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.cpu_extension import cpu_op
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -91,3 +95,53 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         last = cum[:, -1:]  # [H, 1]: G_C
         state.mul_(last.exp()[..., None]).add_((kc * (last - cum).exp()[..., None]).transpose(1, 2) @ u)
     return out
+
+
+def gated_delta_decode_ref(projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                           conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                           norm_weight: torch.Tensor, key_heads: int, key_dim: int, value_dim: int, tiled: bool,
+                           eps: float) -> torch.Tensor:
+    """One new token of each of B sequences through a linear-attention layer, from its input projection to the
+    input of its output projection; each sequence's state advanced in place in its row of `pool`.
+
+    projected [B, C + Hv Dv + 2 Hv] float32: each token's convolution input (queries, keys, values: C), output
+    gate z, write-rate logit b and decay input a. pool [S, (K - 1) C + Hv Dk Dv] float32, the layer's states
+    (model/linear_attention.py); slots [B] int64, each token's row. conv_weight [C, K]; A_log, dt_bias [Hv];
+    norm_weight [Dv]. Returns [B, Hv Dv]: each value head's output RMS-normed, scaled by norm_weight and gated by
+    SiLU(z). ladder::gated_delta_decode computes the same in one pass over each state."""
+    taps, channels = conv_weight.shape[1], conv_weight.shape[0]
+    value_heads = (projected.shape[1] - channels) // (value_dim + 2)
+    mixed, z, b, a = projected.split([channels, value_heads * value_dim, value_heads, value_heads], dim=-1)
+    width = (taps - 1) * channels
+    conv_state = pool[:, :width].view(-1, taps - 1, channels)
+    matrices = pool[:, width:].view(-1, value_heads, key_dim, value_dim)
+    window = torch.cat([conv_state.index_select(0, slots), mixed[:, None]], dim=1)  # [B, K, C]
+    conv_state.index_copy_(0, slots, window[:, 1:])
+    q, k, v = causal_conv(window, conv_weight)[:, 0].split([key_heads * key_dim, key_heads * key_dim,
+                                                           value_heads * value_dim], dim=-1)
+    q = l2_normalize(q.view(-1, key_heads, key_dim)) * key_dim**-0.5
+    k = l2_normalize(k.view(-1, key_heads, key_dim))
+    repeat = value_heads // key_heads
+    if repeat > 1:  # each key head serves Hv / Hk value heads: every Hk-th (tiled) or consecutive ones
+        q, k = (q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if tiled else \
+            (q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1))
+    g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)  # [B, Hv], <= 0
+    state = matrices.index_select(0, slots)
+    out = delta_rule_step(q, k, v.view(-1, value_heads, value_dim), g, b.sigmoid(), state)
+    matrices.index_copy_(0, slots, state)
+    return gated_rms_norm(out, z.view(-1, value_heads, value_dim), norm_weight, eps).flatten(1)
+
+
+def gated_rms_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head's output [..., Dv] RMS-normed, scaled by weight [Dv], times SiLU(z)."""
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return normed * torch.nn.functional.silu(z)
+
+
+def _decode_shape(projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
+                  A_log: torch.Tensor, *rest: object) -> torch.Tensor:
+    value_size = projected.shape[1] - conv_weight.shape[0] - 2 * A_log.shape[0]
+    return projected.new_empty(projected.shape[0], value_size)
+
+
+gated_delta_decode = cpu_op("gated_delta_decode", gated_delta_decode_ref, _decode_shape, mutates_args=("pool",))

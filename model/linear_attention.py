@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta import causal_conv, chunked_delta_rule, delta_rule_step, l2_normalize
+from kernels.gated_delta import causal_conv, chunked_delta_rule, gated_delta_decode, gated_rms_norm, l2_normalize
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 
@@ -78,40 +78,43 @@ class GatedDeltaNet(nn.Module):
         self.eps = config.rms_norm_eps
         self.tiled = config.linear_heads_tiled  # which key head each value head reads (model/config.py)
 
-    def state_views(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pool [num_slots, linear_state_size] as its convolution inputs [num_slots, K - 1, C] and matrices
-        [num_slots, Hv, Dk, Dv] (views: writes reach the pool)."""
-        width = (self.taps - 1) * self.channels
-        conv = pool[:, :width].view(-1, self.taps - 1, self.channels)
-        return conv, pool[:, width:].view(-1, self.value_heads, self.key_dim, self.value_dim)
-
     def forward(self, x: torch.Tensor, pool: torch.Tensor, plan: RecurrentPlan) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; each sequence's state in `pool` advanced past its new tokens."""
-        mixed, z, b, a = self.in_proj(x).float().split(
-            [self.channels, self.value_size, self.value_heads, self.value_heads], dim=-1)
-        beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [T, Hv], <= 0
-        weight = self.conv1d.weight[:, 0].float()  # [C, K]
-        conv_state, matrices = self.state_views(pool)
+        projected = self.in_proj(x).float()  # [T, C + Hv Dv + 2 Hv]: convolution input, z, b, a
         if plan.fresh.numel():
             pool.index_fill_(0, plan.fresh, 0.0)
-        out = torch.empty(x.shape[0], self.value_heads, self.value_dim, device=x.device)
-        if plan.step_rows.numel():  # one token of each of these sequences, batched
-            rows, slots = plan.step_rows, plan.step_slots
-            window = torch.cat([conv_state.index_select(0, slots), mixed[rows, None]], dim=1)  # [B, K, C]
-            conv_state.index_copy_(0, slots, window[:, 1:])
-            q, k, v = self.heads(causal_conv(window, weight)[:, 0])
-            state = matrices.index_select(0, slots)
-            out[rows] = delta_rule_step(q, k, v, g[rows], beta[rows], state)
-            matrices.index_copy_(0, slots, state)
-        for first, end, slot in plan.runs:  # a prompt's chunk, its own
-            window = torch.cat([conv_state[slot], mixed[first:end]])  # [K - 1 + L, C]
-            conv_state[slot] = window[end - first:]
-            q, k, v = self.heads(causal_conv(window, weight))
-            out[first:end] = chunked_delta_rule(q, k, v, g[first:end], beta[first:end], matrices[slot])
-        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-        gated = normed * F.silu(z.view(-1, self.value_heads, self.value_dim))
-        return self.out_proj(gated.view(-1, self.value_size).to(x.dtype))
+        weight = self.conv1d.weight.view(self.channels, self.taps).float()
+        if not plan.runs:  # decode: every row a sequence's one new token
+            out = self.decode(projected, pool, plan.step_slots, weight)
+        else:
+            out = torch.empty(x.shape[0], self.value_size, device=x.device)
+            if plan.step_rows.numel():
+                out[plan.step_rows] = self.decode(projected[plan.step_rows], pool, plan.step_slots, weight)
+            for first, end, slot in plan.runs:  # a prompt's chunk, its own
+                out[first:end] = self.prompt(projected[first:end], pool[slot], weight)
+        return self.out_proj(out.to(x.dtype))
+
+    def decode(self, projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+               weight: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences [B, projected] -> [B, Hv Dv] (one C++ call, kernels/gated_delta.py)."""
+        return gated_delta_decode(projected.contiguous(), pool, slots, weight, self.A_log.float(),
+                                  self.dt_bias.float(), self.norm_weight.float(), self.key_heads, self.key_dim,
+                                  self.value_dim, self.tiled, self.eps)
+
+    def prompt(self, projected: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A sequence's run of L tokens [L, projected] -> [L, Hv Dv], its state row [linear_state_size] advanced:
+        the convolution from the state's last inputs, the rule in chunks (kernels/gated_delta.py)."""
+        mixed, z, b, a = projected.split([self.channels, self.value_size, self.value_heads, self.value_heads], dim=-1)
+        width = (self.taps - 1) * self.channels
+        conv_state = state[:width].view(self.taps - 1, self.channels)
+        window = torch.cat([conv_state, mixed])  # [K - 1 + L, C]
+        conv_state.copy_(window[mixed.shape[0]:])
+        q, k, v = self.heads(causal_conv(window, weight))
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [L, Hv], <= 0
+        matrices = state[width:].view(self.value_heads, self.key_dim, self.value_dim)
+        out = chunked_delta_rule(q, k, v, g, b.sigmoid(), matrices)
+        return gated_rms_norm(out, z.view(-1, self.value_heads, self.value_dim), self.norm_weight.float(),
+                              self.eps).flatten(1)
 
     def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [N, C] as queries and keys [N, Hv, Dk] (normed, queries scaled; each key head

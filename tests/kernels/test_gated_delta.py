@@ -75,3 +75,29 @@ def test_the_causal_convolution_is_conv1d_from_the_carried_inputs():
     window = torch.cat([torch.zeros(taps - 1, channels), series])
     assert torch.allclose(causal_conv(window, weight), ref, atol=1e-6)
     assert torch.allclose(causal_conv(series, weight), ref[taps - 1:], atol=1e-6)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_decode_op_is_its_reference(tiled):
+    """ladder::gated_delta_decode (C++ where built) against its torch reference: three sequences in slots 4, 0 and 2
+    of a pool of 5, 2 key heads serving 4 value heads; outputs and every pool row (the slots' states and inputs
+    advanced, the others untouched)."""
+    from kernels.gated_delta import gated_delta_decode, gated_delta_decode_ref
+
+    gen = torch.Generator().manual_seed(5)
+    hk, hv, dk, dv, taps = 2, 4, 16, 8, 4
+    channels = 2 * hk * dk + hv * dv
+    projected = torch.randn(3, channels + hv * dv + 2 * hv, generator=gen)
+    pool = torch.randn(5, (taps - 1) * channels + hv * dk * dv, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    weights = (torch.randn(channels, taps, generator=gen), torch.randn(hv, generator=gen),
+               torch.randn(hv, generator=gen), 1 + 0.2 * torch.randn(dv, generator=gen))
+    ref_pool = pool.clone()
+    ref = gated_delta_decode_ref(projected, ref_pool, slots, *weights, hk, dk, dv, tiled, 1e-6)
+    out = gated_delta_decode(projected, pool, slots, *weights, hk, dk, dv, tiled, 1e-6)
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(pool, ref_pool, atol=1e-5)
+    assert torch.equal(pool[[1, 3]], ref_pool[[1, 3]])
+    alone = pool.clone()  # the same step for the second sequence alone: bit for bit
+    again = gated_delta_decode(projected[1:2], alone, slots[1:2], *weights, hk, dk, dv, tiled, 1e-6)
+    twice = pool.clone()
+    assert torch.equal(again, gated_delta_decode(projected, twice, slots, *weights, hk, dk, dv, tiled, 1e-6)[1:2])
