@@ -54,7 +54,7 @@ from server.rerank import Reranker, install_rerank_routes
 from server.response_store import ResponseStore, output_messages
 from server.responses import ResponseEvents, chat_body, new_item_id
 from server.token_routes import install_token_routes
-from server.tool_calls import ToolFormat, tool_format
+from server.tool_calls import tool_format
 from server.tool_use import ToolUse
 
 # Text longer than this many characters per token of context is refused before it is tokenized: real
@@ -355,7 +355,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise not_stored(response_id, param)
         return stored
 
-    async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolFormat | None,
+    async def prepare_chat(body: p.ChatCompletionRequest) -> tuple[AsyncLLMEngine, Job, ToolUse | None,
                                                                    Reasoning | HarmonyReasoning | None, Reservation]:
         """A chat request's job, ready to run, how its replies are read (tool calls, reasoning), and the
         admission it holds (the caller releases it)."""
@@ -391,7 +391,7 @@ def create_app(state: ServerState) -> FastAPI:
             num_top = (body.top_logprobs or 0) if body.logprobs else None
             # A chat prompt's text is never echoed: only its ids are kept.
             params = sampling_params(body, max_tokens, num_top, guide, info.sampling_defaults)
-            parsed = fmt if tools is not None else None  # the reply holds tool calls only when tools are in use
+            parsed = tools  # the reply holds tool calls only when tools are in use
             reasoning = None
             if state.harmony is not None:  # its analysis channel apart, its headers gone (server/harmony.py)
                 if body.reasoning_budget is not None:
@@ -429,7 +429,7 @@ class Reply:
     stream: bool
     include_usage: bool
     echo: bool
-    tools: ToolFormat | None = None  # the reply's text is parsed for tool calls in this format
+    tools: ToolUse | None = None  # the reply's text is parsed for tool calls (its format, its request's tools)
     reasoning: Reasoning | HarmonyReasoning | None = None  # a chat reply's reasoning is split from its content
     # Turns the chat or completion stream's events into another API's (the Responses API's); None: as they are.
     translate: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None

@@ -29,7 +29,8 @@ from server import protocol as p
 from server.errors import APIError, sse_error
 from server.harmony import HarmonyReasoning, HarmonySplit
 from server.reasoning import Reasoning, ReasoningSplit
-from server.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls
+from server.tool_calls import ToolCallStream, parse_tool_calls
+from server.tool_use import ToolUse
 
 ENGINE_FAILED = "the engine failed while running this request"
 ENGINE_STOPPED = "the engine has stopped after an internal error"  # it died before this request started
@@ -317,13 +318,13 @@ def completion_response(job: Job, result: Collected, tokenizer: Tokenizer, echo:
                                 usage=usage(job, result.num_output_tokens))
 
 
-def assistant_message(text: str, finish: str | None, tools: ToolFormat | None,
+def assistant_message(text: str, finish: str | None, tools: ToolUse | None,
                       reasoning: str | None = None) -> tuple[p.AssistantMessage, str | None]:
     """The reply's message and finish reason: with tools, the calls the text (the reply after its reasoning)
     holds are parsed out of it (`finish_reason` "tool_calls" when the model stopped after making some)."""
     if tools is None:
         return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
-    content, calls = parse_tool_calls(text, tools)
+    content, calls = parse_tool_calls(text, tools.format, tools.definitions)
     if not calls:
         return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
     message = p.AssistantMessage(content=content, reasoning_content=reasoning,
@@ -331,7 +332,7 @@ def assistant_message(text: str, finish: str | None, tools: ToolFormat | None,
     return message, "tool_calls" if finish == "stop" else finish
 
 
-def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolFormat | None = None,
+def chat_response(job: Job, result: Collected, tokenizer: Tokenizer, tools: ToolUse | None = None,
                   reasoning: Reasoning | HarmonyReasoning | None = None) -> p.ChatCompletionResponse:
     choices = []
     for i, text in enumerate(result.text):
@@ -366,7 +367,7 @@ def sse(payload: dict) -> str:
 
 
 async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, chat: bool, echo: bool,
-                        include_usage: bool, on_delta=None, interval: int = 1, tools: ToolFormat | None = None,
+                        include_usage: bool, on_delta=None, interval: int = 1, tools: ToolUse | None = None,
                         reasoning: Reasoning | HarmonyReasoning | None = None) -> AsyncIterator[str]:
     """Server-sent events for a streaming completion or chat completion, ending with `[DONE]`; an event
     carries up to `interval` tokens of a sample (see `run_job`). With `tools`, a chat choice's text goes
@@ -428,7 +429,7 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
             thought = thought if reasoning.include else ""
         calls: list[dict] = []
         if chat and tools is not None:
-            text, calls = tool_stream_piece(tool_streams.setdefault(index, ToolCallStream(tools)), text,
+            text, calls = tool_stream_piece(tool_streams.setdefault(index, ToolCallStream(tools.format, tools.definitions)), text,
                                             delta.finished, num_calls.get(index, 0))
             num_calls[index] = num_calls.get(index, 0) + len(calls)
         if not (text or thought or calls or delta.finished or logprobs is not None) and (chat or scored is None):

@@ -2,7 +2,7 @@
 template variables that show it the tools, the calls parsed out of its reply (whole or streamed), and a
 grammar that forces a call.
 
-Six formats cover the families ladder serves (docs/tool_calling.md):
+Seven formats cover the families ladder serves (docs/tool_calling.md):
 
 - HERMES (Qwen 2/2.5/3, Hermes): the template renders tools, calls and results itself; a call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
@@ -16,6 +16,10 @@ Six formats cover the families ladder serves (docs/tool_calling.md):
 - HARMONY (GPT-OSS): the template renders them itself; a call is a message to the function,
   ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, which server/harmony.py's split
   of the reply turns into ``<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>`` for the parser here.
+- QWEN_XML (Qwen3.5, Qwen3-Coder): the template renders them itself; a call is XML-like, each argument a bare
+  value: ``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>``;
+  values are read by the tool's parameter schema (a string's text as it is, numbers, booleans, objects and arrays
+  as JSON), so parsing takes the request's tools.
 - DEFAULT (any other template, e.g. SmolLM2's plain ChatML): ladder lists the tools in a system message
   and asks for HERMES's wire format; calls and results become plain text turns.
 """
@@ -45,6 +49,10 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+QWEN_FUNCTION = "<function="
+_QWEN_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+# A parameter's value sits on lines of its own: the newlines around it are the notation's, not the value's.
+_QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 NO_PARAMETERS = {"type": "object", "properties": {}}
 # A call (or several) that the tagged formats write; an unclosed last call counts when its JSON is whole
 # (a reply cut at the stop token, or a model that omits the closing tag).
@@ -63,6 +71,7 @@ class ToolFormat(enum.Enum):
     GEMMA4 = "gemma4"
     MISTRAL = "mistral"
     HARMONY = "harmony"
+    QWEN_XML = "qwen_xml"
     DEFAULT = "default"
 
     @property
@@ -105,6 +114,8 @@ def tool_format(chat_template: str | None) -> ToolFormat:
         return ToolFormat.GEMMA4
     if MISTRAL_CALLS in template:
         return ToolFormat.MISTRAL
+    if CALL_OPEN in template and QWEN_FUNCTION in template:
+        return ToolFormat.QWEN_XML
     if CALL_OPEN in template:
         return ToolFormat.HERMES
     if PYTHON_TAG in template or "ipython" in template:  # "Environment: ipython" in 3.1, 3.2 and 3.3
@@ -215,19 +226,21 @@ def _json_or_text(text: Any) -> Any:
 # -- parsing -----------------------------------------------------------------------------------
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, fmt: ToolFormat,
+                     tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str | None, list[ToolCall]]:
     """The content outside the calls (None when only whitespace) and the calls of a finished reply. A
-    call that does not parse (bad JSON, no name, arguments not an object) stays in the content."""
-    content, calls = _parse_whole(text, fmt)
+    call that does not parse (bad JSON, no name, arguments not an object) stays in the content. `tools`: the
+    request's (OpenAI-shaped), whose schemas type QWEN_XML's bare values."""
+    content, calls = _parse_whole(text, fmt, tools)
     return (content if content.strip() else None), calls
 
 
-def _parse_whole(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
+def _parse_whole(text: str, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
     if fmt is ToolFormat.LLAMA3:
         return _parse_llama3(text)
     if fmt is ToolFormat.MISTRAL:
         return _parse_mistral(text)
-    return _parse_tagged(text, fmt)
+    return _parse_tagged(text, fmt, tools)
 
 
 def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
@@ -274,12 +287,12 @@ def _mistral_segment(segment: str) -> list[ToolCall] | None:
         return None
 
 
-def _parse_tagged(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
+def _parse_tagged(text: str, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
     kept, calls, start = [], [], 0
     pattern = {ToolFormat.GEMMA4: _GEMMA4_CALL, ToolFormat.HARMONY: _HARMONY_CALL}.get(fmt, _TAGGED_CALL)
     for match in pattern.finditer(text):
         body = match.group(1) if match.group(1) is not None else match.group(2)
-        call = _call_from_body(body, fmt)
+        call = _call_from_body(body, fmt, tools)
         if call is not None:
             kept.append(text[start:match.start()])
             calls.append(call)
@@ -317,13 +330,53 @@ def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
     return text[: len(text) - len(text.lstrip())] + body[end:], calls
 
 
-def _call_from_body(body: str, fmt: ToolFormat) -> ToolCall | None:
+def _call_from_body(body: str, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()) -> ToolCall | None:
     """A tagged call's body in the format's notation, or None when it does not parse."""
     if fmt is ToolFormat.GEMMA4:
         return _call_from_gemma4(body)
     if fmt is ToolFormat.HARMONY:
         return _call_from_harmony(body)
+    if fmt is ToolFormat.QWEN_XML:
+        return _call_from_qwen_xml(body, tools)
     return _call_from_json(body, require_arguments=False)
+
+
+def _call_from_qwen_xml(body: str, tools: Sequence[Mapping[str, Any]]) -> ToolCall | None:
+    """``<function=NAME><parameter=KEY>VALUE</parameter>...</function>`` -> a call, each value typed by the named
+    tool's schema (`_typed_value`); None when anything but whitespace lies outside the parameters."""
+    match = _QWEN_CALL.fullmatch(body)
+    if match is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    properties = next((((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
+                       for t in tools if (t.get("function") or {}).get("name") == name), {})
+    arguments, end = {}, 0
+    for parameter in _QWEN_PARAMETER.finditer(inner):
+        if inner[end:parameter.start()].strip():
+            return None
+        key = parameter.group(1).strip()
+        arguments[key] = _typed_value(parameter.group(2), properties.get(key))
+        end = parameter.end()
+    if not name or inner[end:].strip():
+        return None
+    return ToolCall.new(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _typed_value(text: str, schema: Mapping[str, Any] | None) -> Any:
+    """A bare value as its parameter's schema types it: a string (or a parameter the tool does not declare) is its
+    text; an integer, number, boolean, null, object or array is read as JSON (Python's True, False and None too:
+    the template writes a past call's values with Jinja's `string`), and stays text where it does not parse."""
+    kinds = (schema or {}).get("type", "string" if schema is None else None)
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds or ())
+    if "string" in kinds or (schema is not None and not kinds and "enum" in schema and
+                             all(isinstance(v, str) for v in schema["enum"])):
+        return text
+    word = text.strip()
+    word = {"True": "true", "False": "false", "None": "null"}.get(word, word)
+    try:
+        return json.loads(word, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        return text
 
 
 def _call_from_harmony(body: str) -> ToolCall | None:
@@ -448,8 +501,9 @@ class ToolCallStream:
     A reply without calls sends exactly its text. LLAMA3 decides on the reply's first character: if it
     opens a call, the whole reply is held and parsed at the end."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.fmt = fmt
+        self.tools = tools  # the request's, whose schemas type QWEN_XML's values
         self._pending = ""  # received, not yet sent nor parsed
         self._searched = 0  # the close tag is not in _pending[:_searched] (a call held open)
         self._space = ""  # leading whitespace not yet sent
@@ -480,7 +534,7 @@ class ToolCallStream:
                 break
             self._searched = 0
             block_end = end + len(closing)
-            call = _call_from_body(self._pending[len(opening):end], self.fmt)
+            call = _call_from_body(self._pending[len(opening):end], self.fmt, self.tools)
             if call is None:
                 kept.append(self._pending[:block_end])
             else:
@@ -491,7 +545,7 @@ class ToolCallStream:
     def finish(self) -> StreamPiece:
         """Everything still held: an unclosed call (a call if its JSON is whole) or text."""
         rest, self._pending = self._pending, ""
-        content, calls = _parse_whole(rest, self.fmt)
+        content, calls = _parse_whole(rest, self.fmt, self.tools)
         piece = self._piece(content, calls)
         if self._made_calls or not self._space:
             return piece
@@ -561,6 +615,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, para
         return _mistral_call_grammar(functions, parallel)
     if fmt is ToolFormat.HARMONY:
         return _harmony_call_grammar(functions, parallel)
+    if fmt is ToolFormat.QWEN_XML:
+        return _qwen_xml_call_grammar(functions, parallel)
     if fmt is ToolFormat.LLAMA3:
         before, after, separator, key = "", "", ";", "parameters"
     else:
@@ -599,6 +655,37 @@ def _harmony_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool
         head = f"{HARMONY_OPEN}{function['name']} <|constrain|>json{HARMONY_MESSAGE}"
         lines.append(f"call_{i}: {_lark_literal(head)} arguments_{i}")
         lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(function), ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"
+
+
+def _qwen_xml_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    """``<tool_call>\n<function=NAME>\n`` then the parameters, ``</function>\n</tool_call>``, as Qwen3.5's template
+    writes a call (several on lines of their own when ``parallel``). Each parameter is
+    ``<parameter=KEY>\nVALUE\n</parameter>\n``: the required ones in the schema's order, then each optional one
+    or not; a string value is text without ``<``, an enum's one of its values, any other type JSON valid against
+    its schema."""
+    lines = [r'start: call ("\n" call)*' if parallel else "start: call",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+             r'TEXT: /[^<]*\n<\/parameter>\n/']
+    for i, function in enumerate(functions):
+        schema = _arguments_schema(function)
+        properties = schema.get("properties") or {}
+        required = [key for key in properties if key in (schema.get("required") or ())]
+        parts = [f"p_{i}_{j}" if key in required else f"p_{i}_{j}?" for j, key in enumerate(properties)]
+        head = f"{CALL_OPEN}\n{QWEN_FUNCTION}{function['name']}>\n"
+        lines.append(f"call_{i}: {_lark_literal(head)} {' '.join(parts)} {_lark_literal('</function>' + chr(10) + CALL_CLOSE)}")
+        for j, (key, value) in enumerate(properties.items()):
+            open_ = _lark_literal(f"<parameter={key}>\n")
+            kinds = value.get("type")
+            if "enum" in value and all(isinstance(v, str) for v in value["enum"]):
+                options = " | ".join(_lark_literal(f"{v}\n</parameter>\n") for v in value["enum"])
+                lines.append(f"p_{i}_{j}: {open_} ({options})")
+            elif kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+                lines.append(f"p_{i}_{j}: {open_} TEXT")
+            else:
+                sub = {**value, "x-guidance": schema["x-guidance"]}
+                lines.append(f"p_{i}_{j}: {open_} value_{i}_{j} {_lark_literal(chr(10) + '</parameter>' + chr(10))}")
+                lines.append(f"value_{i}_{j}: %json {json.dumps(sub, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 
 

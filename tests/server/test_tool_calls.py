@@ -29,7 +29,7 @@ from server.tool_calls import (
 )
 
 HERMES, LLAMA3, GEMMA4, DEFAULT = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.GEMMA4, ToolFormat.DEFAULT
-MISTRAL = ToolFormat.MISTRAL
+MISTRAL, QWEN_XML = ToolFormat.MISTRAL, ToolFormat.QWEN_XML
 GRAMMAR_FORMATS = [HERMES, LLAMA3, MISTRAL, DEFAULT]  # the formats whose calls are JSON (Gemma 4's: tests below)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tool_calling.md"
 
@@ -71,6 +71,43 @@ Calls go in <tool_call></tool_call> tags.<|im_end|>
 {"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
 </tool_call>
 {% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+# Qwen3.5's template, reduced: tools listed as JSON, each past call's arguments written bare, one per parameter.
+QWEN_XML_LIKE = """\
+{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+Call as <tool_call>
+<function=NAME>
+<parameter=KEY>
+VALUE
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages if m.role != 'system' %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>
+<function={{ call.function.name }}>
+{% for key, value in call.function.arguments | items %}<parameter={{ key }}>
+{{ value | tojson if value is mapping or (value is sequence and value is not string) else value | string }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{%- endfor %}<|im_end|>
 {% elif m.role == 'tool' %}<|im_start|>user
 <tool_response>
 {{ m.content }}
@@ -131,6 +168,7 @@ def test_the_format_comes_from_the_template(tokenizer):
     assert tool_format(tokenizer.chat_template) is DEFAULT  # SmolLM2's plain ChatML
     assert tool_format("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]") is DEFAULT  # no calls written
     assert tool_format(MISTRAL_LIKE) is MISTRAL
+    assert tool_format(QWEN_XML_LIKE) is QWEN_XML
     assert tool_format(None) is DEFAULT
 
 
@@ -176,6 +214,43 @@ def test_a_malformed_call_stays_text(fmt):
     # Arguments written as JSON text (as OpenAI sends them) are read as the object they hold.
     quoted = '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
     assert named(parse_tool_calls(quoted, fmt)[1]) == [("f", {"x": 1})]
+
+
+def test_qwen_xml_style_replies():
+    """Qwen3.5's notation: each argument a bare value on lines of its own, typed by the tool's schema (a string's
+    text kept as it is, an integer or a list read as JSON, Jinja's True as true); a parameter the tool does not
+    declare, or a call without a tool, reads as text."""
+    typed = [WEATHER, {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
+        "days": {"type": "integer"}, "stops": {"type": "array"}, "metric": {"type": "boolean"},
+        "note": {"type": ["string", "null"]}}}}}]
+    text = ("Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n 42 rue <b>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=plan>\n<parameter=days>\n3\n</parameter>\n"
+            "<parameter=stops>\n[\"Lyon\", 2]\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n"
+            "<parameter=note>\n7\n</parameter>\n<parameter=extra>\n{}\n</parameter>\n</function>\n</tool_call>")
+    content, calls = parse_tool_calls(text, QWEN_XML, typed)
+    assert content == "Checking.\n\n\n"
+    assert named(calls) == [("get_weather", {"city": " 42 rue <b>\nParis"}),
+                            ("plan", {"days": 3, "stops": ["Lyon", 2], "metric": True, "note": "7", "extra": "{}"})]
+    assert named(parse_tool_calls(text, QWEN_XML)[1])[1] == ("plan", {"days": "3", "stops": '["Lyon", 2]',
+                                                                      "metric": "True", "note": "7", "extra": "{}"})
+    for bad in ("<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>",
+                "<tool_call>\n<function=>\n</function>\n</tool_call>", "<tool_call>\n{\"name\": \"f\"}\n</tool_call>"):
+        assert parse_tool_calls("Hm. " + bad, QWEN_XML) == ("Hm. " + bad, [])
+
+
+def test_a_qwen_xml_template_renders_past_calls_as_the_model_writes_them():
+    """The template gets each past call's arguments as an object (`| items`) and writes them bare; the reply's
+    parser reads that text back to the same arguments."""
+    messages, variables = prepare_chat(CONVERSATION + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]}],
+                                       TOOLS, QWEN_XML)
+    text = render_chat_template(QWEN_XML_LIKE, messages, add_generation_prompt=False, **variables)
+    assert '"name": "get_weather"' in text  # the tools, listed
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\ncelsius\n"
+    assert call in text
+    last = text[text.rindex("<tool_call>"):text.rindex("</tool_call>") + len("</tool_call>")]
+    assert named(parse_tool_calls(last, QWEN_XML, TOOLS)[1]) == [("get_weather", {"city": "Oslo", "unit": "celsius"})]
 
 
 def test_gemma4_style_replies():
@@ -354,6 +429,9 @@ FRAGMENTS = [
     '<|tool_call>call:g{k:<|"|>a,b}<|"|>,n:[1,{x:true}]}<tool_call|>',
     "[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[CALL_ID]x1y2z3w4v", "get_time[ARGS]{}", '[TOOL_CALLS]f[ARGS]{"q": "[ARGS]"}',
     '[TOOL_CALLS][{"name": "g", "arguments": {}}]',
+    "<function=", "<function=get_time>\n", "</function>", "<parameter=", "<parameter=city>\nZürich\n</parameter>\n",
+    "\n</parameter>", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n</function>\n"
+    "</tool_call>", "<tool_call>\n<function=f>\n<parameter=q>\n[1, 2]\n</parameter>\n</function>\n</tool_call>",
 ]  # fmt: skip
 
 
@@ -486,6 +564,36 @@ def test_a_named_or_parallel_call_grammar(fmt, lltokenizer, tokenizer):
     assert not accepts(lltokenizer, tokenizer, parallel, both + (separator or "\n"))
     with pytest.raises(ValueError, match="no tool is named"):
         tool_call_grammar(TOOLS, "nope", False, fmt)
+
+
+def qwen_xml_call(name: str, **arguments: str) -> str:
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+def test_a_forced_call_in_qwen_xml(lltokenizer, tokenizer):
+    """The required parameters in the schema's order, optional ones or not; a string any text without "<", an enum
+    one of its values, other types JSON of their schema; what the grammar lets out, the parser reads."""
+    plan = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
+        "days": {"type": "integer"}, "stops": {"type": "array", "items": {"type": "string"}}}, "required": ["days"]}}}
+    grammar = tool_call_grammar([*TOOLS, plan], None, False, QWEN_XML)
+    valid = [qwen_xml_call("get_weather", city="Paris"), qwen_xml_call("get_weather", city="New\nYork", unit="celsius"),
+             qwen_xml_call("get_time"), qwen_xml_call("plan", days="3", stops='["Lyon", "Nice"]')]
+    for text in valid:
+        assert accepts(lltokenizer, tokenizer, grammar, text), text
+        assert len(parse_tool_calls(text, QWEN_XML, [*TOOLS, plan])[1]) == 1
+    assert named(parse_tool_calls(valid[3], QWEN_XML, [*TOOLS, plan])[1]) == [("plan", {"days": 3,
+                                                                                        "stops": ["Lyon", "Nice"]})]
+    invalid = [qwen_xml_call("get_wether", city="Paris"), qwen_xml_call("get_weather", unit="celsius"),
+               qwen_xml_call("get_weather", city="Paris", unit="kelvin"), qwen_xml_call("plan", days="three"),
+               qwen_xml_call("get_weather", unit="celsius", city="Paris"),  # not the schema's order
+               "Sure: " + valid[0], valid[0] + "\n" + valid[2]]
+    for text in invalid:
+        assert not accepts(lltokenizer, tokenizer, grammar, text), text
+    parallel = tool_call_grammar(TOOLS, None, True, QWEN_XML)
+    assert accepts(lltokenizer, tokenizer, parallel, valid[0] + "\n" + valid[2])
+    assert accepts(lltokenizer, tokenizer, tool_call_grammar(TOOLS, "get_time", False, QWEN_XML), valid[2])
+    assert not accepts(lltokenizer, tokenizer, tool_call_grammar(TOOLS, "get_time", False, QWEN_XML), valid[0])
 
 
 def test_a_grammar_keeps_schema_references_and_strictness(lltokenizer, tokenizer):
