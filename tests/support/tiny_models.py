@@ -897,6 +897,72 @@ def make_tiny_harmony_chat_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# A Qwen3.5-style chat template, written for these tests: ChatML turns, tools listed as JSON in the system turn,
+# past calls in the XML notation (each argument bare), results as tool responses, and the reply's <think> block
+# opened by the generation prompt unless enable_thinking is false (an empty block then).
+QWEN3_5_CHAT_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>
+<function={{ call.function.name }}>
+{% for key, value in call.function.arguments | items %}<parameter={{ key }}>
+{{ value | tojson if value is mapping or (value is sequence and value is not string) else value | string }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% if enable_thinking is defined and enable_thinking is false %}
+</think>
+
+{% endif %}{% endif %}"""
+
+
+def make_tiny_qwen3_5_chat_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 (the `qwen3_5` family's shape) over SmolLM2's vocabulary plus <think>, </think>,
+    <tool_call> and </tool_call> (ids 49152-49155, decoded as text, as Qwen's are) and QWEN3_5_CHAT_TEMPLATE."""
+    import json
+
+    import tokenizers
+    import transformers
+
+    from model.default import default_model_path
+    from model.gguf_checkpoint import GGUFCheckpoint
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
+    backend = tokenizer.backend
+    backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                        for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": tokenizer.eos_token, "add_bos_token": False,
+        "chat_template": QWEN3_5_CHAT_TEMPLATE,
+    }))
+    torch.manual_seed(seed)
+    config = hf_config(QWEN3_5, vocab_size=backend.get_vocab_size())
+    config.eos_token_id = tokenizer.eos_token_id
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def write_smollm2_tokenizer(directory: Path, special_tokens: Sequence[str], eos_token: str, chat_template: str):
     """SmolLM2's tokenizer with `special_tokens` added (special, ids from 49,152 on) saved in `directory` as
     tokenizer.json and tokenizer_config.json with `eos_token` and `chat_template`; returns it."""
