@@ -46,6 +46,7 @@ from model.attention.base import BaseAttention
 from model.attention.install import wrapped
 from model.block_embedding import BlockEmbedding
 from model.cpu_step import CpuDecoderStep
+from model.linear_attention import GatedDeltaNet
 from model.moe import (
     GptOssMoeBlock,
     Int8GptOssMoeBlock,
@@ -60,13 +61,17 @@ MOE_BLOCKS = (SparseMoeBlock, Int8SparseMoeBlock, W4A8SparseMoeBlock, GptOssMoeB
               W4A8GptOssMoeBlock)
 
 # The decoder's linear modules by the last part of their name -> the kind the breakdown reports.
-LINEAR_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head"}
-FORWARD_OPS = (*LINEAR_KINDS.values(), "experts", "attention", "attention plan", "rms_norm", "rotary",
-               "silu_and_mul", "embedding")
+# (in_proj and out_proj: Qwen3.5's linear-attention layers')
+LINEAR_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down", "lm_head": "lm_head",
+                "in_proj": "linear_in", "out_proj": "linear_out"}
+FORWARD_OPS = (*LINEAR_KINDS.values(), "experts", "attention", "attention plan", "gated delta", "rms_norm",
+               "rotary", "silu_and_mul", "embedding")
 ENGINE_PHASES = ("schedule", "prepare", "forward", "sample")  # EngineStats.seconds, per step
 LABELS = {
     "qkv": "linear qkv", "o": "linear o", "gate_up": "linear gate_up", "down": "linear down",
-    "lm_head": "linear lm_head", "experts": "MoE router + k experts", "attention": "attention",
+    "lm_head": "linear lm_head", "linear_in": "linear in_proj (linear attention)",
+    "linear_out": "linear out_proj (linear attention)", "gated delta": "gated delta rule (conv, state, norm)",
+    "experts": "MoE router + k experts", "attention": "attention",
     "attention plan": "attention metadata",
     "rms_norm": "RMSNorm", "rotary": "rotary", "silu_and_mul": "SiLU (GELU) x up", "embedding": "embedding",
     "forward python": "python between ops (forward)", "forward": "model forward (not split)",
@@ -277,6 +282,12 @@ def instrumented(module: nn.Module, stopwatch: Stopwatch) -> Iterator[None]:
                     stack.callback(vars(backend).pop, "plan")
             elif isinstance(module, nn.Module) and isinstance(getattr(module, "attention", None), BaseAttention):
                 stack.enter_context(wrapped(module, lambda backend: TimedAttention(backend, stopwatch)))
+            for sub in module.modules() if isinstance(module, nn.Module) else ():  # Qwen3.5's linear attention
+                if isinstance(sub, GatedDeltaNet):
+                    sub.decode, sub.prompt = stopwatch.wrap("gated delta", sub.decode), stopwatch.wrap("gated delta",
+                                                                                                    sub.prompt)
+                    stack.callback(vars(sub).pop, "decode")
+                    stack.callback(vars(sub).pop, "prompt")
             if isinstance(module, llama.LlamaForCausalLM):  # the cos/sin tables, once a step
                 patched_rotary = llama.rotary_cos_sin_ref
                 llama.rotary_cos_sin_ref = stopwatch.wrap("rotary", patched_rotary)

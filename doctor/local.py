@@ -18,7 +18,7 @@ from doctor.roofline import operating_point
 from doctor.sweep import run_sweeps
 from doctor.verdict import Evidence, classify
 from engine.backends.artifact import LoadedArtifact, load_artifact
-from engine.config import GIB, EngineConfig, bytes_per_block
+from engine.config import GIB, EngineConfig, bytes_per_block, state_bytes
 from engine.llm_engine import LLMEngine, set_kv_cache_dtype
 from kernels.kv_layout import blocks_for_tokens
 from model.loader import LoadedModel, load, return_freed_memory
@@ -69,7 +69,8 @@ def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str, quanti
                  2 * blocks_for_tokens(max_model_len, config.block_size)) * config.block_size
     set_kv_cache_dtype(loaded, config.kv_cache_dtype)  # as the engine will: the cache it sizes is the one it gets
     per_block = bytes_per_block(loaded.config, config.block_size, loaded.module.kv_cache_dtype)
-    gib = (blocks_for_tokens(tokens, config.block_size) + 1) * per_block / GIB
+    states = state_bytes(loaded.config, config.max_num_seqs)  # linear-attention layers' (Qwen3.5), from the same budget
+    gib = ((blocks_for_tokens(tokens, config.block_size) + 1) * per_block + states) / GIB
     return EngineConfig(model=config.model, dtype=config.dtype, device=device, quantization=quantization,
                         max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
