@@ -35,6 +35,9 @@ class DraftModelProposer(Proposer):
         if draft.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the served "
                              f"model's ({vocab_size}); a draft model must share its tokenizer")
+        if draft.config.linear_layers:  # its states could not take back the drafts the served model rejects
+            raise ValueError(f"a draft model with linear-attention layers ({draft.config.architecture}) is not "
+                             "supported: its states cannot take back rejected drafts")
         self.module = draft.module
         block_size = self.module.block_size
         # Room for max_batch sequences at full length: the ones speculating at once.

@@ -98,7 +98,7 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def gated_delta_decode_ref(projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                           conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                           conv_taps: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                            norm_weight: torch.Tensor, key_heads: int, key_dim: int, value_dim: int, tiled: bool,
                            eps: float) -> torch.Tensor:
     """One new token of each of B sequences through a linear-attention layer, from its input projection to the
@@ -106,10 +106,12 @@ def gated_delta_decode_ref(projected: torch.Tensor, pool: torch.Tensor, slots: t
 
     projected [B, C + Hv Dv + 2 Hv] float32: each token's convolution input (queries, keys, values: C), output
     gate z, write-rate logit b and decay input a. pool [S, (K - 1) C + Hv Dk Dv] float32, the layer's states
-    (model/linear_attention.py); slots [B] int64, each token's row. conv_weight [C, K]; A_log, dt_bias [Hv];
+    (model/linear_attention.py); slots [B] int64, each token's row. conv_taps [K, C] (the convolution's weight
+    transposed: tap j of every channel contiguous); A_log, dt_bias [Hv];
     norm_weight [Dv]. Returns [B, Hv Dv]: each value head's output RMS-normed, scaled by norm_weight and gated by
     SiLU(z). ladder::gated_delta_decode computes the same in one pass over each state."""
-    taps, channels = conv_weight.shape[1], conv_weight.shape[0]
+    taps, channels = conv_taps.shape
+    conv_weight = conv_taps.t()
     value_heads = (projected.shape[1] - channels) // (value_dim + 2)
     mixed, z, b, a = projected.split([channels, value_heads * value_dim, value_heads, value_heads], dim=-1)
     width = (taps - 1) * channels
@@ -138,9 +140,9 @@ def gated_rms_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps
     return normed * torch.nn.functional.silu(z)
 
 
-def _decode_shape(projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
+def _decode_shape(projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, conv_taps: torch.Tensor,
                   A_log: torch.Tensor, *rest: object) -> torch.Tensor:
-    value_size = projected.shape[1] - conv_weight.shape[0] - 2 * A_log.shape[0]
+    value_size = projected.shape[1] - conv_taps.shape[1] - 2 * A_log.shape[0]
     return projected.new_empty(projected.shape[0], value_size)
 
 

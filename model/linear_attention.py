@@ -77,6 +77,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_size, config.hidden_size, bias=False)
         self.eps = config.rms_norm_eps
         self.tiled = config.linear_heads_tiled  # which key head each value head reads (model/config.py)
+        self._taps: torch.Tensor | None = None  # `conv_taps`, and the weight it was made from
+        self._taps_of: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor, pool: torch.Tensor, plan: RecurrentPlan) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; each sequence's state in `pool` advanced past its new tokens."""
@@ -85,21 +87,30 @@ class GatedDeltaNet(nn.Module):
             pool.index_fill_(0, plan.fresh, 0.0)
         weight = self.conv1d.weight.view(self.channels, self.taps).float()
         if not plan.runs:  # decode: every row a sequence's one new token
-            out = self.decode(projected, pool, plan.step_slots, weight)
+            out = self.decode(projected, pool, plan.step_slots)
         else:
             out = torch.empty(x.shape[0], self.value_size, device=x.device)
             if plan.step_rows.numel():
-                out[plan.step_rows] = self.decode(projected[plan.step_rows], pool, plan.step_slots, weight)
+                out[plan.step_rows] = self.decode(projected[plan.step_rows], pool, plan.step_slots)
             for first, end, slot in plan.runs:  # a prompt's chunk, its own
                 out[first:end] = self.prompt(projected[first:end], pool[slot], weight)
         return self.out_proj(out.to(x.dtype))
 
-    def decode(self, projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-               weight: torch.Tensor) -> torch.Tensor:
+    def decode(self, projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token of each of B sequences [B, projected] -> [B, Hv Dv] (one C++ call, kernels/gated_delta.py)."""
-        return gated_delta_decode(projected.contiguous(), pool, slots, weight, self.A_log.float(),
+        return gated_delta_decode(projected.contiguous(), pool, slots, self.conv_taps(), self.A_log.float(),
                                   self.dt_bias.float(), self.norm_weight.float(), self.key_heads, self.key_dim,
                                   self.value_dim, self.tiled, self.eps)
+
+    def conv_taps(self) -> torch.Tensor:
+        """[K, C] float32: the convolution's weight with each tap's channels contiguous, as the decode op reads it
+        (made again when the weight is replaced or changed in place)."""
+        weight = self.conv1d.weight
+        made_of = (weight.data_ptr(), weight._version)
+        if self._taps is None or self._taps_of != made_of:
+            self._taps = weight.detach().view(self.channels, self.taps).t().float().contiguous()
+            self._taps_of = made_of
+        return self._taps
 
     def prompt(self, projected: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A sequence's run of L tokens [L, projected] -> [L, Hv Dv], its state row [linear_state_size] advanced:

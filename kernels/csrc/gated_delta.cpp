@@ -15,8 +15,10 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec_exp.h"
 
 namespace ladder {
+namespace gated_delta {  // its own names: the build joins several sources into one unit
 namespace {
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
@@ -31,38 +33,125 @@ void l2_normalize(float* __restrict x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= r;
 }
 
-// One value head of one sequence: S [Dk, Dv] advanced in place; out [Dv] = the gated, normed output.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16, kTile = 8;  // a tile of 128 columns: 8 + 8 accumulators of 32 registers
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+#define LADDER_GDN_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int64_t kLanes = 8, kTile = 4;  // a tile of 32 columns: 4 + 4 accumulators of 16 registers
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+#define LADDER_GDN_VECTOR 1
+#endif
+
+// One value head of one sequence: S [Dk, Dv] advanced in place; out [Dv] = its output exp(g) S^T q + (k . q) u,
+// before the norm. Columns a tile at a time: the tile's S^T k and S^T q accumulate in registers over the Dk rows
+// (one read of them), then the same rows (now in cache) are updated with the tile's u.
 void head_step(float* __restrict S, const float* __restrict q, const float* __restrict k, const float* __restrict v,
-               const float* __restrict z, const float* __restrict norm_weight, float decay, float beta, float eps,
-               int64_t Dk, int64_t Dv, float* __restrict read_k, float* __restrict read_q, float* __restrict out) {
-  for (int64_t j = 0; j < Dv; ++j) read_k[j] = read_q[j] = 0.f;
+               float decay, float beta, int64_t Dk, int64_t Dv, float* __restrict out) {
   float kq = 0.f;
-  for (int64_t i = 0; i < Dk; ++i) {
-    const float ki = k[i], qi = q[i];
-    const float* __restrict row = S + i * Dv;
-    kq += ki * qi;
-#pragma omp simd
-    for (int64_t j = 0; j < Dv; ++j) {
-      read_k[j] += row[j] * ki;
-      read_q[j] += row[j] * qi;
+  for (int64_t i = 0; i < Dk; ++i) kq += k[i] * q[i];
+  int64_t c0 = 0;
+#ifdef LADDER_GDN_VECTOR
+  const Vec vdecay = vset(decay), vbeta = vset(beta), vkq = vset(kq);
+  for (; c0 + kTile * kLanes <= Dv; c0 += kTile * kLanes) {
+    Vec ak[kTile], aq[kTile];
+    for (int t = 0; t < kTile; ++t) ak[t] = aq[t] = vzero();
+    for (int64_t i = 0; i < Dk; ++i) {
+      const float* row = S + i * Dv + c0;
+      const Vec ki = vset(k[i]), qi = vset(q[i]);
+      for (int t = 0; t < kTile; ++t) {
+        const Vec s = vload(row + t * kLanes);
+        ak[t] = vfma(s, ki, ak[t]);
+        aq[t] = vfma(s, qi, aq[t]);
+      }
+    }
+    Vec u[kTile];
+    for (int t = 0; t < kTile; ++t) {
+      u[t] = vmul(vbeta, vsub(vload(v + c0 + t * kLanes), vmul(vdecay, ak[t])));
+      vstore(out + c0 + t * kLanes, vfma(vkq, u[t], vmul(vdecay, aq[t])));
+    }
+    for (int64_t i = 0; i < Dk; ++i) {
+      float* row = S + i * Dv + c0;
+      const Vec ki = vset(k[i]);
+      for (int t = 0; t < kTile; ++t) vstore(row + t * kLanes, vfma(ki, u[t], vmul(vload(row + t * kLanes), vdecay)));
     }
   }
-  float* __restrict u = read_k;  // u overwrites S^T k, read once per j
-#pragma omp simd
-  for (int64_t j = 0; j < Dv; ++j) {
-    u[j] = beta * (v[j] - decay * read_k[j]);
-    out[j] = decay * read_q[j] + kq * u[j];
+#endif
+  if (c0 == Dv) return;
+  // The columns past the last whole tile (all of them without a vector unit), one at a time.
+  for (int64_t j = c0; j < Dv; ++j) {
+    float read_k = 0.f, read_q = 0.f;
+    for (int64_t i = 0; i < Dk; ++i) {
+      read_k += S[i * Dv + j] * k[i];
+      read_q += S[i * Dv + j] * q[i];
+    }
+    const float u = beta * (v[j] - decay * read_k);
+    out[j] = decay * read_q + kq * u;
+    for (int64_t i = 0; i < Dk; ++i) S[i * Dv + j] = S[i * Dv + j] * decay + k[i] * u;
   }
-  for (int64_t i = 0; i < Dk; ++i) {
-    const float ki = k[i];
-    float* __restrict row = S + i * Dv;
-#pragma omp simd
-    for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * decay + ki * u[j];
-  }
+}
+
+// out [Dv] RMS-normed, times the weight and SiLU(z), in place.
+void gated_norm(float* __restrict out, const float* __restrict z, const float* __restrict weight, float eps,
+                int64_t Dv) {
   float ss = 0.f;
   for (int64_t j = 0; j < Dv; ++j) ss += out[j] * out[j];
   const float r = 1.f / std::sqrt(ss / static_cast<float>(Dv) + eps);
-  for (int64_t j = 0; j < Dv; ++j) out[j] = out[j] * r * norm_weight[j] * silu(z[j]);
+  for (int64_t j = 0; j < Dv; ++j) out[j] = out[j] * r * weight[j] * silu(z[j]);
+}
+
+// The causal convolution of one token over C channels (SiLU after), the state's inputs shifted in place. taps
+// [K, C]: tap j of every channel contiguous, so channels run in vector lanes; state [K - 1, C]; x, y [C].
+void conv_step(float* __restrict state, const float* __restrict x, const float* __restrict taps, int64_t K, int64_t C,
+               float* __restrict y) {
+  int64_t c = 0;
+#ifdef __AVX512F__
+  for (; c + 16 <= C; c += 16) {  // taps summed oldest first, as the reference
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(state + c), _mm512_loadu_ps(taps + c));
+    for (int64_t j = 1; j < K - 1; ++j)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(state + j * C + c), _mm512_loadu_ps(taps + j * C + c), acc);
+    const __m512 xc = _mm512_loadu_ps(x + c);
+    acc = _mm512_fmadd_ps(xc, _mm512_loadu_ps(taps + (K - 1) * C + c), acc);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
+    _mm512_storeu_ps(y + c, _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    for (int64_t j = 0; j + 1 < K - 1; ++j) _mm512_storeu_ps(state + j * C + c, _mm512_loadu_ps(state + (j + 1) * C + c));
+    _mm512_storeu_ps(state + (K - 2) * C + c, xc);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; c + 8 <= C; c += 8) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(state + c), _mm256_loadu_ps(taps + c));
+    for (int64_t j = 1; j < K - 1; ++j)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(state + j * C + c), _mm256_loadu_ps(taps + j * C + c), acc);
+    const __m256 xc = _mm256_loadu_ps(x + c);
+    acc = _mm256_fmadd_ps(xc, _mm256_loadu_ps(taps + (K - 1) * C + c), acc);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), acc));
+    _mm256_storeu_ps(y + c, _mm256_div_ps(acc, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    for (int64_t j = 0; j + 1 < K - 1; ++j) _mm256_storeu_ps(state + j * C + c, _mm256_loadu_ps(state + (j + 1) * C + c));
+    _mm256_storeu_ps(state + (K - 2) * C + c, xc);
+  }
+#endif
+  for (; c < C; ++c) {
+    float acc = state[c] * taps[c];
+    for (int64_t j = 1; j < K - 1; ++j) acc += state[j * C + c] * taps[j * C + c];
+    acc += x[c] * taps[(K - 1) * C + c];
+    y[c] = silu(acc);
+    for (int64_t j = 0; j + 1 < K - 1; ++j) state[j * C + c] = state[(j + 1) * C + c];
+    state[(K - 2) * C + c] = x[c];
+  }
 }
 
 void check_float(const at::Tensor& t, const char* name) {
@@ -70,20 +159,20 @@ void check_float(const at::Tensor& t, const char* name) {
               ": float32, contiguous, on the CPU");
 }
 
-// projected [B, C + Hv Dv + 2 Hv], pool [S, (K - 1) C + Hv Dk Dv], slots [B] int64, conv_weight [C, K],
+// projected [B, C + Hv Dv + 2 Hv], pool [S, (K - 1) C + Hv Dk Dv], slots [B] int64, conv_taps [K, C],
 // A_log and dt_bias [Hv], norm_weight [Dv] -> [B, Hv Dv].
 at::Tensor gated_delta_decode(const at::Tensor& projected, at::Tensor& pool, const at::Tensor& slots,
-                              const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                              const at::Tensor& conv_taps, const at::Tensor& A_log, const at::Tensor& dt_bias,
                               const at::Tensor& norm_weight, int64_t key_heads, int64_t key_dim, int64_t value_dim,
                               bool tiled, double eps) {
-  for (auto [t, name] : {std::pair{&projected, "projected"}, {&pool, "pool"}, {&conv_weight, "conv_weight"},
+  for (auto [t, name] : {std::pair{&projected, "projected"}, {&pool, "pool"}, {&conv_taps, "conv_taps"},
                          {&A_log, "A_log"}, {&dt_bias, "dt_bias"}, {&norm_weight, "norm_weight"}})
     check_float(*t, name);
   TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "slots: [B] int64");
-  const int64_t B = projected.size(0), C = conv_weight.size(0), K = conv_weight.size(1);
+  const int64_t B = projected.size(0), K = conv_taps.size(0), C = conv_taps.size(1);
   const int64_t Hk = key_heads, Dk = key_dim, Dv = value_dim, Hv = A_log.numel();
-  TORCH_CHECK(projected.dim() == 2 && slots.size(0) == B && projected.size(1) == C + Hv * Dv + 2 * Hv &&
+  TORCH_CHECK(conv_taps.dim() == 2 && K >= 2 && projected.dim() == 2 && slots.size(0) == B && projected.size(1) == C + Hv * Dv + 2 * Hv &&
               C == 2 * Hk * Dk + Hv * Dv && Hk > 0 && Hv % Hk == 0 && dt_bias.numel() == Hv &&
               norm_weight.numel() == Dv && pool.dim() == 2 && pool.size(1) == (K - 1) * C + Hv * Dk * Dv,
               "gated_delta_decode: shapes do not agree");
@@ -94,22 +183,12 @@ at::Tensor gated_delta_decode(const at::Tensor& projected, at::Tensor& pool, con
   auto out = at::empty({B, Hv * Dv}, projected.options());
   std::vector<float> conv(B * C);  // each token's convolution output: queries, keys (normed), values
   const float* pp = projected.data_ptr<float>();
-  const float* wp = conv_weight.data_ptr<float>();
+  const float* tp = conv_taps.data_ptr<float>();
   float* poolp = pool.data_ptr<float>();
   parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      float* state = poolp + slot[b] * state_width;  // [K - 1, C]: the last K - 1 inputs, oldest first
-      const float* x = pp + b * width;
       float* y = conv.data() + b * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const float* w = wp + c * K;
-        float acc = state[c] * w[0];  // taps summed oldest first, as the reference
-        for (int64_t j = 1; j < K - 1; ++j) acc += state[j * C + c] * w[j];
-        acc += x[c] * w[K - 1];
-        y[c] = silu(acc);
-        for (int64_t j = 0; j + 1 < K - 1; ++j) state[j * C + c] = state[(j + 1) * C + c];
-        state[(K - 2) * C + c] = x[c];
-      }
+      conv_step(poolp + slot[b] * state_width, pp + b * width, tp, K, C, y);  // the state's inputs: its first row
       for (int64_t h = 0; h < Hk; ++h) {
         l2_normalize(y + h * Dk, Dk, 1.f / std::sqrt(static_cast<float>(Dk)));
         l2_normalize(y + Hk * Dk + h * Dk, Dk, 1.f);
@@ -122,23 +201,24 @@ at::Tensor gated_delta_decode(const at::Tensor& projected, at::Tensor& pool, con
   float* op = out.data_ptr<float>();
   const int64_t repeat = Hv / Hk;
   parallel_for(0, B * Hv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scratch(2 * Dv);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hv, h = p % Hv, kh = tiled ? h % Hk : h / repeat;
       const float* y = conv.data() + b * C;
       const float* row = pp + b * width;
-      const float* z = row + C + h * Dv;
       const float beta = 1.f / (1.f + std::exp(-row[C + Hv * Dv + h]));
       const float g = -std::exp(ap[h]) * softplus(row[C + Hv * Dv + Hv + h] + dp[h]);
       float* S = poolp + slot[b] * state_width + (K - 1) * C + h * Dk * Dv;
-      head_step(S, y + kh * Dk, y + Hk * Dk + kh * Dk, y + 2 * Hk * Dk + h * Dv, z, np, std::exp(g), beta,
-                static_cast<float>(eps), Dk, Dv, scratch.data(), scratch.data() + Dv, op + b * Hv * Dv + h * Dv);
+      float* o = op + b * Hv * Dv + h * Dv;
+      head_step(S, y + kh * Dk, y + Hk * Dk + kh * Dk, y + 2 * Hk * Dk + h * Dv, std::exp(g), beta, Dk, Dv, o);
+      gated_norm(o, row + C + h * Dv, np, static_cast<float>(eps), Dv);
     }
   });
   return out;
 }
 
 }  // namespace
+}  // namespace gated_delta
 }  // namespace ladder
 
-TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("gated_delta_decode", &ladder::gated_delta_decode); }
+TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("gated_delta_decode", &ladder::gated_delta::gated_delta_decode); }
+#undef LADDER_GDN_VECTOR

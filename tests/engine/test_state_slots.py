@@ -80,3 +80,10 @@ def test_speculative_decoding_is_refused_for_linear_attention(qwen3_5):
     llm = LLM(str(directory), kv_cache_memory_gib=0.01)
     with pytest.raises(ValueError, match="speculative_tokens"):
         llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2, speculative_tokens=2))
+
+
+def test_a_linear_attention_draft_model_is_refused(qwen3_5, tmp_path):
+    directory, _ = qwen3_5
+    make_hf_model("qwen3", tmp_path / "served")  # the same 320-token vocabulary
+    with pytest.raises(ValueError, match="draft model with linear-attention layers"):
+        LLM(str(tmp_path / "served"), speculative_model=str(directory), kv_cache_memory_gib=0.01)

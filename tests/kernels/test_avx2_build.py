@@ -1,7 +1,7 @@
 """The C++ kernels' AVX2 code paths, built on an AVX-512 machine (LADDER_CPU_CFLAGS=-mno-avx512f) and run
 through their own tests in a child process: the tiles, the gated activations' vector exp, the sampler's
-draw, the decode attention's AVX2 task and the one-call decoder step, as an AVX2-only host (an AMD
-EPYC Zen 3) runs them. Where the machine has no AVX-512 the suite's own run covers these paths already."""
+draw, the decode attention's AVX2 task, the gated delta rule's decode step and the one-call decoder step, as
+an AVX2-only host (an AMD EPYC Zen 3) runs them. Where the machine has no AVX-512 the suite's own run covers these paths already."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_the_avx2_build_passes_the_kernel_and_step_tests():
     tests = ["tests/kernels/test_cpu_fused_ops.py", "tests/kernels/test_cpu_w4a8_linear.py",
              "tests/kernels/test_cpu_w8a8_linear.py", "tests/kernels/test_cpu_sampling.py",
              "tests/kernels/test_cpu_decode_attention.py", "tests/kernels/test_cpu_w4a8_experts.py",
+             "tests/kernels/test_gated_delta.py",
              "tests/model/test_cpu_step.py"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *tests],
                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -78,19 +78,20 @@ def test_the_causal_convolution_is_conv1d_from_the_carried_inputs():
 
 
 @pytest.mark.parametrize("tiled", [False, True])
-def test_the_decode_op_is_its_reference(tiled):
+@pytest.mark.parametrize("hk, hv, dk, dv", [(2, 4, 16, 8), (1, 2, 32, 160)])
+def test_the_decode_op_is_its_reference(tiled, hk, hv, dk, dv):
     """ladder::gated_delta_decode (C++ where built) against its torch reference: three sequences in slots 4, 0 and 2
-    of a pool of 5, 2 key heads serving 4 value heads; outputs and every pool row (the slots' states and inputs
-    advanced, the others untouched)."""
+    of a pool of 5, key heads serving twice as many value heads (values of 160 dims: a vector tile and the columns
+    past it); outputs and every pool row (the slots' states and inputs advanced, the others untouched)."""
     from kernels.gated_delta import gated_delta_decode, gated_delta_decode_ref
 
     gen = torch.Generator().manual_seed(5)
-    hk, hv, dk, dv, taps = 2, 4, 16, 8, 4
+    taps = 4
     channels = 2 * hk * dk + hv * dv
     projected = torch.randn(3, channels + hv * dv + 2 * hv, generator=gen)
     pool = torch.randn(5, (taps - 1) * channels + hv * dk * dv, generator=gen)
     slots = torch.tensor([4, 0, 2])
-    weights = (torch.randn(channels, taps, generator=gen), torch.randn(hv, generator=gen),
+    weights = (torch.randn(taps, channels, generator=gen), torch.randn(hv, generator=gen),
                torch.randn(hv, generator=gen), 1 + 0.2 * torch.randn(dv, generator=gen))
     ref_pool = pool.clone()
     ref = gated_delta_decode_ref(projected, ref_pool, slots, *weights, hk, dk, dv, tiled, 1e-6)
