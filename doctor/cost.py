@@ -64,6 +64,8 @@ class ModelCost:
                 total += 3 * h * c.layer_intermediate_size(i)
             if c.is_sparse_layer(i) or c.experts_beside_mlp:
                 total += c.num_experts * h + experts_per_layer * expert
+            if c.is_sparse_layer(i) and c.shared_expert_intermediate_size:  # Qwen3.5-MoE's, and its gate
+                total += 3 * h * c.shared_expert_intermediate_size + h
         return total
 
     @property

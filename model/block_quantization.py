@@ -43,6 +43,10 @@ def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
         if not config.is_sparse_layer(i):
             sources[mlp + "gate_up_proj"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
             sources[mlp + "down_proj"] = [mlp + "down_proj.weight"]
+        elif config.shared_expert_intermediate_size:  # the shared expert (its gate, hidden -> 1, stays float)
+            shared, module = mlp + "shared_expert.", f"layers.{i}.shared_expert."
+            sources[module + "gate_up_proj"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+            sources[module + "down_proj"] = [shared + "down_proj.weight"]
         if config.per_layer_input_size:  # Gemma 4's per-layer embedding's gate and projection
             for name in (f"layers.{i}.per_layer_input_gate", f"layers.{i}.per_layer_projection"):
                 sources[name] = [name + ".weight"]

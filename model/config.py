@@ -25,14 +25,17 @@ from typing import Any
 #   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py);
 #   gpt_oss (GPT-OSS): every MLP a mixture of experts with biases and a clamped SwiGLU, a router with a bias,
 #   attention with biases (its output's too) and a sink logit per head, sliding-window layers between full ones;
-#   qwen3_5 (Qwen3.5): three linear-attention layers (a gated delta rule over a state per sequence,
+#   qwen3_5 (Qwen3.5; qwen3_5_moe, its mixtures of experts with a shared expert): three linear-attention layers (a gated delta rule over a state per sequence,
 #   model/linear_attention.py) to one of attention, whose output is gated and whose heads rotate a quarter of
 #   their dims; every norm scales by (1 + w), as Gemma's.
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe")
+# Qwen3.5's layers (linear attention beside gated attention), with dense MLPs or with experts beside a shared one.
+QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3", "qwen3_5",
                            *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
-HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "ministral3": "mistral", "qwen3_5_text": "qwen3_5"}
+HF_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "ministral3": "mistral", "qwen3_5_text": "qwen3_5",
+                  "qwen3_5_moe_text": "qwen3_5_moe"}
 # A Gemma 3 text config's fields where its config.json leaves them out (transformers' Gemma3TextConfig
 # defaults, which the multimodal checkpoints' text_config relies on).
 GEMMA3_TEXT_DEFAULTS = {
@@ -128,6 +131,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_layers: tuple[int, ...] = ()
+    # A shared expert beside each sparse layer's routed ones (Qwen3.5-MoE): a SwiGLU MLP of this width every token
+    # goes through, its output scaled by the sigmoid of a gate of its own (hidden -> 1); 0: none.
+    shared_expert_intermediate_size: int = 0
     # Layers whose attention rotates neither queries nor keys (NoPE: SmolLM3's every fourth).
     nope_layers: tuple[int, ...] = ()
     # The first rotary_dim of each head's dims rotate, the rest pass (Phi-4-mini: 3/4); None: all of them.
@@ -398,10 +404,10 @@ class ModelConfig:
             # (not read: images to these are refused as for any text model).
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"]}
             return cls.from_hf({"model_type": "mistral", **text})
-        if model_type == "qwen3_5" and "text_config" in cfg:
+        if model_type in QWEN3_5_ARCHITECTURES and "text_config" in cfg:
             # Every Qwen3.5 checkpoint: its text model beside a vision tower (not read: images are refused).
             text = {**{k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}, **cfg["text_config"],
-                    "model_type": "qwen3_5_text"}
+                    "model_type": f"{model_type}_text"}
             return cls.from_hf(text)
         if model_type in ("idefics3", "smolvlm") and "text_config" in cfg:
             # SmolVLM (Idefics3): a Llama-family text model with a vision tower beside it (model/vision.py).
@@ -453,10 +459,10 @@ class ModelConfig:
         if rope.get("llama_4_scaling_beta"):  # Ministral 3's attention temperature, past its original context
             extra["attention_temperature_beta"] = float(rope["llama_4_scaling_beta"])
             extra["attention_temperature_length"] = int(rope["original_max_position_embeddings"])
-        if arch == "qwen3_5":
+        if arch in QWEN3_5_ARCHITECTURES:
             extra |= _qwen3_5_fields(cfg)
-        if arch in ("phi3", "qwen3_5"):
-            default = 0.25 if arch == "qwen3_5" else 1.0  # (transformers' default for Qwen3.5)
+        if arch in ("phi3", *QWEN3_5_ARCHITECTURES):
+            default = 0.25 if arch in QWEN3_5_ARCHITECTURES else 1.0  # (transformers' default for Qwen3.5)
             partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
             if partial != 1.0:
                 extra["rotary_dim"] = int(int(head_dim) * partial)
@@ -480,7 +486,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # (Qwen3.5-MoE has no dense MLP: its experts' width stands in)
+            intermediate_size=int(cfg["intermediate_size"] if arch != "qwen3_5_moe" else
+                                  cfg.get("intermediate_size") or extra["moe_intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -491,7 +499,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v projections always carry biases; its config has no flag for it.
             attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3_moe", "qwen3_5"),
+            qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3_moe", *QWEN3_5_ARCHITECTURES),
             sliding_window=int(sliding_window) if sliding_window else None,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
@@ -693,6 +701,10 @@ def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
     if arch == "mixtral":
         return {"num_experts": num_experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
                 "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}
+    if arch == "qwen3_5_moe":  # every layer sparse, weights renormalised, a shared expert beside the routed ones
+        return {"num_experts": num_experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 512)), "norm_topk_prob": True,
+                "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size", 512))}
     if cfg.get("shared_expert_intermediate_size"):
         raise ValueError("shared experts (Qwen2-MoE) are not supported")
     num_layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)

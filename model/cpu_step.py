@@ -111,6 +111,8 @@ def step_support(model: nn.Module) -> str | None:
         return "attention with sink logits (GPT-OSS)"
     if config.linear_layers:
         return "linear-attention layers (Qwen3.5)"
+    if config.shared_expert_intermediate_size:
+        return "a shared expert beside the routed ones"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global forward hooks are registered"
     if _hooked(model) or _hooked(model.norm) or model.norm.weight.dtype != torch.float32:

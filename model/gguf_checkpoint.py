@@ -37,7 +37,7 @@ T = TypeVar("T")
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3", "mistral3": "mistral",
-                 "gpt-oss": "gpt_oss", "qwen35": "qwen3_5"}
+                 "gpt-oss": "gpt_oss", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
 # Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
 PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
@@ -88,8 +88,12 @@ QWEN35_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_laye
                       "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
                       "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
                       "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm", "ssm_conv1d": "linear_attn.conv1d",
-                      "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
-QWEN35_LINEAR_PARTS = frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"})
+                      "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
+                      # Qwen3.5-MoE's shared expert and its gate (a vector [H] in the file)
+                      "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                      "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+QWEN35_LINEAR_PARTS = frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ffn_gate_shexp",
+                                 "ffn_up_shexp", "ffn_down_shexp"})
 # llama.cpp's GPT-OSS constants (not in the file): the experts' SwiGLU clamp and gain, and every other layer
 # (the first among them) windowed.
 GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
@@ -241,7 +245,7 @@ class GGUFCheckpoint:
                                                         or self._require("context_length"))
         if self.gguf_arch == "gpt-oss":
             extra |= self._gpt_oss_fields()
-        if self.gguf_arch == "qwen35":
+        if self.gguf_arch in ("qwen35", "qwen35moe"):
             extra |= self._qwen35_fields(hidden, num_heads)
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
@@ -262,7 +266,7 @@ class GGUFCheckpoint:
                 max_position_embeddings=int(self._get("context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self.tensor_names,
                 attention_bias=self.gguf_arch in ("qwen2", "gpt-oss"),
-                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe", "qwen35"),
+                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe", "qwen35", "qwen35moe"),
                 rope_freq_factors=extra.pop("rope_freq_factors", freq_factors),
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=(int(eos),) if eos is not None else (),
@@ -315,7 +319,11 @@ class GGUFCheckpoint:
             recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
         head_dim = int(self._get("attention.key_length", hidden // num_heads))
         value_heads = int(self._require("ssm.time_step_rank"))
-        return {"num_layers": num_layers, "linear_layers": tuple(i for i, r in enumerate(recurrent) if r),
+        shared = {}
+        if self.gguf_arch == "qwen35moe":  # no dense MLP: the experts' width stands in for feed_forward_length
+            shared = {"shared_expert_intermediate_size": int(self._require("expert_shared_feed_forward_length")),
+                      "intermediate_size": int(self._require("expert_feed_forward_length"))}
+        return {**shared, "num_layers": num_layers, "linear_layers": tuple(i for i, r in enumerate(recurrent) if r),
                 "linear_key_heads": int(self._require("ssm.group_count")), "linear_value_heads": value_heads,
                 "linear_key_dim": int(self._require("ssm.state_size")),
                 "linear_value_dim": int(self._require("ssm.inner_size")) // value_heads,
@@ -471,9 +479,11 @@ class GGUFCheckpoint:
         tensors = LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
         if self.gguf_arch == "gemma4":
             return stack_gate_up(tensors)
-        if self.gguf_arch == "qwen35":
+        if self.gguf_arch in ("qwen35", "qwen35moe"):
             for name in [n for n in shapes if n.endswith("linear_attn.conv1d.weight")]:
                 shapes[name] = (shapes[name][0], 1, shapes[name][1])  # [C, K] in the file, conv1d's [C, 1, K]
+            for name in [n for n in shapes if n.endswith("mlp.shared_expert_gate.weight")]:
+                shapes[name] = (1, shapes[name][0])  # a vector [H] in the file, the gate's [1, H]
             return split_qwen3_5(self.config, tensors, shift_norms=False)
         return split_fused_phi3(self.config, tensors) if self.gguf_arch == "phi3" else tensors
 
@@ -490,6 +500,8 @@ class GGUFCheckpoint:
             weight = torch.log(-weight)
         elif name.endswith("linear_attn.conv1d.weight"):
             weight = weight[:, None]
+        elif name.endswith("mlp.shared_expert_gate.weight"):
+            weight = weight.reshape(1, -1)
         return weight
 
     def _yarn_fields(self) -> dict[str, Any]:
@@ -542,7 +554,7 @@ class GGUFCheckpoint:
         blocks = LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
         if self.gguf_arch == "phi3":
             return split_fused_phi3(self.config, blocks, lambda weight, rows: weight.rows(rows))
-        if self.gguf_arch == "qwen35":
+        if self.gguf_arch in ("qwen35", "qwen35moe"):
             return split_qwen3_5(self.config, blocks, shift_norms=False, take=lambda weight, rows: weight.rows(rows))
         return blocks
 
@@ -559,10 +571,10 @@ class GGUFCheckpoint:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
         names = {"gemma3": GEMMA_LAYER_NAMES, "gemma4": GEMMA4_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES,
-                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}, "qwen35": QWEN35_LAYER_NAMES}.get(self.gguf_arch,
-                                                                                             LAYER_NAMES)
+                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}, "qwen35": QWEN35_LAYER_NAMES,
+                 "qwen35moe": QWEN35_LAYER_NAMES}.get(self.gguf_arch, LAYER_NAMES)
         bare = BARE_LAYER_PATTERN.fullmatch(name)
-        if bare is not None and self.gguf_arch == "qwen35":
+        if bare is not None and self.gguf_arch in ("qwen35", "qwen35moe"):
             return f"layers.{bare.group(1)}.{names[bare.group(2)]}"
         match = LAYER_PATTERN.fullmatch(name)
         if match is None or match.group(2) not in names:

@@ -165,6 +165,11 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config, ops, config.layer_intermediate_size(layer_index))
         else:
             self.mlp = GptOssMoeBlock(config) if config.swiglu_limit is not None else SparseMoeBlock(config, ops)
+        # Qwen3.5-MoE: a shared expert every token goes through beside the routed ones, scaled by a gate of its own.
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size and config.is_sparse_layer(layer_index):
+            self.shared_expert = MLP(config, ops, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -218,6 +223,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, kv_cache, plan)
         if self.post_feedforward_layernorm is None:
             h, residual = self.post_attention_layernorm(h, residual)
+            if self.shared_expert is not None:
+                return self.mlp(h) + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h), residual
             return self.mlp(h), residual
         h, _ = self.post_attention_layernorm(h)  # normed before it joins the residual stream
         h, residual = self.pre_feedforward_layernorm(h, residual)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.config import ModelConfig
+from model.config import QWEN3_5_ARCHITECTURES, ModelConfig
 from model.default import DEFAULT_MODEL_NAME, is_packaged, packaged_model_path
 from model.errors import ModelLoadError
 from model.hf_checkpoint import (
@@ -143,7 +143,7 @@ def load(
             tensors = shift_norm_weights(tensors)
         if config.architecture == "phi3":
             tensors = split_fused_phi3(config, tensors)
-        if config.architecture == "qwen3_5":
+        if config.architecture in QWEN3_5_ARCHITECTURES:
             tensors = split_qwen3_5(config, tensors)
         skip: set[str] = set()
         if quantization == "w4a8":  # MXFP4 experts (GPT-OSS's published files), read as a GGUF's blocks are

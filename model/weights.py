@@ -44,13 +44,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         head_dim, inter = config.layer_head_dim(i), config.layer_intermediate_size(i)
         q, kv = config.num_heads * head_dim, config.layer_kv_heads(i) * head_dim
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= mlp_shapes(config, i)
         if config.is_linear_layer(i):
             shapes |= linear_attention_shapes(config, p + "linear_attn.")
             continue
@@ -83,10 +78,22 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "per_layer_input_gate.weight": (config.per_layer_input_size, h),
                        p + "per_layer_projection.weight": (h, config.per_layer_input_size),
                        p + "post_per_layer_input_norm.weight": (h,)}
-        if config.is_sparse_layer(i):  # stacked experts instead of the dense MLP (model/moe_checkpoint.py)
-            for kind in ("gate_proj", "up_proj", "down_proj"):
-                del shapes[p + f"mlp.{kind}.weight"]
-            shapes |= expert_shapes(config, i)
+    return shapes
+
+
+def mlp_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's MLP tensors: gate, up and down, or the stacked experts of a sparse layer (model/moe_checkpoint.py)
+    and its shared expert and gate (Qwen3.5-MoE)."""
+    p, h, inter = f"layers.{i}.", config.hidden_size, config.layer_intermediate_size(i)
+    if not config.is_sparse_layer(i):
+        return {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter)}
+    shapes = expert_shapes(config, i)
+    if config.shared_expert_intermediate_size:
+        shared = config.shared_expert_intermediate_size
+        shapes |= {p + "mlp.shared_expert.gate_proj.weight": (shared, h), p + "mlp.shared_expert.up_proj.weight":
+                   (shared, h), p + "mlp.shared_expert.down_proj.weight": (h, shared),
+                   p + "mlp.shared_expert_gate.weight": (1, h)}
     return shapes
 
 
@@ -254,8 +261,7 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
     for i in range(config.num_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        sources[mlp + "gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        sources[mlp + "down_proj.weight"] = [mlp + "down_proj.weight"]
+        sources |= mlp_sources(config, i)
         if config.is_linear_layer(i):  # Qwen3.5: its norms, MLP and linear attention (model/linear_attention.py)
             linear = p + "linear_attn."
             sources |= {name: [name] for name in (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")}
@@ -290,9 +296,23 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
             sources[attn + "qkv_proj.weight"].append(attn + "q_gate_proj.weight")
         if config.attention_bias:
             sources[attn + "qkv_proj.bias"] = [attn + f"{x}_proj.bias" for x in kinds]
-        if config.is_sparse_layer(i):  # the router and the stacked experts (model/moe_checkpoint.py)
-            del sources[mlp + "gate_up_proj.weight"], sources[mlp + "down_proj.weight"]
-            sources |= expert_sources(config, i)
+    return sources
+
+
+def mlp_sources(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """`fused_sources` of layer i's MLP: gate/up fused, or the router and stacked experts of a sparse layer
+    (model/moe_checkpoint.py) and its shared expert (Qwen3.5-MoE's, on the layer beside the block)."""
+    p = f"layers.{i}."
+    mlp = p + "mlp."
+    if not config.is_sparse_layer(i):
+        return {mlp + "gate_up_proj.weight": [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                mlp + "down_proj.weight": [mlp + "down_proj.weight"]}
+    sources = expert_sources(config, i)
+    if config.shared_expert_intermediate_size:
+        shared = mlp + "shared_expert."
+        sources[p + "shared_expert.gate_up_proj.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+        sources[p + "shared_expert.down_proj.weight"] = [shared + "down_proj.weight"]
+        sources[p + "shared_expert_gate.weight"] = [mlp + "shared_expert_gate.weight"]
     return sources
 
 

@@ -15,11 +15,11 @@ def int8_rounded(weight: torch.Tensor) -> torch.Tensor:
 
 
 def round_as_int8(module: nn.Module, expert_blocks: tuple[type, ...]) -> None:
-    """In place: every linear's weight but a router's (`mlp.gate`), and the stacked experts (w13, w2) of each
-    block of `expert_blocks`."""
+    """In place: every linear's weight but a router's (`mlp.gate`) and a shared expert's gate, and the stacked
+    experts (w13, w2) of each block of `expert_blocks`."""
     with torch.no_grad():
         for name, sub in module.named_modules():
-            if isinstance(sub, nn.Linear) and not name.endswith("mlp.gate"):
+            if isinstance(sub, nn.Linear) and not name.endswith(("mlp.gate", "shared_expert_gate")):
                 sub.weight.copy_(int8_rounded(sub.weight))
             elif isinstance(sub, expert_blocks):
                 sub.w13.copy_(int8_rounded(sub.w13))

@@ -18,6 +18,7 @@ GEMMA4_MOE = "gemma4_moe"
 GPT_OSS = "gpt_oss"
 # Qwen3.5: linear-attention layers (a gated delta rule) between gated attention ones (tests/model/test_qwen3_5.py).
 QWEN3_5 = "qwen3_5"
+QWEN3_5_MOE = "qwen3_5_moe"  # its mixture of experts, a shared expert beside 4 routed ones (2 a token)
 
 
 def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
@@ -105,6 +106,16 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
             eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
                                                 "partial_rotary_factor": 0.25, "mrope_interleaved": True,
                                                 "mrope_section": [2, 1, 1]})
+    if family == QWEN3_5_MOE:
+        return transformers.Qwen3_5MoeTextConfig(
+            **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_hidden_layers")}, num_hidden_layers=4,
+            head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None, rope_parameters={
+                "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
     if family == "mixtral":  # the experts are intermediate_size wide; weights always renormalised
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
                                           num_experts_per_tok=2, sliding_window=None)
@@ -149,7 +160,7 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
                     tensor.normal_(1, 0.2)
                 if name.endswith("layer_scalar"):
                     tensor.uniform_(0.5, 1.5)
-    if family == QWEN3_5:  # norms (1 + w) away from 1, the decays and write rates spread
+    if family in (QWEN3_5, QWEN3_5_MOE):  # norms (1 + w) away from 1, the decays and write rates spread
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -535,7 +546,8 @@ QWEN35_GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
     "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.out_proj": "ssm_out", "linear_attn.norm": "ssm_norm",
-    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.conv1d": "ssm_conv1d", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 
 
@@ -567,11 +579,18 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
     qtype = gguf.GGMLQuantizationType[qtype_name]
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    moe = getattr(cfg, "num_experts", 0)
+    writer = gguf.GGUFWriter(str(path), "qwen35moe" if moe else "qwen35")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if moe:  # (no dense MLP: no feed_forward_length, as llama.cpp's converter writes Qwen3.5-MoE)
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    else:
+        writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
@@ -615,6 +634,13 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         short = name.removeprefix("model.")
+        if ".mlp.experts." in name:  # llama.cpp's stacks [E, out, in]
+            held[name] = write_gguf_experts(writer, name, tensor, qtype)
+            continue
+        if name.endswith("shared_expert_gate.weight"):  # a vector [H] in the file
+            writer.add_tensor(f"blk.{short.split('.')[1]}.ffn_gate_inp_shexp.weight", tensor.float()[0].numpy())
+            held[name] = tensor.float()
+            continue
         tensor, back = tiled(name, tensor.float())
         if short.startswith("layers."):
             _, layer, *rest = short.split(".")
