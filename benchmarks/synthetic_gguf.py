@@ -26,7 +26,10 @@ and LM head in `--preset` (q8_0 for the published files' kind). gpt-oss-20b's la
 convolution, norms near 1, decays spread; `--vocab` pads the embedded tokenizer's vocabulary with control tokens
 to the real model's size (the LM head is a large part of a small model's bytes). Qwen3.5-0.8B's shapes:
 `--qwen35 --hidden 1024 --layers 24 --intermediate 3584 --heads 8 --kv-heads 2 --head-dim 256 --linear-heads 16
---vocab 248320`.
+--vocab 248320`. With `--experts E --experts-used K` a Qwen3.5-MoE (arch qwen35moe): every layer `E` experts of
+`--intermediate` rows beside a shared expert as wide; Qwen3.5-35B-A3B's layer shapes with fewer layers:
+`--qwen35 --experts 256 --experts-used 8 --intermediate 512 --hidden 2048 --heads 16 --kv-heads 2 --head-dim 256
+--linear-heads 16 --linear-value-heads 32 --vocab 248320 --layers 4`.
 """
 
 from __future__ import annotations
@@ -337,18 +340,23 @@ def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate
 
 
 def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                 head_dim: int, linear_heads: int, vocab: int | None, seed: int = 0) -> None:
+                 head_dim: int, linear_heads: int, linear_value_heads: int, vocab: int | None, experts: int = 0,
+                 experts_used: int = 0, seed: int = 0) -> None:
     """A Qwen3.5 (module docstring) with the embedded model's tokenizer, padded to `vocab` tokens; every fourth
-    layer attention, a quarter of each head rotating, the LM head tied to the embedding (as the small models)."""
+    layer attention, a quarter of each head rotating, the LM head tied to the embedding (as the small models); with
+    `experts`, a Qwen3.5-MoE."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer = gguf.GGUFWriter(str(path), "qwen35moe" if experts else "qwen35")
     state = 128  # the linear attention's key and value head size (every Qwen3.5)
-    for add, value in (("block_count", layers), ("context_length", 262144), ("embedding_length", hidden),
-                       ("feed_forward_length", intermediate), ("head_count", heads), ("head_count_kv", kv_heads),
+    mlp = ((("expert_count", experts), ("expert_used_count", experts_used), ("expert_feed_forward_length",
+           intermediate), ("expert_shared_feed_forward_length", intermediate)) if experts
+           else (("feed_forward_length", intermediate),))
+    for add, value in (("block_count", layers), ("context_length", 262144), ("embedding_length", hidden), *mlp,
+                       ("head_count", heads), ("head_count_kv", kv_heads),
                        ("key_length", head_dim), ("value_length", head_dim), ("rope_freq_base", 1e7),
                        ("rope_dimension_count", head_dim // 4), ("layer_norm_rms_eps", 1e-6),
                        ("ssm_conv_kernel", 4), ("ssm_state_size", state), ("ssm_group_count", linear_heads),
-                       ("ssm_time_step_rank", linear_heads), ("ssm_inner_size", state * linear_heads),
+                       ("ssm_time_step_rank", linear_value_heads), ("ssm_inner_size", state * linear_value_heads),
                        ("full_attention_interval", 4)):
         getattr(writer, f"add_{add}")(value)
     writer.add_rope_dimension_sections([11, 11, 10, 0])
@@ -365,7 +373,7 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
 
     linear("token_embd.weight", vocab, hidden, None)
     floats("output_norm.weight", hidden, fill=1.0)
-    keys, values = linear_heads * state, linear_heads * state
+    keys, values = linear_heads * state, linear_value_heads * state
     for i in range(layers):
         p = f"blk.{i}."
         floats(p + "attn_norm.weight", hidden, fill=1.0)
@@ -373,12 +381,12 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
         if (i + 1) % 4:  # linear attention
             linear(p + "attn_qkv.weight", 2 * keys + values, hidden, i)
             linear(p + "attn_gate.weight", values, hidden, i)
-            linear(p + "ssm_beta.weight", linear_heads, hidden, i)
-            linear(p + "ssm_alpha.weight", linear_heads, hidden, i)
+            linear(p + "ssm_beta.weight", linear_value_heads, hidden, i)
+            linear(p + "ssm_alpha.weight", linear_value_heads, hidden, i)
             linear(p + "ssm_out.weight", hidden, values, i)
             floats(p + "ssm_conv1d.weight", 2 * keys + values, 4, scale=0.3)
-            floats(p + "ssm_dt.bias", linear_heads, scale=1.0)
-            floats(p + "ssm_a", linear_heads, fill=-1.0, scale=0.0)
+            floats(p + "ssm_dt.bias", linear_value_heads, scale=1.0)
+            floats(p + "ssm_a", linear_value_heads, fill=-1.0, scale=0.0)
             floats(p + "ssm_norm.weight", state, fill=1.0)
         else:
             linear(p + "attn_q.weight", 2 * heads * head_dim, hidden, i)
@@ -387,9 +395,22 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
             linear(p + "attn_output.weight", hidden, heads * head_dim, i)
             floats(p + "attn_q_norm.weight", head_dim, fill=1.0)
             floats(p + "attn_k_norm.weight", head_dim, fill=1.0)
-        linear(p + "ffn_gate.weight", intermediate, hidden, i)
-        linear(p + "ffn_up.weight", intermediate, hidden, i)
-        linear(p + "ffn_down.weight", hidden, intermediate, i)
+        if not experts:
+            linear(p + "ffn_gate.weight", intermediate, hidden, i)
+            linear(p + "ffn_up.weight", intermediate, hidden, i)
+            linear(p + "ffn_down.weight", hidden, intermediate, i)
+            continue
+        floats(p + "ffn_gate_inp.weight", experts, hidden, scale=0.05)  # tokens spread over experts
+        for name, rows, cols in (("ffn_gate_exps", intermediate, hidden), ("ffn_up_exps", intermediate, hidden),
+                                 ("ffn_down_exps", hidden, intermediate)):
+            kind = tensor_kind(preset, name.replace("_exps", ""), i)
+            raw = random_blocks(kind, experts * rows, cols, rng)
+            writer.add_tensor(p + name + ".weight", raw.reshape(experts, rows, -1),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        for name, rows, cols in (("ffn_gate_shexp", intermediate, hidden), ("ffn_up_shexp", intermediate, hidden),
+                                 ("ffn_down_shexp", hidden, intermediate)):
+            linear(p + name + ".weight", rows, cols, i)
+        floats(p + "ffn_gate_inp_shexp.weight", hidden, scale=0.05)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -416,7 +437,9 @@ def main() -> int:
     parser.add_argument("--shared-layers", type=int, default=20)
     parser.add_argument("--gpt-oss", action="store_true", help="a GPT-OSS (see above)")
     parser.add_argument("--qwen35", action="store_true", help="a Qwen3.5 (see above)")
-    parser.add_argument("--linear-heads", type=int, default=16, help="with --qwen35: linear attention's heads")
+    parser.add_argument("--linear-heads", type=int, default=16, help="with --qwen35: linear attention's key heads")
+    parser.add_argument("--linear-value-heads", type=int, default=None,
+                        help="with --qwen35: its value heads (default: as many as its key heads)")
     parser.add_argument("--vocab", type=int, default=None, help="with --qwen35: the vocabulary padded to this")
     parser.add_argument("--expert-intermediate", type=int, default=512,
                         help="with --gemma4 --experts: each expert's width (26B-A4B's experts beside the MLP)")
@@ -430,7 +453,8 @@ def main() -> int:
                       args.head_dim or args.hidden // args.heads, args.experts or 32, args.experts_used)
     elif args.qwen35:
         write_qwen35(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
-                     args.head_dim or args.hidden // args.heads, args.linear_heads, args.vocab)
+                     args.head_dim or args.hidden // args.heads, args.linear_heads,
+                     args.linear_value_heads or args.linear_heads, args.vocab, args.experts, args.experts_used)
     elif args.gemma4:
         write_gemma4(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
                      args.head_dim or args.hidden // args.heads, args.global_head_dim,
