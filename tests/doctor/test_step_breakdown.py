@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from doctor.breakdown import LINEAR_KINDS
 from doctor.config import DoctorConfig
@@ -100,9 +101,10 @@ def test_the_step_breakdown_of_a_w4a8_model(q4_gguf, tmp_path, capsys):
     b = report["step_breakdown"]
     phases = {p["name"]: p for p in b["phases"]}
     # Rows: every op the decoder runs, the engine's phases, and the two Python remainders.
+    linear_attention = {"linear_in", "linear_out"}  # (Qwen3.5's layers: the test below)
     assert set(phases) == {*LINEAR_KINDS.values(), "attention", "attention plan", "rms_norm", "rotary",
                            "silu_and_mul", "embedding", "forward python", "schedule", "prepare", "sample",
-                           "detokenize", "step python"}
+                           "detokenize", "step python"} - linear_attention
     assert sum(p["seconds"] for p in b["phases"]) == pytest.approx(b["step_seconds"], rel=1e-9)
     assert b["python_dispatch_seconds"] == pytest.approx(
         phases["forward python"]["seconds"] + phases["step python"]["seconds"])
@@ -147,3 +149,23 @@ def test_the_step_breakdown_of_a_mixture_of_experts(tmp_path, capsys):
     assert phases["experts"]["weight_bytes"] == 2 * (8 * 64 * 4 + per_expert * 8 * 2 // 8)
     # The model line counts the same bytes: float routers and W4A8 experts each at their own size.
     assert report["model"]["weight_bytes"] == pytest.approx(report["step_breakdown"]["weight_bytes"])
+
+
+def test_the_step_breakdown_of_linear_attention(tmp_path, capsys):
+    """Qwen3.5 (two linear-attention layers, two of attention): the sweeps and the load run with state slots; the
+    breakdown has rows for the linear attention's input and output projections and its state update, and every
+    linear weight is counted once."""
+    from tiny_models import QWEN3_5, hf_config, write_qwen35_gguf
+
+    config = hf_config(QWEN3_5)
+    config.linear_value_head_dim = 16  # as llama.cpp's files have them: value heads as wide as key heads
+    write_qwen35_gguf(transformers.AutoModelForCausalLM.from_config(config), tmp_path / "m.gguf", "Q8_0")
+    code = main(["doctor", "--model", str(tmp_path / "m.gguf"), "--max-num-seqs", "2", "--num-requests", "2",
+                 "--input-len", "16", "--output-len", "8", "--max-prefill", "32", "--out", str(tmp_path), "--quiet"])
+    assert code == 0, capsys.readouterr()
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    phases = {p["name"]: p for p in report["step_breakdown"]["phases"]}
+    assert phases["linear_in"]["calls"] == phases["linear_out"]["calls"] == phases["gated delta"]["calls"] == 2
+    assert phases["qkv"]["calls"] == 2 and phases["gated delta"]["seconds"] > 0
+    assert report["model"]["weight_bytes"] == pytest.approx(report["step_breakdown"]["weight_bytes"])
+    assert [p["label"] for p in report["compile"]["sweep"]][:2] == ["decode b=1", "decode b=2"]
