@@ -101,6 +101,9 @@ class TimedRunner:
         self.points: list[RooflinePoint] = []
         self._shape: tuple[list[int], list[int]] = ([], [])
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:  # (snapshots of linear-attention states)
+        self.runner.copy_states(pairs)
+
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         query_lens = [item.num_new_tokens for item in batch.scheduled]
         seq_lens = [item.request.num_computed_tokens + item.num_new_tokens for item in batch.scheduled]

@@ -255,6 +255,12 @@ def state_bytes(model: ModelConfig, num_slots: int) -> int:
     return len(model.linear_layers) * model.linear_state_size * 4 * num_slots
 
 
+def num_state_snapshots(config: EngineConfig, model: ModelConfig) -> int:
+    """Rows of the linear-attention pools kept as prefix-cache snapshots (engine/state_cache.py): as many as the
+    running sequences' with prefix caching on, none without (or without such layers)."""
+    return config.max_num_seqs if model.linear_layers and config.enable_prefix_caching else 0
+
+
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
                   num_pools: int = 1) -> tuple[int, int]:
     """(num_blocks, max_model_len) for this model and memory, or a ValueError saying what would fit.
@@ -264,10 +270,12 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, 
     max_model_len = _max_model_len(config, model)
     per_block = bytes_per_block(model, config.block_size, dtype)
     budget, source = kv_budget(config, device)
-    states = state_bytes(model, config.max_num_seqs)  # taken from the same budget as the KV blocks
+    # Taken from the same budget as the KV blocks: the running sequences' states and the prefix cache's snapshots.
+    states = state_bytes(model, config.max_num_seqs + num_state_snapshots(config, model))
     if states >= budget:
-        raise ValueError(f"the linear-attention states of {config.max_num_seqs} sequences take {states / GIB:.3f} "
-                         f"GiB, the whole cache budget ({source}: {budget / GIB:.3f} GiB); lower --max-num-seqs")
+        raise ValueError(f"the linear-attention states of {config.max_num_seqs} sequences (and as many snapshots "
+                         f"with prefix caching) take {states / GIB:.3f} GiB, the whole cache budget ({source}: "
+                         f"{budget / GIB:.3f} GiB); lower --max-num-seqs")
     budget -= states
     blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.

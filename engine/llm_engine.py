@@ -18,7 +18,7 @@ import torch
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
-from engine.config import EngineConfig, fit_to_artifact, plan_kv_cache, plan_window_kv_cache
+from engine.config import EngineConfig, fit_to_artifact, num_state_snapshots, plan_kv_cache, plan_window_kv_cache
 from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
@@ -31,6 +31,7 @@ from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler, compute_
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_decode
 from engine.speculative import NgramProposer, Proposer
+from engine.state_cache import StateCache, checkpoint
 from engine.state_slots import StateSlots
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
@@ -158,16 +159,12 @@ class LLMEngine:
             if freed:
                 return_freed_memory()
                 log.info("int8 weights kept in their kernels' layout only: %.0f MiB freed", freed / 2**20)
-        # Linear-attention layers (Qwen3.5) keep a state per sequence that holds every token before it: no prefix
-        # from the cache can stand in for it, and no rejected draft can be taken back out of it.
+        # Linear-attention layers (Qwen3.5) keep a state per sequence that holds every token before it: a cached
+        # prefix needs a snapshot of them (engine/state_cache.py), and no rejected draft can be taken back out.
         self.keeps_states = keeps_states(module)
-        if self.keeps_states:
-            if config.speculative_model is not None or config.speculative_tokens:
-                raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture}, whose "
-                                 "linear-attention states cannot take back rejected drafts")
-            if config.enable_prefix_caching:
-                log.info("prefix caching off: the linear-attention layers' states are not cached by prefix")
-                config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
+        if self.keeps_states and (config.speculative_model is not None or config.speculative_tokens):
+            raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture}, whose "
+                             "linear-attention states cannot take back rejected drafts")
         num_window_blocks = None
         if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:
             # Sliding-window layers (Gemma 3's beside full ones, or every layer of a Mistral with a window), in
@@ -198,10 +195,14 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                            prefill_bound, scored_tokens_per_step(self.model.config.vocab_size))
         lora_slots = self._set_up_lora(config)
+        # The linear-attention pools' rows: the running sequences' states, then the prefix cache's snapshots.
         num_state_slots = config.max_num_seqs if self.keeps_states else 0
+        snapshots = num_state_snapshots(config, self.model.config) if self.keeps_states else 0
+        self.state_cache = StateCache(num_state_slots, snapshots) if snapshots else None
         self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora,
-                                   StateSlots(num_state_slots) if num_state_slots else None)
-        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks, num_state_slots)
+                                   StateSlots(num_state_slots) if num_state_slots else None, self.state_cache)
+        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks,
+                                  num_state_slots + snapshots)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
         self.speculator = self._set_up_speculation(config)
@@ -432,6 +433,8 @@ class LLMEngine:
                                    prepared_at - scheduled_at, forward_at - prepared_at, sampled_at - forward_at)
             self.stats.record_communication(self.runner.module.communication_seconds())
             self.scheduler.finish_step(batch)
+            if self.state_cache is not None:
+                self._keep_state_snapshots(batch)
             for part in inputs.pooled:
                 if part.completes and not part.request.is_finished:
                     self._finish_embedding(part.request)
@@ -531,6 +534,20 @@ class LLMEngine:
                 self._finish(item.request, FinishReason.ERROR, PREPARE_FAILED)
         batch.scheduled = kept  # finish_step must not count the dropped requests' tokens as computed
         return self.runner.prepare(batch) if kept else None
+
+    def _keep_state_snapshots(self, output: SchedulerOutput) -> None:
+        """Keep a copy of the linear-attention states of each prompt whose step ended at its snapshot boundary
+        (engine/state_cache.py), under the hash of the prefix's last block."""
+        block_size = self.config.block_size
+        copies = []
+        for item in output.scheduled:
+            request = item.request
+            boundary = checkpoint(request.num_prompt_tokens, block_size)
+            if boundary and request.num_computed_tokens == boundary:  # (its blocks' hashes are known: it ran)
+                snapshot = self.state_cache.keep(request.block_hashes[boundary // block_size - 1])
+                if snapshot is not None:
+                    copies.append((request.state_slot, snapshot))
+        self.runner.copy_states(copies)
 
     def _drafts(self) -> dict[Request, list[int]]:
         """Speculative drafts for the requests about to decode. Drafts only ever cost speed (the model

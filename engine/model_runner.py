@@ -11,8 +11,16 @@ import torch
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from model.lora_slots import LoRASlots
-from model.step import (InputEmbeds, SeqChunk, StepInputs, StepModel, allocate_caches, build_step, run_step,
-                        run_step_with_hidden)
+from model.step import (
+    InputEmbeds,
+    SeqChunk,
+    StepInputs,
+    StepModel,
+    allocate_caches,
+    build_step,
+    run_step,
+    run_step_with_hidden,
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,18 @@ class ModelRunner:
         answers (model/step.py `StepModel.warm_up`; compiled artifacts warmed as they loaded)."""
         self.module.warm_up(self.kv_caches)
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy linear-attention states between rows of their pools, (source row, destination row) each, in every
+        such layer: a snapshot kept (engine/state_cache.py), or one restored into a running sequence's slot."""
+        if not pairs:
+            return
+        source, target = (torch.tensor(rows, dtype=torch.long) for rows in zip(*pairs))
+        for i, pool in enumerate(self.kv_caches):
+            if self.module.config.is_linear_layer(i):
+                pool.index_copy_(0, target.to(pool.device), pool.index_select(0, source.to(pool.device)))
+
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
+        self.copy_states(batch.state_copies)  # a cached prefix's states, before the step reads them
         chunks: list[SeqChunk] = []
         sample_requests: list[Request] = []
         drafts: list[tuple[int, ...]] = []

@@ -17,7 +17,9 @@ A prompt whose images attend to themselves both ways (Gemma 3, `Request.image_sp
 chunk ends inside an image: a chunk that would stops before it, or runs to its end when it starts inside.
 
 A model with linear-attention layers (Qwen3.5) keeps a state per running sequence: a request takes a state slot
-(engine/state_slots.py) when it is admitted and gives it back when it finishes or is preempted.
+(engine/state_slots.py) when it is admitted and gives it back when it finishes or is preempted. Its cached prefix
+reaches only as far as a snapshot of those states (engine/state_cache.py), which the step copies into the
+request's slot first (`SchedulerOutput.state_copies`); a prompt's chunk ends at its snapshot's boundary.
 
 A request with a LoRA adapter takes a slot of the adapter manager (engine/lora_manager.py) when it is
 admitted and gives it back when it finishes or is preempted; one whose adapter finds no free slot stays
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import CachedPrefix, KVBlockManager
 from engine.lora_manager import LoRAManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.state_cache import StateCache, checkpoint
 from engine.state_slots import StateSlots
 
 
@@ -72,6 +75,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # finished with an error: can never run
+    # (snapshot row, state slot): linear-attention states to copy before the step runs (a cached prefix's)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -84,11 +89,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
-                 adapters: LoRAManager | None = None, states: StateSlots | None = None) -> None:
+                 adapters: LoRAManager | None = None, states: StateSlots | None = None,
+                 state_cache: StateCache | None = None) -> None:
         self.config = config
         self.blocks = block_manager
         self.adapters = adapters  # LoRA slots, taken at admission and given back at preemption or the end
         self.states = states  # state slots (a model with linear-attention layers), held as the LoRA slots
+        self.state_cache = state_cache  # their snapshots by prefix (None: such a model's prefixes are not reused)
         if states is not None and states.num_slots < config.max_num_seqs:
             raise ValueError(f"{states.num_slots} state slots cannot serve {config.max_num_seqs} running sequences")
         self.waiting: deque[Request] = deque()
@@ -141,7 +148,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if is_prompt:
                 start = request.num_computed_tokens
-                num_new = request.chunk_end(start, start + num_new) - start
+                num_new = self._chunk_end(request, start, start + num_new) - start
             draft = tuple(drafts.get(request, ()))[:budget - 1] if not is_prompt else ()
             if draft and self.blocks.allocate(request, num_new + len(draft)):
                 out.scheduled.append(ScheduledRequest(request, num_new + len(draft), draft))
@@ -189,6 +196,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if self.states is not None:
                 self.states.acquire(request)
+                if prefix.num_tokens:  # the states after the prefix, copied from its snapshot before the step
+                    snapshot = self.state_cache.find(request.block_hashes[len(prefix.block_ids) - 1])
+                    out.state_copies.append((snapshot, request.state_slot))
+                    self.state_cache.hits += 1
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -228,7 +239,7 @@ class Scheduler:
         for pool, prefix in self._pool_order(request):
             request.kv_pool = pool
             num_new = min(request.num_tokens - prefix.num_tokens, limit)
-            num_new = request.chunk_end(prefix.num_tokens, prefix.num_tokens + num_new) - prefix.num_tokens
+            num_new = self._chunk_end(request, prefix.num_tokens, prefix.num_tokens + num_new) - prefix.num_tokens
             if self.blocks.allocate(request, num_new, prefix):
                 self.blocks.count_lookup(request, prefix)
                 return prefix, num_new
@@ -239,7 +250,7 @@ class Scheduler:
         request's prefix counts one request lighter, since computing the prefix again costs more than a
         sequence of imbalance."""
         num_pools = self.blocks.num_pools
-        found = [(pool, self.blocks.cached_prefix(request, pool)) for pool in range(num_pools)]
+        found = [(pool, self._cached_prefix(request, pool)) for pool in range(num_pools)]
         if num_pools == 1:
             return found
         load = [0] * num_pools
@@ -247,6 +258,26 @@ class Scheduler:
             load[running.kv_pool] += 1
         return sorted(found, key=lambda item: (load[item[0]] - (item[1].num_tokens > 0), -item[1].num_tokens,
                                                item[0]))
+
+    def _cached_prefix(self, request: Request, pool: int) -> CachedPrefix:
+        """The block manager's cached prefix; with linear-attention states, cut back to the longest part of it that
+        ends where a snapshot of them was kept (none without their cache)."""
+        prefix = self.blocks.cached_prefix(request, pool)
+        if self.states is None or not prefix.num_tokens:
+            return prefix
+        cached = self.state_cache.cached if self.state_cache is not None else {}
+        count = next((k for k in range(len(prefix.block_ids), 0, -1) if request.block_hashes[k - 1] in cached), 0)
+        return CachedPrefix(prefix.block_ids[:count], count * self.blocks.block_size)
+
+    def _chunk_end(self, request: Request, start: int, end: int) -> int:
+        """Where a prompt's chunk start .. end - 1 ends: `Request.chunk_end`, and at the prompt's snapshot boundary
+        when it would pass it (engine/state_cache.py), so the states there can be kept."""
+        end = request.chunk_end(start, end)
+        if self.state_cache is not None and self.state_cache.num_snapshots:
+            boundary = checkpoint(request.num_prompt_tokens, self.blocks.block_size)
+            if start < boundary < end:
+                return boundary
+        return end
 
     def _pop_victim(self, pool: int) -> Request:
         """The most recently admitted running request of the pool (the caller's own request at worst)."""

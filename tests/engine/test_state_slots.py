@@ -1,5 +1,7 @@
 """State slots (engine/state_slots.py): a Qwen3.5-shaped model's running sequences each keep their own
-linear-attention state, through chunked prompts, preemption and recompute, beside others in any batch."""
+linear-attention state, through chunked prompts, preemption and recompute, beside others in any batch; and the
+prefix cache of such a model (engine/state_cache.py): snapshots of the states at a prompt's last block boundary,
+which a later prompt with that prefix starts from."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from engine.llm import LLM
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.state_cache import StateCache, checkpoint
 from engine.state_slots import StateSlots
 from model.generator import Generator
 
@@ -66,11 +69,60 @@ def test_the_engine_gives_each_sequence_its_own_state(qwen3_5):
     alone = [[s.token_id for s in Generator(loaded.module, 160).generate(p, 20)] for p in prompts]
     llm = LLM(str(directory), max_num_seqs=3, max_num_batched_tokens=48, kv_cache_memory_gib=0.0002,
               max_model_len=160)
-    assert not llm.engine.config.enable_prefix_caching  # a state holds every token before it: no prefix reuse
     outputs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == alone
     assert sorted(llm.engine.scheduler.states.free) == [0, 1, 2]
+    # Snapshots in the rows after the running sequences', one per prompt with a block boundary before its end.
+    assert set(llm.engine.state_cache.cached.values()) <= {3, 4, 5}
+
+
+def test_the_state_cache_keeps_the_least_recently_used_last():
+    cache = StateCache(first_slot=4, num_snapshots=2)
+    assert [checkpoint(n, 16) for n in (1, 16, 17, 33, 48)] == [0, 0, 16, 32, 32]
+    assert cache.keep(b"a") == 4 and cache.keep(b"b") == 5 and cache.keep(b"a") is None  # one per prefix
+    assert cache.find(b"a") == 4  # now the most recent: "b" goes first
+    assert cache.keep(b"c") == 5 and cache.find(b"b") is None and list(cache.cached) == [b"a", b"c"]
+    assert StateCache(first_slot=2, num_snapshots=0).keep(b"a") is None
+
+
+def test_a_prompt_ends_a_chunk_at_its_snapshot_boundary():
+    """The scheduler stops a prompt's chunk at the last block boundary before its last token, so the states there
+    can be kept; without a state cache the chunk runs on."""
+    for cache, first in ((StateCache(2, 2), 32), (None, 40)):
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                              KVBlockManager(8, 16), states=StateSlots(2), state_cache=cache)
+        scheduler.add(Request("r", list(range(40)), SamplingParams(max_tokens=4)))
+        assert [item.num_new_tokens for item in scheduler.schedule().scheduled] == [first]
+
+
+def test_a_later_turn_starts_from_the_earlier_turns_states(qwen3_5):
+    """A chat's second turn holds the first one's prompt: it starts from the states kept at that prompt's last
+    block boundary (96 of its 100 tokens) and answers as an engine without a prefix cache does; the same prompt
+    again starts there too. With two snapshot rows, later prompts' snapshots evict the least recently used."""
+    directory, _ = qwen3_5
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    cached = LLM(str(directory), max_num_seqs=2, kv_cache_memory_gib=0.01)
+    plain = LLM(str(directory), max_num_seqs=2, kv_cache_memory_gib=0.01, enable_prefix_caching=False)
+    blocks = cached.engine.blocks
+
+    def run(ids: list[int]) -> tuple[list[int], int]:
+        """The reply's tokens, and the prompt tokens the prefix cache gave it."""
+        before = blocks.prefix_hits
+        out = cached.generate([ids], params)[0]
+        return list(out.outputs[0].token_ids), blocks.prefix_hits - before
+
+    first = prompt(100, seed=1)
+    reply, hit = run(first)
+    assert hit == 0
+    second = first + reply + prompt(30, seed=2)
+    answer, hit = run(second)
+    assert hit == 96 and cached.engine.state_cache.hits == 1
+    assert answer == list(plain.generate([second], params)[0].outputs[0].token_ids)
+    assert run(first) == (reply, 96)
+    for seed in (3, 4):  # two other prompts' snapshots evict the two kept (the second turn's, then the first's)
+        run(prompt(50, seed=seed))
+    assert run(first) == (reply, 0)
 
 
 def test_speculative_decoding_is_refused_for_linear_attention(qwen3_5):
