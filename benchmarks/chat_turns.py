@@ -22,6 +22,7 @@ from bench_report import write_report  # benchmarks/, this script's directory
 import model
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from model.quantization import resolve_quantization
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument("--message", type=int, default=48, help="tokens of each later turn's new message")
     parser.add_argument("--out", default="benchmarks/results/chat_turns.json")
     args = parser.parse_args()
-    loaded = model.load(args.model, quantization="auto")
+    loaded = model.load(args.model, quantization=resolve_quantization("auto", "fp32", "cpu", args.model))  # serve's
     vocab = loaded.config.vocab_size
     length = args.first + args.turns * (args.reply + args.message) + 16
     engines = {name: LLM(loaded=loaded, max_num_seqs=2, max_model_len=length, enable_prefix_caching=caching)
