@@ -69,8 +69,9 @@ def engine_config(config: DoctorConfig, loaded: LoadedModel, device: str, quanti
                  2 * blocks_for_tokens(max_model_len, config.block_size)) * config.block_size
     set_kv_cache_dtype(loaded, config.kv_cache_dtype)  # as the engine will: the cache it sizes is the one it gets
     per_block = bytes_per_block(loaded.config, config.block_size, loaded.module.kv_cache_dtype)
-    # The linear-attention layers' states (Qwen3.5) and, with prefix caching, as many snapshots: the same budget.
-    states = state_bytes(loaded.config, config.max_num_seqs * (1 + config.enable_prefix_caching))
+    # The linear-attention layers' states (Qwen3.5): half the budget runs max_num_seqs of them, a quarter holds as
+    # many prefix-cache snapshots (engine/config.py `plan_state_rows`).
+    states = 4 * state_bytes(loaded.config, config.max_num_seqs)
     gib = ((blocks_for_tokens(tokens, config.block_size) + 1) * per_block + states) / GIB
     return EngineConfig(model=config.model, dtype=config.dtype, device=device, quantization=quantization,
                         max_num_seqs=config.max_num_seqs,

@@ -255,28 +255,45 @@ def state_bytes(model: ModelConfig, num_slots: int) -> int:
     return len(model.linear_layers) * model.linear_state_size * 4 * num_slots
 
 
-def num_state_snapshots(config: EngineConfig, model: ModelConfig) -> int:
-    """Rows of the linear-attention pools kept as prefix-cache snapshots (engine/state_cache.py): as many as the
-    running sequences' with prefix caching on, none without (or without such layers)."""
-    return config.max_num_seqs if model.linear_layers and config.enable_prefix_caching else 0
+@dataclass(frozen=True)
+class StateRows:
+    """The rows of the linear-attention layers' state pools (model/linear_attention.py): one per sequence that may
+    run at once, then the prefix cache's snapshots (engine/state_cache.py)."""
+
+    running: int = 0
+    snapshots: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.running + self.snapshots
+
+
+def plan_state_rows(config: EngineConfig, model: ModelConfig, budget: int) -> StateRows:
+    """How many sequences' states a model with linear-attention layers keeps, out of the cache `budget` (bytes):
+    up to `max_num_seqs` running ones in half of it (a state is large beside a token's keys and values: 19 MB for
+    Qwen3.5-0.8B), and with prefix caching as many snapshots as fit a quarter, up to the running ones. The rest is
+    the attention layers' KV blocks. ValueError when not one sequence's state fits."""
+    if not model.linear_layers:
+        return StateRows()
+    row = state_bytes(model, 1)
+    running = min(config.max_num_seqs, budget // 2 // row)
+    if running < 1:
+        raise ValueError(f"one sequence's linear-attention states take {row / GIB:.3f} GiB, more than half the cache "
+                         f"budget ({budget / GIB:.3f} GiB); give --kv-cache-memory {4 * row / GIB:.3f} or more")
+    return StateRows(running, min(running, budget // 4 // row) if config.enable_prefix_caching else 0)
 
 
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  num_pools: int = 1) -> tuple[int, int]:
+                  num_pools: int = 1, states: StateRows = StateRows()) -> tuple[int, int]:
     """(num_blocks, max_model_len) for this model and memory, or a ValueError saying what would fit.
 
     `num_pools`: the blocks split into that many equal pools (one per rank, tensor parallelism by
-    sequences), of which one sequence uses one: the longest sequence must fit a pool."""
+    sequences), of which one sequence uses one: the longest sequence must fit a pool. `states`: the
+    linear-attention states' rows (`plan_state_rows`), taken from the same budget first."""
     max_model_len = _max_model_len(config, model)
     per_block = bytes_per_block(model, config.block_size, dtype)
     budget, source = kv_budget(config, device)
-    # Taken from the same budget as the KV blocks: the running sequences' states and the prefix cache's snapshots.
-    states = state_bytes(model, config.max_num_seqs + num_state_snapshots(config, model))
-    if states >= budget:
-        raise ValueError(f"the linear-attention states of {config.max_num_seqs} sequences (and as many snapshots "
-                         f"with prefix caching) take {states / GIB:.3f} GiB, the whole cache budget ({source}: "
-                         f"{budget / GIB:.3f} GiB); lower --max-num-seqs")
-    budget -= states
+    budget -= state_bytes(model, states.total)
     blocks_per_seq = blocks_for_tokens(max_model_len, config.block_size)
     # More than every sequence at full length could never be used.
     num_blocks = min(budget // per_block, blocks_per_seq * max(config.max_num_seqs, num_pools))

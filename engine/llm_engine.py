@@ -18,7 +18,8 @@ import torch
 
 from engine.backends.artifact import LoadedArtifact, load_artifact
 from engine.block_manager import KVBlockManager
-from engine.config import EngineConfig, fit_to_artifact, num_state_snapshots, plan_kv_cache, plan_window_kv_cache
+from engine.config import (EngineConfig, StateRows, fit_to_artifact, kv_budget, plan_kv_cache, plan_state_rows,
+                           plan_window_kv_cache)
 from engine.draft_model import DraftModelProposer
 from engine.guide import GuideCompiler
 from engine.guide_masks import GUIDE_FAILED, GuideMasker
@@ -165,6 +166,15 @@ class LLMEngine:
         if self.keeps_states and (config.speculative_model is not None or config.speculative_tokens):
             raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture}, whose "
                              "linear-attention states cannot take back rejected drafts")
+        states = StateRows()
+        if self.keeps_states:  # their rows first; fewer sequences run at once where their states would not fit
+            states = plan_state_rows(config, self.model.config, kv_budget(config, module.device)[0])
+            if states.running < config.max_num_seqs:
+                log.info("linear-attention states for %d sequences at once (max_num_seqs %d): half the cache budget",
+                         states.running, config.max_num_seqs)
+                config = self.config = dataclasses.replace(config, max_num_seqs=states.running)
+            log.info("linear-attention states: %d rows running, %d prefix-cache snapshots", states.running,
+                     states.snapshots)
         num_window_blocks = None
         if isinstance(module, LlamaForCausalLM) and module.config.windowed_layers:
             # Sliding-window layers (Gemma 3's beside full ones, or every layer of a Mistral with a window), in
@@ -177,7 +187,7 @@ class LLMEngine:
                      num_window_blocks, self.model.config.sliding_window)
         else:
             num_blocks, self.max_model_len = plan_kv_cache(config, self.model.config, module.kv_cache_dtype,
-                                                           module.device, module.kv_pools)
+                                                           module.device, module.kv_pools, states)
             self.blocks = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          module.kv_pools)
         original_context = self.model.config.rope_original_max_position_embeddings
@@ -196,13 +206,10 @@ class LLMEngine:
                                            prefill_bound, scored_tokens_per_step(self.model.config.vocab_size))
         lora_slots = self._set_up_lora(config)
         # The linear-attention pools' rows: the running sequences' states, then the prefix cache's snapshots.
-        num_state_slots = config.max_num_seqs if self.keeps_states else 0
-        snapshots = num_state_snapshots(config, self.model.config) if self.keeps_states else 0
-        self.state_cache = StateCache(num_state_slots, snapshots) if snapshots else None
+        self.state_cache = StateCache(states.running, states.snapshots) if states.snapshots else None
         self.scheduler = Scheduler(scheduler_config, self.blocks, self.lora,
-                                   StateSlots(num_state_slots) if num_state_slots else None, self.state_cache)
-        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks,
-                                  num_state_slots + snapshots)
+                                   StateSlots(states.running) if states.running else None, self.state_cache)
+        self.runner = ModelRunner(module, num_blocks, lora_slots, num_window_blocks, states.total)
         self.runner.warm_up()
         self.sampler = Sampler(config.seed)
         self.speculator = self._set_up_speculation(config)

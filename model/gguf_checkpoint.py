@@ -282,7 +282,8 @@ class GGUFCheckpoint:
         num_experts = int(self._get("expert_count") or 0)
         if not num_experts:
             return {}
-        num_layers = int(self._require("block_count"))
+        # (the multi-token-prediction layers after the others are not read: Qwen3.5-MoE's)
+        num_layers = int(self._require("block_count")) - int(self._get("nextn_predict_layers", 0) or 0)
         return {
             "num_experts": num_experts,
             "num_experts_per_tok": int(self._require("expert_used_count")),

@@ -217,17 +217,18 @@ def gguf_pair(request, tmp_path_factory):
             if name.endswith(("A_log", "dt_bias")):
                 param.normal_(0, 1)
     path = directory / "qwen35.gguf"
-    hf.load_state_dict(write_qwen35_gguf(hf, path, "Q8_0"), strict=True)
+    hf.load_state_dict(write_qwen35_gguf(hf, path, "Q8_0", mtp=True), strict=True)
     return hf, path
 
 
 def test_gguf_matches_transformers_on_what_the_file_holds(gguf_pair):
     """llama.cpp's layout: value heads tiled (each reads key head j % Hk), ssm_a = -exp(A_log), norms stored as
-    1 + w, the convolution [C, K]."""
+    1 + w, the convolution [C, K]; the multi-token-prediction layer after the others (as the published files have
+    one) not read."""
     hf, path = gguf_pair
     ours = model.load(path, quantization="none")
     cfg = ours.config
-    assert (cfg.linear_layers, cfg.linear_heads_tiled, cfg.rotary_dims) == ((0, 2), True, 8)
+    assert (cfg.num_layers, cfg.linear_layers, cfg.linear_heads_tiled, cfg.rotary_dims) == (4, (0, 2), True, 8)
     assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_value_dim) == (2, 4, 16)
     assert (cfg.architecture, cfg.num_experts, cfg.shared_expert_intermediate_size) in (
         ("qwen3_5", 0, 0), ("qwen3_5_moe", 4, 64))

@@ -565,12 +565,14 @@ def untile_value_heads(tensor: torch.Tensor, dim: int, key_heads: int, value_hea
     return tiled.transpose(dim, dim + 1).reshape(shape)
 
 
-def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tokenizer: bool = False) -> dict:
+def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tokenizer: bool = False,
+                      mtp: bool = False) -> dict:
     """A Qwen3.5 text model as llama.cpp's converter writes it (arch qwen35): norms as 1 + w (the linear
     attention's output norm as it is), ssm_a = -exp(A_log), dt_bias as `ssm_dt.bias`, the convolution [C, K], the
     linear attention's value heads tiled; 2-D weights in `qtype_name`, norms and vectors F32. Returns the state dict
     the file holds, in Hugging Face names and layout. `smollm2_tokenizer`: the embedded model's vocabulary (as
-    `write_gguf`'s)."""
+    `write_gguf`'s). `mtp`: a multi-token-prediction layer after the others, as the converter writes a checkpoint's
+    `mtp.*` (block_count one more, `nextn_predict_layers` 1, the layer's attention and `nextn.*` tensors, random)."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -581,7 +583,15 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
                       cfg.linear_value_head_dim)
     moe = getattr(cfg, "num_experts", 0)
     writer = gguf.GGUFWriter(str(path), "qwen35moe" if moe else "qwen35")
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(cfg.num_hidden_layers + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(1)
+        extra = f"blk.{cfg.num_hidden_layers}."
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for name, shape in (("attn_q.weight", (2 * q, h)), ("attn_k.weight", (kv, h)), ("attn_v.weight", (kv, h)),
+                            ("attn_output.weight", (h, q)), ("attn_norm.weight", (h,)), ("nextn.eh_proj.weight",
+                            (h, 2 * h)), ("nextn.enorm.weight", (h,)), ("nextn.hnorm.weight", (h,))):
+            writer.add_tensor(extra + name, np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     if moe:  # (no dense MLP: no feed_forward_length, as llama.cpp's converter writes Qwen3.5-MoE)
