@@ -139,3 +139,22 @@ def test_a_linear_attention_draft_model_is_refused(qwen3_5, tmp_path):
     make_hf_model("qwen3", tmp_path / "served")  # the same 320-token vocabulary
     with pytest.raises(ValueError, match="draft model with linear-attention layers"):
         LLM(str(tmp_path / "served"), speculative_model=str(directory), kv_cache_memory_gib=0.01)
+
+
+def test_states_take_at_most_half_the_budget_and_snapshots_a_quarter():
+    """Qwen3.5-0.8B's shapes (19.3 MB of states a sequence) in the CPU default's 2 GiB: 53 sequences at once, not the
+    64 asked, and 26 snapshots; without prefix caching none; a budget that holds no state is a one-line error."""
+    from engine.config import GIB, EngineConfig, plan_state_rows, state_bytes
+    from model.config import ModelConfig
+
+    config = ModelConfig.from_hf({"model_type": "qwen3_5_text", "hidden_size": 1024, "intermediate_size": 3584,
+                                  "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "head_dim": 256, "vocab_size": 248320, "linear_num_key_heads": 16,
+                                  "linear_num_value_heads": 16})
+    assert state_bytes(config, 1) == 18 * (3 * 6144 + 16 * 128 * 128) * 4
+    rows = plan_state_rows(EngineConfig(max_num_seqs=64), config, 2 * GIB)
+    assert (rows.running, rows.snapshots) == (53, 26)
+    assert plan_state_rows(EngineConfig(max_num_seqs=8), config, 2 * GIB).total == 16
+    assert plan_state_rows(EngineConfig(enable_prefix_caching=False), config, 2 * GIB).snapshots == 0
+    with pytest.raises(ValueError, match="more than half the cache budget"):
+        plan_state_rows(EngineConfig(), config, 30 * 2**20)
