@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta import causal_conv, chunked_delta_rule, gated_delta_decode, gated_rms_norm, l2_normalize
+from kernels.gated_delta import (causal_conv_taps, chunked_delta_rule, gated_delta_decode, gated_rms_norm,
+                                 l2_normalize)
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 
@@ -85,7 +86,6 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_proj(x).float()  # [T, C + Hv Dv + 2 Hv]: convolution input, z, b, a
         if plan.fresh.numel():
             pool.index_fill_(0, plan.fresh, 0.0)
-        weight = self.conv1d.weight.view(self.channels, self.taps).float()
         if not plan.runs:  # decode: every row a sequence's one new token
             out = self.decode(projected, pool, plan.step_slots)
         else:
@@ -93,7 +93,7 @@ class GatedDeltaNet(nn.Module):
             if plan.step_rows.numel():
                 out[plan.step_rows] = self.decode(projected[plan.step_rows], pool, plan.step_slots)
             for first, end, slot in plan.runs:  # a prompt's chunk, its own
-                out[first:end] = self.prompt(projected[first:end], pool[slot], weight)
+                out[first:end] = self.prompt(projected[first:end], pool[slot])
         return self.out_proj(out.to(x.dtype))
 
     def decode(self, projected: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
                                   self.value_dim, self.tiled, self.eps)
 
     def conv_taps(self) -> torch.Tensor:
-        """[K, C] float32: the convolution's weight with each tap's channels contiguous, as the decode op reads it
+        """[K, C] float32: the convolution's weight with each tap's channels contiguous, as its C++ ops read it
         (made again when the weight is replaced or changed in place)."""
         weight = self.conv1d.weight
         made_of = (weight.data_ptr(), weight._version)
@@ -112,7 +112,7 @@ class GatedDeltaNet(nn.Module):
             self._taps_of = made_of
         return self._taps
 
-    def prompt(self, projected: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def prompt(self, projected: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """A sequence's run of L tokens [L, projected] -> [L, Hv Dv], its state row [linear_state_size] advanced:
         the convolution from the state's last inputs, the rule in chunks (kernels/gated_delta.py)."""
         mixed, z, b, a = projected.split([self.channels, self.value_size, self.value_heads, self.value_heads], dim=-1)
@@ -120,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         conv_state = state[:width].view(self.taps - 1, self.channels)
         window = torch.cat([conv_state, mixed])  # [K - 1 + L, C]
         conv_state.copy_(window[mixed.shape[0]:])
-        q, k, v = self.heads(causal_conv(window, weight))
+        q, k, v = self.heads(causal_conv_taps(window, self.conv_taps()))  # one C++ pass over [K - 1 + L, C]
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [L, Hv], <= 0
         matrices = state[width:].view(self.value_heads, self.key_dim, self.value_dim)
         out = chunked_delta_rule(q, k, v, g, b.sigmoid(), matrices)

@@ -216,9 +216,56 @@ at::Tensor gated_delta_decode(const at::Tensor& projected, at::Tensor& pool, con
   return out;
 }
 
+// ladder::causal_conv: a prompt's run through the convolution, window [K - 1 + L, C] (the state's last K - 1
+// inputs, then the run's) and taps [K, C] -> SiLU of the convolution [L, C], rows in parallel, channels in lanes.
+at::Tensor causal_conv(const at::Tensor& window, const at::Tensor& taps) {
+  check_float(window, "window");
+  check_float(taps, "taps");
+  const int64_t K = taps.size(0), C = taps.size(1), L = window.size(0) - K + 1;
+  TORCH_CHECK(window.dim() == 2 && taps.dim() == 2 && window.size(1) == C && K >= 1 && L >= 0,
+              "causal_conv: window [K - 1 + L, C] and taps [K, C]");
+  auto out = at::empty({L, C}, window.options());
+  const float* wp = window.data_ptr<float>();
+  const float* tp = taps.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_for(0, L, std::max<int64_t>(1, 32768 / std::max<int64_t>(C * K, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* rows = wp + t * C;  // row j of the window is input t + j
+      float* y = op + t * C;
+      int64_t c = 0;
+#ifdef __AVX512F__
+      for (; c + 16 <= C; c += 16) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(rows + c), _mm512_loadu_ps(tp + c));
+        for (int64_t j = 1; j < K; ++j)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(rows + j * C + c), _mm512_loadu_ps(tp + j * C + c), acc);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
+        _mm512_storeu_ps(y + c, _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; c + 8 <= C; c += 8) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(rows + c), _mm256_loadu_ps(tp + c));
+        for (int64_t j = 1; j < K; ++j)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(rows + j * C + c), _mm256_loadu_ps(tp + j * C + c), acc);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), acc));
+        _mm256_storeu_ps(y + c, _mm256_div_ps(acc, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+      }
+#endif
+      for (; c < C; ++c) {
+        float acc = rows[c] * tp[c];
+        for (int64_t j = 1; j < K; ++j) acc += rows[j * C + c] * tp[j * C + c];
+        y[c] = silu(acc);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace gated_delta
 }  // namespace ladder
 
-TORCH_LIBRARY_IMPL(ladder, CPU, m) { m.impl("gated_delta_decode", &ladder::gated_delta::gated_delta_decode); }
+TORCH_LIBRARY_IMPL(ladder, CPU, m) {
+  m.impl("gated_delta_decode", &ladder::gated_delta::gated_delta_decode);
+  m.impl("causal_conv", &ladder::gated_delta::causal_conv);
+}
 #undef LADDER_GDN_VECTOR

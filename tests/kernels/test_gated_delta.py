@@ -102,3 +102,14 @@ def test_the_decode_op_is_its_reference(tiled, hk, hv, dk, dv):
     again = gated_delta_decode(projected[1:2], alone, slots[1:2], *weights, hk, dk, dv, tiled, 1e-6)
     twice = pool.clone()
     assert torch.equal(again, gated_delta_decode(projected, twice, slots, *weights, hk, dk, dv, tiled, 1e-6)[1:2])
+
+
+def test_the_prompt_convolution_op_is_its_reference():
+    """ladder::causal_conv (C++ where built) over a window [K - 1 + L, C] with taps [K, C]: the reference's outputs,
+    channels past the last vector lane included (C = 100)."""
+    from kernels.gated_delta import causal_conv_taps, causal_conv_taps_ref
+
+    gen = torch.Generator().manual_seed(6)
+    window, taps = torch.randn(3 + 37, 100, generator=gen), torch.randn(4, 100, generator=gen)
+    assert torch.allclose(causal_conv_taps(window, taps), causal_conv_taps_ref(window, taps), atol=1e-5)
+    assert causal_conv_taps(window[:3], taps).shape == (0, 100)
