@@ -158,3 +158,47 @@ def test_states_take_at_most_half_the_budget_and_snapshots_a_quarter():
     assert plan_state_rows(EngineConfig(enable_prefix_caching=False), config, 2 * GIB).snapshots == 0
     with pytest.raises(ValueError, match="more than half the cache budget"):
         plan_state_rows(EngineConfig(), config, 30 * 2**20)
+
+
+def test_requests_under_load_each_get_what_they_get_alone(qwen3_5):
+    """Thirty greedy requests arriving over the steps, many sharing prefixes (the prefix cache's snapshots), some
+    with n = 2, some aborted midway, in a cache small enough to preempt and three sequences at a time: every
+    request that finishes has the tokens its prompt gives alone, and every slot and snapshot row is free or
+    cached at the end."""
+    import random
+
+    from engine.llm_engine import LLMEngine
+
+    directory, loaded = qwen3_5
+    engine = LLMEngine(__import__("engine.config", fromlist=["EngineConfig"]).EngineConfig(
+        model=str(directory), max_num_seqs=3, max_num_batched_tokens=40, kv_cache_memory_gib=0.00025,
+        max_model_len=200), loaded=loaded)
+    rng = random.Random(0)
+    stems = [prompt(n, seed=100 + n) for n in (40, 90, 140)]
+    requests = {}
+    for i in range(30):
+        ids = rng.choice(stems)[:rng.randint(20, 140)] + prompt(rng.randint(1, 40), seed=i)
+        requests[f"r{i}"] = (ids, rng.choice([1, 1, 2]), rng.random() < 0.15)
+    tokens: dict[str, list[list[int]]] = {rid: [[] for _ in range(n)] for rid, (_, n, _) in requests.items()}
+    finished: set[tuple[str, int]] = set()
+    pending = list(requests.items())
+    for step in range(2000):
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                rid, (ids, n, _) = pending.pop(0)
+                engine.add_request(rid, ids, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, n=n))
+        for rid, (_, _, abort) in requests.items():
+            if abort and step == 3 * int(rid[1:]) + 2:
+                engine.abort(rid)
+        for delta in engine.step():
+            tokens[delta.request_id][delta.index].extend(delta.token_ids)
+            if delta.finished and delta.finish_reason.value == "length":
+                finished.add((delta.request_id, delta.index))
+        if not pending and not engine.has_unfinished():
+            break
+    assert engine.scheduler.num_preemptions > 0 and engine.state_cache.hits > 0
+    assert len(finished) > 30
+    for rid, index in finished:
+        ids = requests[rid][0]
+        assert tokens[rid][index] == [s.token_id for s in Generator(loaded.module, 200).generate(ids, 10)], rid
+    assert sorted(engine.scheduler.states.free) == [0, 1, 2]
