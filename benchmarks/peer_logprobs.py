@@ -27,8 +27,14 @@ from bench_report import write_report  # benchmarks/, this script's directory
 from peer_embeddings import ROOT, llama_server, start, stop
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
-from tiny_models import (hf_config, ministral3_config, write_gguf, write_gpt_oss_gguf,  # the tests' model builders
-                         write_qwen35_gguf)
+from tiny_models import (  # the tests' model builders
+    hf_config,
+    ministral3_config,
+    spread_qwen3_5_parameters,
+    write_gguf,
+    write_gpt_oss_gguf,
+    write_qwen35_gguf,
+)
 
 import model
 from model.generator import Generator
@@ -74,14 +80,8 @@ def write_file(family: str, directory: Path) -> Path:
                     param.normal_(0, 0.5)
         write_gpt_oss_gguf(hf, path, "F32", "MXFP4", smollm2_tokenizer=True)
         return path
-    if family.startswith("qwen3_5"):  # norms (1 + w) away from 1, decays and write rates spread, as make_hf_model's
-        with torch.no_grad():
-            for name, param in hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0 if "linear_attn" not in name else 1, 0.2)
-                if name.endswith(("A_log", "dt_bias")):
-                    param.normal_(0, 1)
-        write_qwen35_gguf(hf, path, "F32", smollm2_tokenizer=True)
+    if family.startswith("qwen3_5"):
+        write_qwen35_gguf(spread_qwen3_5_parameters(hf), path, "F32", smollm2_tokenizer=True)
         return path
     write_gguf(hf, path, "F32", ARCHES[family], smollm2_tokenizer=True)
     return path

@@ -203,19 +203,13 @@ def gguf_pair(request, tmp_path_factory):
     """A Qwen3.5 (value heads as wide as key heads, as llama.cpp requires) written as llama.cpp's converter writes
     it (arch qwen35, or qwen35moe: stacked experts, the shared expert's `*_shexp` tensors), Q8_0; the reference
     holds what the file holds."""
-    from tiny_models import write_qwen35_gguf
+    from tiny_models import spread_qwen3_5_parameters, write_qwen35_gguf
 
     directory = tmp_path_factory.mktemp("qwen35_gguf")
     config = hf_config(request.param)
     config.linear_value_head_dim = 16
     torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0 if "linear_attn" not in name else 1, 0.2)
-            if name.endswith(("A_log", "dt_bias")):
-                param.normal_(0, 1)
+    hf = spread_qwen3_5_parameters(transformers.AutoModelForCausalLM.from_config(config).eval())
     path = directory / "qwen35.gguf"
     hf.load_state_dict(write_qwen35_gguf(hf, path, "Q8_0", mtp=True), strict=True)
     return hf, path

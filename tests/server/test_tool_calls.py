@@ -14,6 +14,7 @@ import llguidance
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import QWEN3_5_CHAT_TEMPLATE  # Qwen3.5's markup: tools as JSON, past calls in its XML notation
 
 from model.chat_template import render_chat_template
 from model.tokenizer import Tokenizer
@@ -82,43 +83,6 @@ Calls go in <tool_call></tool_call> tags.<|im_end|>
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-# Qwen3.5's template, reduced: tools listed as JSON, each past call's arguments written bare, one per parameter.
-QWEN_XML_LIKE = """\
-{%- if tools %}<|im_start|>system
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-Call as <tool_call>
-<function=NAME>
-<parameter=KEY>
-VALUE
-</parameter>
-</function>
-</tool_call><|im_end|>
-{% endif %}
-{%- for m in messages if m.role != 'system' %}
-{%- if m.role == 'assistant' %}<|im_start|>assistant
-{{ m.content }}
-{%- for call in m.tool_calls or [] %}
-<tool_call>
-<function={{ call.function.name }}>
-{% for key, value in call.function.arguments | items %}<parameter={{ key }}>
-{{ value | tojson if value is mapping or (value is sequence and value is not string) else value | string }}
-</parameter>
-{% endfor %}</function>
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
 LLAMA_LIKE = """\
 {%- if tools %}<|start_header_id|>system<|end_header_id|>
 
@@ -168,7 +132,7 @@ def test_the_format_comes_from_the_template(tokenizer):
     assert tool_format(tokenizer.chat_template) is DEFAULT  # SmolLM2's plain ChatML
     assert tool_format("[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]") is DEFAULT  # no calls written
     assert tool_format(MISTRAL_LIKE) is MISTRAL
-    assert tool_format(QWEN_XML_LIKE) is QWEN_XML
+    assert tool_format(QWEN3_5_CHAT_TEMPLATE) is QWEN_XML
     assert tool_format(None) is DEFAULT
 
 
@@ -245,7 +209,7 @@ def test_a_qwen_xml_template_renders_past_calls_as_the_model_writes_them():
         {"id": "c3", "type": "function", "function": {"name": "get_weather",
                                                       "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]}],
                                        TOOLS, QWEN_XML)
-    text = render_chat_template(QWEN_XML_LIKE, messages, add_generation_prompt=False, **variables)
+    text = render_chat_template(QWEN3_5_CHAT_TEMPLATE, messages, add_generation_prompt=False, **variables)
     assert '"name": "get_weather"' in text  # the tools, listed
     call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\ncelsius\n"
     assert call in text
@@ -430,8 +394,9 @@ FRAGMENTS = [
     "[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[CALL_ID]x1y2z3w4v", "get_time[ARGS]{}", '[TOOL_CALLS]f[ARGS]{"q": "[ARGS]"}',
     '[TOOL_CALLS][{"name": "g", "arguments": {}}]',
     "<function=", "<function=get_time>\n", "</function>", "<parameter=", "<parameter=city>\nZürich\n</parameter>\n",
-    "\n</parameter>", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n</function>\n"
-    "</tool_call>", "<tool_call>\n<function=f>\n<parameter=q>\n[1, 2]\n</parameter>\n</function>\n</tool_call>",
+    "\n</parameter>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=f>\n<parameter=q>\n[1, 2]\n</parameter>\n</function>\n</tool_call>",
 ]  # fmt: skip
 
 

@@ -108,8 +108,8 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
                                                 "mrope_section": [2, 1, 1]})
     if family == QWEN3_5_MOE:
         return transformers.Qwen3_5MoeTextConfig(
-            **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_hidden_layers")}, num_hidden_layers=4,
-            head_dim=32,
+            **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_hidden_layers")},
+            num_hidden_layers=4, head_dim=32,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
             linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, pad_token_id=None,
@@ -136,6 +136,18 @@ def ministral3_config(vocab_size: int = 320, original_context: int = 32):
         tie_word_embeddings=False)
 
 
+def spread_qwen3_5_parameters(model):
+    """A Qwen3.5's norms, which scale by (1 + w), with w away from 0 (the linear attention's output norm, which scales
+    by w, away from 1), and its decays' parameters spread: each then matters to a comparison. Returns the model."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0 if "linear_attn" not in name else 1, 0.2)
+            if name.endswith(("A_log", "dt_bias")):
+                param.normal_(0, 1)
+    return model
+
+
 def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int = 320):
     """Write a random model of `family` to `directory` (config.json + model.safetensors); return it."""
     import transformers
@@ -160,13 +172,8 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
                     tensor.normal_(1, 0.2)
                 if name.endswith("layer_scalar"):
                     tensor.uniform_(0.5, 1.5)
-    if family in (QWEN3_5, QWEN3_5_MOE):  # norms (1 + w) away from 1, the decays and write rates spread
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0 if "linear_attn" not in name else 1, 0.2)
-                if name.endswith(("A_log", "dt_bias")):
-                    param.normal_(0, 1)
+    if family in (QWEN3_5, QWEN3_5_MOE):
+        spread_qwen3_5_parameters(model)
     if family == GPT_OSS:  # biases, sinks and the router's bias away from 0
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -627,7 +634,7 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
         if hk == hv or "linear_attn." not in name:
             return identity
         channels = 2 * hk * dk
-        if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
             qk, v = tensor[:channels], tensor[channels:]
             return (torch.cat([qk, tile_value_heads(v, 0, hk, hv, dv)]),
                     lambda t: torch.cat([t[:channels], untile_value_heads(t[channels:], 0, hk, hv, dv)]))
@@ -825,32 +832,38 @@ THINKING_TEMPLATE = """\
 {% endif %}{% endif %}"""
 
 
-def make_tiny_thinking_model(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Llama whose vocabulary is SmolLM2's plus <think>, </think>, <tool_call> and </tool_call>
-    (ids 49152-49155, added tokens decoded as text, as Qwen3's are) and whose chat template is
-    THINKING_TEMPLATE: a stand-in for a reasoning model."""
+def write_thinking_tokenizer(directory: Path, chat_template: str):
+    """SmolLM2's vocabulary plus <think>, </think>, <tool_call> and </tool_call> (ids 49152-49155, added tokens decoded
+    as text, as Qwen's are) and `chat_template`, written to `directory`; returns the tokenizer before the additions."""
     import json
 
     import tokenizers
-    import transformers
 
     from model.default import default_model_path
     from model.gguf_checkpoint import GGUFCheckpoint
     from model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
-    backend = tokenizer.backend
-    backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
-                        for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    tokenizer.backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                                  for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
     directory.mkdir(parents=True, exist_ok=True)
-    backend.save(str(directory / "tokenizer.json"))
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "add_bos_token": False,
-        "chat_template": THINKING_TEMPLATE,
+        "chat_template": chat_template,
     }))
+    return tokenizer
+
+
+def make_tiny_thinking_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Llama over `write_thinking_tokenizer`'s vocabulary whose chat template is THINKING_TEMPLATE: a
+    stand-in for a reasoning model."""
+    import transformers
+
+    tokenizer = write_thinking_tokenizer(directory, THINKING_TEMPLATE)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=tokenizer.backend.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
@@ -971,31 +984,16 @@ QWEN3_5_CHAT_TEMPLATE = """\
 
 
 def make_tiny_qwen3_5_chat_model(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen3.5 (the `qwen3_5` family's shape) over SmolLM2's vocabulary plus <think>, </think>,
-    <tool_call> and </tool_call> (ids 49152-49155, decoded as text, as Qwen's are) and QWEN3_5_CHAT_TEMPLATE."""
-    import json
-
-    import tokenizers
+    """A tiny random Qwen3.5 (the `qwen3_5` family's shape) over `write_thinking_tokenizer`'s vocabulary (Qwen's
+    <think> and <tool_call> markers) and QWEN3_5_CHAT_TEMPLATE."""
     import transformers
 
-    from model.default import default_model_path
-    from model.gguf_checkpoint import GGUFCheckpoint
-    from model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint(default_model_path()).metadata, "default")
-    backend = tokenizer.backend
-    backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
-                        for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
-    directory.mkdir(parents=True, exist_ok=True)
-    backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": tokenizer.eos_token, "add_bos_token": False,
-        "chat_template": QWEN3_5_CHAT_TEMPLATE,
-    }))
+    tokenizer = write_thinking_tokenizer(directory, QWEN3_5_CHAT_TEMPLATE)
     torch.manual_seed(seed)
-    config = hf_config(QWEN3_5, vocab_size=backend.get_vocab_size())
+    config = hf_config(QWEN3_5, vocab_size=tokenizer.backend.get_vocab_size())
     config.eos_token_id = tokenizer.eos_token_id
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    spread_qwen3_5_parameters(transformers.AutoModelForCausalLM.from_config(config)).save_pretrained(
+        directory, safe_serialization=True)
     return directory
 
 
