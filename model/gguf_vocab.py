@@ -26,6 +26,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's with combining marks kept with the letters they modify (as its tokenizer.json's regex).
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Mistral's Tekken (Nemo, Small 3.x, Devstral, Ministral 3) and o200k (Phi-4-mini, "gpt-4o"): words split at
 # case changes, as their tokenizer.json writes them (llama.cpp emulates these with lookaheads).
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
@@ -43,6 +48,7 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (r"\p{N}", _GPT2_SPLIT) for name in ("smollm", "starcoder", "refact", "codeshell")},
     **{name: (_LLAMA3_SPLIT,) for name in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx")},
     **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen")},
+    "qwen35": (_QWEN35_SPLIT,),
     "tekken": (_TEKKEN_SPLIT,),
     **{name: (_GPT4O_SPLIT,) for name in ("gpt-4o", "llama4")},
 }

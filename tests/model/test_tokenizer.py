@@ -144,6 +144,17 @@ def test_a_byte_level_vocabulary_splits_as_its_pre_tokenizer_says(metadata, pre,
     assert tokenizer.add_bos_token == bos and (tokenizer.encode(text)[0] == tokenizer.bos_token_id) == bos
 
 
+def test_qwen35s_pre_tokenizer_keeps_combining_marks_with_their_letters(metadata) -> None:
+    """Qwen3.5's GGUF files name `tokenizer.ggml.pre` qwen35: Qwen2's rules, but a letter's combining marks (here
+    U+0301 and U+0308 after e and a) stay in its word, as llama.cpp and the model's tokenizer.json split them."""
+    text = "cafe\u0301s na\u0308ive 12"
+    pieces = {pre: [piece for piece, _ in Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.pre": pre},
+                                                                      f"{pre}.gguf").backend.pre_tokenizer
+                    .pre_tokenize_str(text)] for pre in ("qwen2", "qwen35")}
+    assert pieces["qwen35"] == ["cafeÌģs", "ĠnaÌĪive", "Ġ", "1", "2"]
+    assert pieces["qwen2"] == ["cafe", "Ìģs", "Ġna", "ÌĪive", "Ġ", "1", "2"]
+
+
 def test_unsupported_gguf_tokenizer_model() -> None:
     with pytest.raises(ModelLoadError, match=r"weird\.gguf.*'bert'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "weird.gguf")
