@@ -298,7 +298,8 @@ def instrumented(module: nn.Module, stopwatch: Stopwatch) -> Iterator[None]:
                 sparse = sum(config.is_sparse_layer(i) for i in range(config.num_layers))
                 calls = {"rms_norm": sum(isinstance(m, llama.RMSNorm) for m in module.modules()),  # once a step
                          "experts": sparse, "gate_up": config.num_layers - sparse,
-                         "silu_and_mul": config.num_layers - sparse, "down": config.num_layers - sparse}
+                         "silu_and_mul": config.num_layers - sparse, "down": config.num_layers - sparse,
+                         "rotary": config.num_layers - len(config.linear_layers)}  # (attention layers' only)
                 for part, seconds in cpu_step.take_profile().items():
                     if calls.get(part, config.num_layers):
                         stopwatch.seconds[part] += seconds
@@ -399,9 +400,12 @@ def median(records: list[dict], key: str) -> float:
 def summarize(bare: list[dict], timed: list[dict], module: nn.Module, quantization: str, memory_bandwidth: float,
               contexts: tuple[int, int], sse: float | None) -> StepBreakdown:
     weight_bytes: Counter = Counter()
+    # Inside the C++ step a linear-attention layer's projections are timed as the qkv and o parts (and its state
+    # update as attention's): their bytes go to those rows.
+    in_step = {"linear_in": "qkv", "linear_out": "o"} if cpu_step_of(module) is not None else {}
     for name, sub in module.named_modules() if isinstance(module, nn.Module) else ():
         if (kind := LINEAR_KINDS.get(name.rsplit(".", 1)[-1])) is not None:
-            weight_bytes[kind] += linear_weight_bytes(sub)
+            weight_bytes[in_step.get(kind, kind)] += linear_weight_bytes(sub)
         elif isinstance(sub, MOE_BLOCKS):
             weight_bytes["experts"] += experts_weight_bytes(sub)
     phases = []
@@ -416,7 +420,8 @@ def summarize(bare: list[dict], timed: list[dict], module: nn.Module, quantizati
     step = median(bare, "wall")
     if cpu_step_of(module) is not None:
         notes.append("the layers ran as one C++ call a step (model/cpu_step.py): their rows are its parts, timed "
-                     "inside it")
+                     "inside it" + ("; the linear-attention layers' projections in the qkv and o rows, their state "
+                                    "update in attention's" if in_step and module.config.linear_layers else ""))
     if phases:
         phases.append(Phase("forward python", engine_phases["forward"] - ops))
     else:  # an artifact runtime: no decoder modules in this process to time

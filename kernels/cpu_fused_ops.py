@@ -13,7 +13,7 @@ within a few roundings of torch's): they are the functions the decoder step (mod
 the eager model must compute what the step computes, bit for bit.
 
 Each is a custom op (ladder::rms_norm, ladder::fused_add_rms_norm, ladder::rotary, ladder::silu_and_mul,
-ladder::gelu_tanh_and_mul, ladder::clamped_swiglu; kernels/csrc/fused_ops.cpp,
+ladder::gelu_tanh_and_mul, ladder::clamped_swiglu, ladder::sigmoid_gate; kernels/csrc/fused_ops.cpp,
 kernels/cpu_extension.py), called in eager mode only: under torch.compile the references are traced and
 Inductor fuses their element-wise work into its own loops. Other dtypes and non-CPU tensors use the
 references too, and so does every call where the extension cannot be built or LADDER_CPU_KERNELS=0.
@@ -45,6 +45,20 @@ _gelu_tanh_and_mul = cpu_op("gelu_tanh_and_mul", gelu_tanh_and_mul_ref,
                             lambda gate_up: gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
 _clamped_swiglu = cpu_op("clamped_swiglu", clamped_swiglu_ref, lambda gate_up, alpha, limit:
                          gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,)))
+
+
+def sigmoid_gate_ref(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return out * torch.sigmoid(gate)
+
+
+_sigmoid_gate = cpu_op("sigmoid_gate", sigmoid_gate_ref, lambda out, gate: torch.empty_like(out))
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out [T, n] * sigmoid(gate [T, n]): Qwen3.5's attention output gate, as the decoder step computes it."""
+    if not _native(out, gate) or out.dim() != 2:
+        return sigmoid_gate_ref(out, gate)
+    return _sigmoid_gate(out.contiguous(), gate.contiguous())
 
 
 def _native(*tensors: torch.Tensor) -> bool:

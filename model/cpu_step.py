@@ -13,7 +13,8 @@ linears; the C++ attention kernel; Llama, Mistral, Qwen2 and Qwen3 layers, Gemma
 sandwich norms, GeGLU, sliding-window layers beside full ones with their own tables) and Gemma 4's dense ones
 (each layer's own head size and KV heads, values from the keys, normed values, layers reading an earlier
 layer's cache, per-layer embeddings, the scaled stream: their per-layer inputs are computed in Python and
-passed in); LoRA slots on the
+passed in) and Qwen3.5's (linear-attention layers, whose state update is gated_delta.cpp's, in decode steps: a
+prompt's chunk runs the eager layers; attention with an output gate); LoRA slots on the
 linears (model/lora_slots.py: each row's adapter added after its linear, as the eager wrapper adds it, from
 the wrapper's own tensors, so an adapter loaded into a slot later is read); mixtures of experts whose
 experts are W4A8 (the router and routing through ATen's own calls, as the eager block makes them). Not
@@ -39,6 +40,7 @@ from torch.nn.modules import module as nn_module
 
 from kernels import cpu_extension
 from model.attention.cpu_backend import CpuAttentionPlan, CpuPagedAttention
+from model.linear_attention import RecurrentPlan
 from model.lora_slots import LoRALinear, LoRASlots
 from model.moe import W4A8Gemma4Experts, W4A8SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
@@ -70,7 +72,7 @@ def _hooked(module: nn.Module) -> bool:
 def _norms(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
     attn = layer.self_attn
     extra = [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if model.config.sandwich_norms else []
-    qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None] if attn is not None else []
     ple = [layer.post_per_layer_input_norm] if layer.post_per_layer_input_norm is not None else []
     beside = ([layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_1,
                layer.post_feedforward_layernorm_2] if layer.experts is not None else [])
@@ -109,8 +111,6 @@ def step_support(model: nn.Module) -> str | None:
         return f"the gate {config.hidden_act}"
     if config.attention_sinks:
         return "attention with sink logits (GPT-OSS)"
-    if config.linear_layers:
-        return "linear-attention layers (Qwen3.5)"
     if config.shared_expert_intermediate_size:
         return "a shared expert beside the routed ones"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
@@ -122,16 +122,20 @@ def step_support(model: nn.Module) -> str | None:
             return f"attention {type(backend).__name__}, not the C++ kernel's backend"
     owners = set()  # the LoRASlots of the wrapped linears: one, whose rows each step passes
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn or layer.linear_attn, layer.mlp
+        mixer = (attn.qkv_proj, attn.o_proj) if layer.linear_attn is None else (attn.in_proj, attn.out_proj)
+        if layer.linear_attn is not None and any(p.dtype != torch.float32 for p in (
+                attn.A_log, attn.dt_bias, attn.norm_weight, attn.conv1d.weight)):
+            return f"layer {i}: linear attention's parameters not float32"
         if isinstance(mlp, W4A8SparseMoeBlock):
             if mlp.expert_offset or type(mlp.gate) is not nn.Linear or mlp.gate.bias is not None \
                     or mlp.gate.weight.dtype != torch.float32 or _hooked(mlp.gate):
                 return f"layer {i}: experts held in part, or a router other than a float32 linear"
-            linears = (attn.qkv_proj, attn.o_proj)
+            linears = mixer
         elif not hasattr(mlp, "gate_up_proj"):
             return f"layer {i}: a {type(mlp).__name__} (the step takes dense MLPs and W4A8 experts)"
         else:
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = (*mixer, mlp.gate_up_proj, mlp.down_proj)
         if layer.per_layer_input_gate is not None:  # Gemma 4's per-layer embedding's two linears
             linears = (*linears, layer.per_layer_input_gate, layer.per_layer_projection)
         if layer.experts is not None:  # Gemma 4's experts beside the MLP: W4A8 ones, a float32 router
@@ -192,14 +196,16 @@ class CpuDecoderStep:
             return [linear.packed, linear.wsum, linear.scale, bias], [kind, 0]
 
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, linear_attn, mlp = layer.self_attn, layer.linear_attn, layer.mlp
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                     layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+                     layer.post_feedforward_layernorm, *((attn.q_norm, attn.k_norm) if attn is not None else (None,) * 2)]
             tensors += [empty if n is None else n.weight.detach() for n in norms]
             ints.append(int(model.windowed[i] if mixed else (uniform_window or i in nope)))
             moe = isinstance(mlp, W4A8SparseMoeBlock)
             dense = () if moe else (mlp.gate_up_proj, mlp.down_proj)
-            for which, wrapped in enumerate((attn.qkv_proj, attn.o_proj, *dense)):
+            # A linear-attention layer's input and output projections take the qkv and o places.
+            mixer = (attn.qkv_proj, attn.o_proj) if attn is not None else (linear_attn.in_proj, linear_attn.out_proj)
+            for which, wrapped in enumerate((*mixer, *dense)):
                 if type(wrapped) is LoRALinear:
                     loras.append((i, which, wrapped))
                 more_tensors, more_ints = linear_tensors(_base(wrapped))
@@ -213,8 +219,11 @@ class CpuDecoderStep:
                 ints += [0, 0]
             # Gemma 4 (the model's shape else): the layer's own attention shape and MLP width, what its qkv
             # projects and whose cache it reads, the values' norm; its scalar and per-layer embedding parts.
-            ints += [attn.head_dim, attn.num_kv_heads, config.layer_intermediate_size(i), attn.kv_outputs,
-                     attn.kv_source, int(attn.value_norm_eps is not None)]
+            if attn is not None:
+                ints += [attn.head_dim, attn.num_kv_heads, config.layer_intermediate_size(i), attn.kv_outputs,
+                         attn.kv_source, int(attn.value_norm_eps is not None)]
+            else:  # (a linear-attention layer: the model's attention shape, unused)
+                ints += [config.head_dim, config.num_kv_heads, config.layer_intermediate_size(i), 2, i, 0]
             tensors.append(empty if layer.layer_scalar is None else layer.layer_scalar.detach())
             if layer.per_layer_input_gate is not None:
                 for linear in (layer.per_layer_input_gate, layer.per_layer_projection):
@@ -236,6 +245,14 @@ class CpuDecoderStep:
             else:
                 tensors += [empty] * 10
                 ints += [0, 0, 0, 0]
+            if linear_attn is not None:  # Qwen3.5's gated delta rule: taps [K, C], A_log, dt_bias [Hv], norm [Dv]
+                tensors += [linear_attn.conv_taps(), linear_attn.A_log.detach(), linear_attn.dt_bias.detach(),
+                            linear_attn.norm_weight.detach()]
+                ints += [1, 0, linear_attn.key_heads, linear_attn.key_dim, linear_attn.value_dim,
+                         int(linear_attn.tiled)]
+            else:
+                tensors += [empty] * 4
+                ints += [0, int(attn.gate_size > 0), 0, 0, 0, 0]
         tensors.append(model.norm.weight.detach())
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)
         for layer, which, wrapper in loras:
@@ -252,9 +269,14 @@ class CpuDecoderStep:
 
     @staticmethod
     def takes(plan: object, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether a step's plan (or pair of plans) and caches are the step's: every token a kernel row, a
-        float32 or 16-bit cache, no autograd, not under torch.compile."""
+        """Whether a step's plan (or pair of plans) and caches are the step's: every token a kernel row (with
+        linear-attention layers, every sequence's one new token: a decode step), a float32 or 16-bit cache, no
+        autograd, not under torch.compile."""
         plans = plan if isinstance(plan, tuple) else (plan,)
+        if isinstance(plans[-1], RecurrentPlan):
+            if plans[-1].runs:
+                return False
+            plans = plans[:-1]
         return (all(isinstance(p, CpuAttentionPlan) and p.gather is None for p in plans)
                 and kv_caches[0].dtype in KV_CACHE_DTYPES and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling())
@@ -266,6 +288,9 @@ class CpuDecoderStep:
         """x [T, hidden] embeddings, cos/sin [T, head_dim / 2] of the full and of the windowed layers, the
         plan (a pair with windowed layers among full ones), Gemma 4's per-layer inputs [T, layers, P], each
         token's query scale [T] (Ministral 3's attention temperature) -> the final norm's output [T, hidden]."""
+        states = self.no_lora  # each row's state slot in the linear-attention layers' pools (none without)
+        if isinstance(plan, tuple) and isinstance(plan[-1], RecurrentPlan):
+            plan, states = plan[0], plan[-1].step_slots  # (every row a sequence's one token, in order)
         full, local = plan if isinstance(plan, tuple) else (plan, plan)
         rows = self.lora.rows_for(x.shape[0]) if self.lora is not None else None  # [T] LoRA slots, or None
         return self.step.forward(x, cos, sin, local_cos, local_sin, kv_caches, full.slot_mapping,
@@ -273,7 +298,7 @@ class CpuDecoderStep:
                                  local.row_block_tables, local.row_seq_lens, self.scale, self.window,
                                  self.no_lora if rows is None else rows.contiguous(),
                                  self.no_inputs if per_layer_inputs is None else per_layer_inputs.contiguous(),
-                                 self.no_inputs if q_scale is None else q_scale.reshape(-1).contiguous())
+                                 self.no_inputs if q_scale is None else q_scale.reshape(-1).contiguous(), states)
 
     def set_profiling(self, on: bool) -> None:
         """Time each part of the coming steps inside C++ (a clock read between parts), or stop."""

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kernels.cpu_fused_ops import sigmoid_gate
 from kernels.ops import Ops, select_ops
 from kernels.rotary import rotary_cos_sin_ref, rotate_ref
 from model.attention import AttentionBackend, AttentionPlan, attention_for
@@ -130,7 +131,7 @@ class Attention(nn.Module):
         else:  # (wrappers of the backend, tensor parallelism's, take no sinks)
             out = self.backend.forward(q, k, v, kv_cache, plan, self.scale)  # [T, heads, head_dim]
         out = out.reshape(-1, self.q_size)
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+        return self.o_proj(out if gate is None else sigmoid_gate(out, gate))
 
 
 class MLP(nn.Module):
@@ -406,6 +407,9 @@ class LlamaForCausalLM(nn.Module, BaseStepModel):
             else:
                 local = self.local_cos_sin(positions, cos, sin)
             per_layer = self.per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
+            if self.config.linear_layers and plan[-1].fresh.numel():  # sequences starting: their states from zeros
+                for i in self.config.linear_layers:
+                    kv_caches[i].index_fill_(0, plan[-1].fresh, 0.0)
             return self.cpu_step(x, cos, sin, *local, kv_caches, plan, per_layer, q_scale)
         residual = None
         if self.config.layers_alike:

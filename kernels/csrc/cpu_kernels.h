@@ -36,6 +36,9 @@ LADDER_SHARED void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I,
 // 0.044715 g^3))), which is 0.5 g (1 + tanh(...)).
 LADDER_SHARED void gelu_tanh_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out);
 // GPT-OSS's experts: g = min(gate, limit), u = clamp(up, -limit, limit) -> g / (1 + exp(-alpha g)) * (u + 1).
+// In place: out[t * n + j] *= sigmoid(gate[t * gate_stride + j]) for T rows of n (Qwen3.5's attention output gate),
+// sigmoid(g) = 1 / (1 + exp(-g)).
+LADDER_SHARED void sigmoid_gate_rows(float* out, const float* gate, int64_t T, int64_t n, int64_t gate_stride);
 LADDER_SHARED void clamped_swiglu_rows(const float* gate_up, int64_t T, int64_t I, float alpha, float limit,
                                        float* out);
 
@@ -143,6 +146,19 @@ std::vector<int64_t> lora_bounds(c10::IntArrayRef splits, int64_t N, int64_t R);
 LADDER_SHARED void lora_add_rows(const float* y, const float* x, const float* a, const float* b, const int64_t* slot,
                                  int64_t T, int64_t K, int64_t N, int64_t S, int64_t R, const int64_t* bounds, int64_t P,
                                  float* out, bool portable);
+
+// gated_delta.cpp ------------------------------------------------------------------------------------
+
+// One new token of each of B sequences through a linear-attention layer (Qwen3.5's gated delta rule), from its
+// input projection's rows (`projected`, B rows of `width` = C + Hv Dv + 2 Hv floats: the convolution's input, z,
+// b, a) to its output projection's input (`out`, B rows of Hv Dv); sequence b's state in row slots[b] of `pool`
+// (rows of `state_width` floats: the convolution's last K - 1 inputs [K - 1, C], then Hv matrices [Dk, Dv]),
+// advanced in place. taps [K, C]; a_log, dt_bias [Hv]; norm [Dv]; `tiled`: value head h reads key head h % Hk
+// (else h / (Hv / Hk)). Each (sequence, head) is computed alone, in one order whatever the batch.
+LADDER_SHARED void gated_delta_rows(const float* projected, int64_t B, int64_t width, float* pool, int64_t state_width,
+                                    const int64_t* slots, const float* taps, int64_t K, int64_t C, const float* a_log,
+                                    const float* dt_bias, const float* norm, int64_t Hk, int64_t Dk, int64_t Dv,
+                                    int64_t Hv, bool tiled, float eps, float* out);
 
 // decode_attention.cpp -------------------------------------------------------------------------------
 

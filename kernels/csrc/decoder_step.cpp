@@ -26,7 +26,9 @@
 //            [hidden, P] (four tensors each, as above) and its norm [hidden]; then 26B-A4B's experts beside
 //            the MLP: the router's float32 proj [E, hidden], scale [hidden] and per-expert scale [E], the
 //            experts' W4A8 stacks (w13 codes, scales, w2 codes, scales) and the norms of their input, of the
-//            MLP's output and of theirs [hidden] (empty all: not Gemma 4, or not its experts).
+//            MLP's output and of theirs [hidden] (empty all: not Gemma 4, or not its experts). Then Qwen3.5's
+//            linear attention: the convolution's taps [K, C], A_log and dt_bias [Hv], the output norm [Dv] (empty
+//            all for an attention layer); a linear-attention layer's qkv and o places hold its in_proj and out_proj.
 //   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), P (Gemma 4's per-layer embedding
 //            size; 0: none), then per layer: windowed (1: the layer reads the local tables and rotates by the
 //            local cos/sin), per linear kind (0 W4A8, 1 W8A8, 2 a MoE layer's experts) and zero (W4A8's
@@ -34,15 +36,19 @@
 //            kv_heads, intermediate, projections (2: q/k/v; 1: q/k, values the keys' projection; 0: q only, the
 //            layer reads layer `source`'s cache, written by that layer), source, value_norm (1: values
 //            RMS-normalised without a weight), and the kinds and zeros of the per-layer gate and projection;
-//            then experts beside the MLP (1: Gemma 4's), their top_k and the w13 and w2 zeros.
+//            then experts beside the MLP (1: Gemma 4's), their top_k and the w13 and w2 zeros; then linear (1: the
+//            layer's token mixer is Qwen3.5's gated delta rule), gate (1: attention's output times the sigmoid of
+//            gates the qkv linear projects after the values), the linear attention's key heads, key and value head
+//            sizes, and tiled (1: value head h reads key head h % Hk).
 // forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2] (of the full and windowed layers'
 //   head sizes), kv_caches (one [2, blocks, block_size, kv_heads, head_dim] per layer, all float32, all
 //   bfloat16 or all float16: keys and values are rounded to the cache's type as they are written, as torch's
 //   conversion rounds them), slot_mapping [T], block_tables [T, max_blocks], seq_lens [T] and the same three
 //   for the windowed layers, scale, window, lora_slots ([T] int64, each row's LoRA slot or -1; empty: no
 //   adapter this step), per_layer_inputs ([T, layers, P] float32; empty without), q_scale ([T] float32, each
-//   token's queries multiplied by it after their rotation: Llama 4's attention temperature; empty without))
-//   -> final hidden [T, hidden].
+//   token's queries multiplied by it after their rotation: Llama 4's attention temperature; empty without),
+//   state_slots ([T] int64, each row's state in the linear-attention layers' pools, whose kv_caches entries they
+//   are: [S, (K - 1) C + Hv Dk Dv] float32; empty without such layers)) -> final hidden [T, hidden].
 //   Each row is a decode row: token t sees seq_lens[t] keys, its own included; a windowed layer the last
 //   `window` of them.
 #include <ATen/ATen.h>
@@ -61,8 +67,8 @@
 namespace ladder {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 42;
-constexpr int64_t kIntsPerLayer = 25;
+constexpr int64_t kTensorsPerLayer = 46;
+constexpr int64_t kIntsPerLayer = 31;
 constexpr int64_t kHeaderInts = 7;
 
 // The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
@@ -157,6 +163,12 @@ struct Layer {
   Linear ple_gate, ple_proj;
   bool beside = false;  // Gemma 4's experts beside the MLP
   BesideExperts experts2;
+  // Qwen3.5: a linear-attention layer (qkv and o are its in_proj and out_proj), or attention with an output gate.
+  bool linear = false;
+  int64_t gate = 0;  // the gates' width (heads x head_dim), after q | k | v in the qkv linear's rows; 0: none
+  at::Tensor taps, a_log, dt_bias, ssm_norm;
+  int64_t hk = 0, dk = 0, dv = 0, hv = 0, conv_k = 0, channels = 0;
+  bool tiled = false;
 };
 
 Experts make_experts(const std::vector<at::Tensor>& t, int64_t at, const int64_t* z, int64_t hidden) {
@@ -241,10 +253,32 @@ class DecoderStep : public torch::CustomClassHolder {
                   projections <= 2 && z[15] >= 0 && z[15] <= i && (projections == 0) == (z[15] != i),
                   "DecoderStep: layer ", i, ": heads a multiple of kv_heads, even head_dim, a source layer before it");
       const int64_t q = heads_ * D, kv = KVH * D;
+      const bool linear = z[25] != 0;
+      const int64_t gate = z[26] ? q : 0;
+      // A linear-attention layer: its in_proj and out_proj in the qkv and o places.
+      int64_t qkv_n = q + projections * kv + gate, o_k = q, hv = 0, channels = 0;
+      if (linear) {
+        hv = t[at + 43].numel();
+        channels = t[at + 42].dim() == 2 ? t[at + 42].size(1) : 0;
+        TORCH_CHECK(channels > 0 && z[27] > 0 && z[28] > 0 && z[29] > 0 && hv % z[27] == 0 &&
+                    channels == 2 * z[27] * z[28] + hv * z[29], "DecoderStep: layer ", i, ": linear attention's taps "
+                    "[K, C], C = 2 Hk Dk + Hv Dv");
+        qkv_n = channels + hv * z[29] + 2 * hv, o_k = hv * z[29];
+      }
       Layer layer{norm(t[at], hidden_, true), norm(t[at + 1], hidden_, true), norm(t[at + 2], hidden_, false),
                   norm(t[at + 3], hidden_, false), norm(t[at + 4], D, false), norm(t[at + 5], D, false),
-                  make_linear(t, at + 6, z[1], z[2], q + projections * kv, hidden_),
-                  make_linear(t, at + 10, z[3], z[4], hidden_, q), Linear{}, Linear{}, z[0] != 0};
+                  make_linear(t, at + 6, z[1], z[2], qkv_n, hidden_),
+                  make_linear(t, at + 10, z[3], z[4], hidden_, o_k), Linear{}, Linear{}, z[0] != 0};
+      layer.linear = linear, layer.gate = gate;
+      if (linear) {
+        layer.taps = t[at + 42].contiguous(), layer.conv_k = t[at + 42].size(0), layer.channels = channels;
+        layer.hk = z[27], layer.dk = z[28], layer.dv = z[29], layer.hv = hv, layer.tiled = z[30] != 0;
+        layer.a_log = norm(t[at + 43], hv, true), layer.dt_bias = norm(t[at + 44], hv, true);
+        layer.ssm_norm = norm(t[at + 45], layer.dv, true);
+        TORCH_CHECK(layer.taps.scalar_type() == at::kFloat && layer.conv_k >= 2, "DecoderStep: float32 taps, K >= 2");
+        max_qs_ = std::max(max_qs_, o_k);
+      }
+      if (linear || gate) max_proj_ = std::max(max_proj_, qkv_n);
       layer.moe = z[5] == 2;
       TORCH_CHECK(layer.moe == (z[7] == 2), "DecoderStep: a MoE layer's gate_up and down are both kind 2");
       if (layer.moe) {
@@ -296,14 +330,19 @@ class DecoderStep : public torch::CustomClassHolder {
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots, const at::Tensor& tables,
                      const at::Tensor& lens, const at::Tensor& local_slots, const at::Tensor& local_tables,
                      const at::Tensor& local_lens, double scale, int64_t window, const at::Tensor& lora_slots,
-                     const at::Tensor& per_layer_inputs, const at::Tensor& q_scale) {
+                     const at::Tensor& per_layer_inputs, const at::Tensor& q_scale, const at::Tensor& state_slots) {
     const int64_t H = hidden_;
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                 "DecoderStep: x [T, ", H, "] float32 on the CPU");
     const int64_t T = x_in.size(0);
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == L, "DecoderStep: one KV cache per layer");
-    const auto cache_type = kv_caches.empty() ? at::kFloat : kv_caches[0].scalar_type();
+    auto cache_type = at::kFloat;  // the attention layers' caches' (the linear-attention pools are float32)
+    for (int64_t i = 0; i < L && i < static_cast<int64_t>(kv_caches.size()); ++i)
+      if (!layers_[i].linear) {
+        cache_type = kv_caches[i].scalar_type();
+        break;
+      }
     TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf,
                 "DecoderStep: a float32, bfloat16 or float16 KV cache");
     const auto x = x_in.contiguous();
@@ -337,9 +376,24 @@ class DecoderStep : public torch::CustomClassHolder {
                   "] float32 contiguous");
       ple = per_layer_inputs.data_ptr<float>();
     }
+    const int64_t* states = nullptr;  // [T]: each row's state slot in the linear-attention layers' pools
+    if (state_slots.numel()) {
+      TORCH_CHECK(state_slots.scalar_type() == at::kLong && state_slots.dim() == 1 && state_slots.size(0) == T &&
+                  state_slots.is_contiguous(), "DecoderStep: state_slots [T] int64 contiguous");
+      states = state_slots.data_ptr<int64_t>();
+    }
     for (int64_t i = 0; i < L; ++i) {
       const auto& c = kv_caches[i];
       const Layer& layer = layers_[i];
+      if (layer.linear) {  // its state pool
+        TORCH_CHECK(states && c.dim() == 2 && c.scalar_type() == at::kFloat && c.is_contiguous() &&
+                    c.size(1) == (layer.conv_k - 1) * layer.channels + layer.hv * layer.dk * layer.dv,
+                    "DecoderStep: layer ", i, "'s state pool [S, (K - 1) C + Hv Dk Dv] float32 and state_slots");
+        for (int64_t t = 0; t < T; ++t)
+          TORCH_CHECK(states[t] >= 0 && states[t] < c.size(0), "DecoderStep: state slot ", states[t], " outside ",
+                      c.size(0));
+        continue;
+      }
       TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == layer.kv_heads && c.size(4) == layer.head_dim &&
                   c.scalar_type() == cache_type && c.is_contiguous(), "DecoderStep: layer ", i, "'s kv cache [2, "
                   "blocks, block_size, ", layer.kv_heads, ", ", layer.head_dim, "] contiguous, all of one dtype");
@@ -355,6 +409,7 @@ class DecoderStep : public torch::CustomClassHolder {
     residual_.resize(T * H), h_.resize(T * H), y_.resize(T * H);
     qkv_.resize(T * max_qkv_), attn_.resize(T * max_qs_), gate_up_.resize(T * 2 * max_i_), act_.resize(T * max_i_);
     if (ple_) ple_gate_.resize(T * 2 * ple_), ple_act_.resize(T * ple_);
+    if (max_proj_) projected_.resize(std::max<int64_t>(projected_.size(), T * max_proj_));
     float* res = residual_.data();
     float* h = h_.data();
     float* y = y_.data();  // a sublayer's output, before it joins the residual stream
@@ -378,55 +433,71 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       });
       clock.lap(kNorms);
-      if (P == 2) {  // q | k | v rows, as the attention reads them
-        layer.qkv.run(h, T, qkv, s4_, s8_, lora_rows, base_);
-      } else {  // q | k (values: the keys' projection, copied before the keys' norm) or q alone
-        projected_.resize(T * (QS + P * KS));
+      if (layer.linear) {  // Qwen3.5's gated delta rule: in_proj, the state update (gated_delta.cpp), out_proj
         layer.qkv.run(h, T, projected_.data(), s4_, s8_, lora_rows, base_);
-        for (int64_t t = 0; t < T; ++t) {
-          const float* src = projected_.data() + t * (QS + P * KS);
-          std::copy(src, src + QS + P * KS, qkv + t * QKV);
-          if (P == 1) std::copy(src + QS, src + QS + KS, qkv + t * QKV + QS + KS);
+        clock.lap(kQkv);
+        gated_delta_rows(projected_.data(), T, layer.qkv.n, kv_caches[i].data_ptr<float>(), kv_caches[i].size(1),
+                         states, layer.taps.data_ptr<float>(), layer.conv_k, layer.channels,
+                         layer.a_log.data_ptr<float>(), layer.dt_bias.data_ptr<float>(),
+                         layer.ssm_norm.data_ptr<float>(), layer.hk, layer.dk, layer.dv, layer.hv, layer.tiled, eps_,
+                         attn_.data());
+        clock.lap(kAttention);
+        layer.o.run(attn_.data(), T, y, s4_, s8_, lora_rows, base_);
+        clock.lap(kO);
+      } else {  // attention
+        const int64_t G = layer.gate, W = QS + P * KS + G;  // the qkv linear's row: q | k | v | gates
+        if (P == 2 && !G) {  // q | k | v rows, as the attention reads them
+          layer.qkv.run(h, T, qkv, s4_, s8_, lora_rows, base_);
+        } else {  // q | k (values: the keys' projection, copied before the keys' norm) or q alone; gates kept apart
+          projected_.resize(std::max<int64_t>(projected_.size(), T * W));
+          layer.qkv.run(h, T, projected_.data(), s4_, s8_, lora_rows, base_);
+          for (int64_t t = 0; t < T; ++t) {
+            const float* src = projected_.data() + t * W;
+            std::copy(src, src + QS + P * KS, qkv + t * QKV);
+            if (P == 1) std::copy(src + QS, src + QS + KS, qkv + t * QKV + QS + KS);
+          }
         }
-      }
-      clock.lap(kQkv);
-      if (layer.q_norm.defined() || layer.value_norm) {  // each head normalised before its rotation, in place
-        rows(T, QS + 2 * KS, [&](int64_t t) {
-          float* row = qkv + t * QKV;
-          if (layer.q_norm.defined())
-            for (int64_t j = 0; j < heads_; ++j) rms_norm_row(row + j * D, data(layer.q_norm), eps_, D, row + j * D);
-          if (layer.k_norm.defined() && P)
-            for (int64_t j = 0; j < KVH; ++j)
-              rms_norm_row(row + QS + j * D, data(layer.k_norm), eps_, D, row + QS + j * D);
-          if (layer.value_norm && P)
-            for (int64_t j = 0; j < KVH; ++j)
-              rms_norm_row(row + QS + KS + j * D, ones_.data(), eps_, D, row + QS + KS + j * D);
+        clock.lap(kQkv);
+        if (layer.q_norm.defined() || layer.value_norm) {  // each head normalised before its rotation, in place
+          rows(T, QS + 2 * KS, [&](int64_t t) {
+            float* row = qkv + t * QKV;
+            if (layer.q_norm.defined())
+              for (int64_t j = 0; j < heads_; ++j) rms_norm_row(row + j * D, data(layer.q_norm), eps_, D, row + j * D);
+            if (layer.k_norm.defined() && P)
+              for (int64_t j = 0; j < KVH; ++j)
+                rms_norm_row(row + QS + j * D, data(layer.k_norm), eps_, D, row + QS + j * D);
+            if (layer.value_norm && P)
+              for (int64_t j = 0; j < KVH; ++j)
+                rms_norm_row(row + QS + KS + j * D, ones_.data(), eps_, D, row + QS + KS + j * D);
+          });
+          clock.lap(kNorms);
+        }
+        rows(T, QS + KS, [&](int64_t t) {
+          rotate_rows(qkv + t * QKV, 1, heads_, QKV, D, cp + t * half, snp + t * half, half);
+          if (P) rotate_rows(qkv + t * QKV + QS, 1, KVH, QKV, D, cp + t * half, snp + t * half, half);
+          if (qs)  // the eager layers' q * q_scale, the same float32 products
+            for (float *q = qkv + t * QKV, *end = q + QS; q < end; ++q) *q *= qs[t];
         });
-        clock.lap(kNorms);
+        clock.lap(kRotary);
+        const int64_t* sp = plan.slots.data_ptr<int64_t>();
+        const float sc = static_cast<float>(scale);
+        const int64_t w = layer.windowed ? window : 0;
+        const at::Tensor& cache = kv_caches[i];  // a layer without keys of its own reads its source's (the same)
+        if (cache_type == at::kFloat)
+          write_and_attend<float>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc, w,
+                                  attn_.data(), P != 0);
+        else if (cache_type == at::kBFloat16)
+          write_and_attend<c10::BFloat16>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc,
+                                          w, attn_.data(), P != 0);
+        else
+          write_and_attend<c10::Half>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc, w,
+                                      attn_.data(), P != 0);
+        if (G)  // Qwen3.5: each head's output times the sigmoid of its gates, as the eager attention's sigmoid_gate
+          sigmoid_gate_rows(attn_.data(), projected_.data() + QS + P * KS, T, QS, W);
+        clock.lap(kAttention);
+        layer.o.run(attn_.data(), T, y, s4_, s8_, lora_rows, base_);
+        clock.lap(kO);
       }
-      rows(T, QS + KS, [&](int64_t t) {
-        rotate_rows(qkv + t * QKV, 1, heads_, QKV, D, cp + t * half, snp + t * half, half);
-        if (P) rotate_rows(qkv + t * QKV + QS, 1, KVH, QKV, D, cp + t * half, snp + t * half, half);
-        if (qs)  // the eager layers' q * q_scale, the same float32 products
-          for (float *q = qkv + t * QKV, *end = q + QS; q < end; ++q) *q *= qs[t];
-      });
-      clock.lap(kRotary);
-      const int64_t* sp = plan.slots.data_ptr<int64_t>();
-      const float sc = static_cast<float>(scale);
-      const int64_t w = layer.windowed ? window : 0;
-      const at::Tensor& cache = kv_caches[i];  // a layer without keys of its own reads its source's (the same)
-      if (cache_type == at::kFloat)
-        write_and_attend<float>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc, w,
-                                attn_.data(), P != 0);
-      else if (cache_type == at::kBFloat16)
-        write_and_attend<c10::BFloat16>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc,
-                                        w, attn_.data(), P != 0);
-      else
-        write_and_attend<c10::Half>(cache, qkv, T, QS, KS, QKV, sp, plan.tables, plan.lens, heads_, KVH, D, sc, w,
-                                    attn_.data(), P != 0);
-      clock.lap(kAttention);
-      layer.o.run(attn_.data(), T, y, s4_, s8_, lora_rows, base_);
-      clock.lap(kO);
       rows(T, H, [&](int64_t t) {
         if (layer.pre_feedforward_norm.defined()) {  // Gemma: the output normed, then added and normed again
           rms_norm_row(y + t * H, data(layer.post_attention_norm), eps_, H, y + t * H);
@@ -589,6 +660,7 @@ class DecoderStep : public torch::CustomClassHolder {
   float eps_;
   int64_t hidden_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, ple_ = 0;
   int64_t max_qs_ = 0, max_qkv_ = 0, max_i_ = 0, max_d_ = 0;  // the widest layer's, for the buffers
+  int64_t max_proj_ = 0;  // a linear-attention layer's projection, or gated attention's q | k | v | gate
   bool gelu_ = false;
   std::vector<Layer> layers_;
   at::Tensor final_norm_;

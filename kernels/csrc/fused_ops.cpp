@@ -125,6 +125,11 @@ void gated_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
   }
 }
 
+void sigmoid_gate_rows(float* out, const float* gate, int64_t T, int64_t n, int64_t gate_stride) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < n; ++j) out[t * n + j] *= 1.f / (1.f + std::exp(-gate[t * gate_stride + j]));
+}
+
 void silu_and_mul_rows(const float* gate_up, int64_t T, int64_t I, float* out) { gated_rows<false>(gate_up, T, I, out); }
 
 // GPT-OSS's experts: g = min(gate, limit), u = clamp(up, -limit, limit); g / (1 + exp(-alpha g)) * (u + 1), on the
@@ -261,6 +266,17 @@ at::Tensor gated(const at::Tensor& gate_up, const RowsFn& rows_fn) {
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return gated(gate_up, silu_and_mul_rows); }
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return gated(gate_up, gelu_tanh_and_mul_rows); }
 
+// ladder::sigmoid_gate: out [T, n] * sigmoid(gate [T, n]) (float32 contiguous), as the decoder step gates them.
+at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate) {
+  for (const auto* t : {&out, &gate})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2,
+                "sigmoid_gate: out and gate [T, n] float32 CPU contiguous");
+  TORCH_CHECK(out.sizes() == gate.sizes(), "sigmoid_gate: out and gate of one shape");
+  auto result = out.clone();
+  sigmoid_gate_rows(result.data_ptr<float>(), gate.data_ptr<float>(), out.size(0), out.size(1), out.size(1));
+  return result;
+}
+
 // ladder::clamped_swiglu: GPT-OSS's act of gate_up [..., 2 I] float32 contiguous -> [..., I].
 at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
   const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
@@ -279,4 +295,5 @@ TORCH_LIBRARY_IMPL(ladder, CPU, m) {
   m.impl("silu_and_mul", &ladder::silu_and_mul);
   m.impl("gelu_tanh_and_mul", &ladder::gelu_tanh_and_mul);
   m.impl("clamped_swiglu", &ladder::clamped_swiglu);
+  m.impl("sigmoid_gate", &ladder::sigmoid_gate);
 }

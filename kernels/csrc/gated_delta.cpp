@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "parallel.h"
 #include "vec_exp.h"
 
@@ -160,7 +161,7 @@ void check_float(const at::Tensor& t, const char* name) {
 }
 
 // projected [B, C + Hv Dv + 2 Hv], pool [S, (K - 1) C + Hv Dk Dv], slots [B] int64, conv_taps [K, C],
-// A_log and dt_bias [Hv], norm_weight [Dv] -> [B, Hv Dv].
+// A_log and dt_bias [Hv], norm_weight [Dv] -> [B, Hv Dv] (`gated_delta_rows`).
 at::Tensor gated_delta_decode(const at::Tensor& projected, at::Tensor& pool, const at::Tensor& slots,
                               const at::Tensor& conv_taps, const at::Tensor& A_log, const at::Tensor& dt_bias,
                               const at::Tensor& norm_weight, int64_t key_heads, int64_t key_dim, int64_t value_dim,
@@ -172,47 +173,18 @@ at::Tensor gated_delta_decode(const at::Tensor& projected, at::Tensor& pool, con
               "slots: [B] int64");
   const int64_t B = projected.size(0), K = conv_taps.size(0), C = conv_taps.size(1);
   const int64_t Hk = key_heads, Dk = key_dim, Dv = value_dim, Hv = A_log.numel();
-  TORCH_CHECK(conv_taps.dim() == 2 && K >= 2 && projected.dim() == 2 && slots.size(0) == B && projected.size(1) == C + Hv * Dv + 2 * Hv &&
-              C == 2 * Hk * Dk + Hv * Dv && Hk > 0 && Hv % Hk == 0 && dt_bias.numel() == Hv &&
-              norm_weight.numel() == Dv && pool.dim() == 2 && pool.size(1) == (K - 1) * C + Hv * Dk * Dv,
-              "gated_delta_decode: shapes do not agree");
-  const int64_t width = projected.size(1), state_width = pool.size(1), num_slots = pool.size(0);
+  TORCH_CHECK(conv_taps.dim() == 2 && K >= 2 && projected.dim() == 2 && slots.size(0) == B &&
+              projected.size(1) == C + Hv * Dv + 2 * Hv && C == 2 * Hk * Dk + Hv * Dv && Hk > 0 && Hv % Hk == 0 &&
+              dt_bias.numel() == Hv && norm_weight.numel() == Dv && pool.dim() == 2 &&
+              pool.size(1) == (K - 1) * C + Hv * Dk * Dv, "gated_delta_decode: shapes do not agree");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(0 <= slot[b] && slot[b] < num_slots, "slots: a slot outside the pool's ", num_slots, " rows");
+    TORCH_CHECK(0 <= slot[b] && slot[b] < pool.size(0), "slots: a slot outside the pool's ", pool.size(0), " rows");
   auto out = at::empty({B, Hv * Dv}, projected.options());
-  std::vector<float> conv(B * C);  // each token's convolution output: queries, keys (normed), values
-  const float* pp = projected.data_ptr<float>();
-  const float* tp = conv_taps.data_ptr<float>();
-  float* poolp = pool.data_ptr<float>();
-  parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      float* y = conv.data() + b * C;
-      conv_step(poolp + slot[b] * state_width, pp + b * width, tp, K, C, y);  // the state's inputs: its first row
-      for (int64_t h = 0; h < Hk; ++h) {
-        l2_normalize(y + h * Dk, Dk, 1.f / std::sqrt(static_cast<float>(Dk)));
-        l2_normalize(y + Hk * Dk + h * Dk, Dk, 1.f);
-      }
-    }
-  });
-  const float* ap = A_log.data_ptr<float>();
-  const float* dp = dt_bias.data_ptr<float>();
-  const float* np = norm_weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t repeat = Hv / Hk;
-  parallel_for(0, B * Hv, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / Hv, h = p % Hv, kh = tiled ? h % Hk : h / repeat;
-      const float* y = conv.data() + b * C;
-      const float* row = pp + b * width;
-      const float beta = 1.f / (1.f + std::exp(-row[C + Hv * Dv + h]));
-      const float g = -std::exp(ap[h]) * softplus(row[C + Hv * Dv + Hv + h] + dp[h]);
-      float* S = poolp + slot[b] * state_width + (K - 1) * C + h * Dk * Dv;
-      float* o = op + b * Hv * Dv + h * Dv;
-      head_step(S, y + kh * Dk, y + Hk * Dk + kh * Dk, y + 2 * Hk * Dk + h * Dv, std::exp(g), beta, Dk, Dv, o);
-      gated_norm(o, row + C + h * Dv, np, static_cast<float>(eps), Dv);
-    }
-  });
+  gated_delta_rows(projected.data_ptr<float>(), B, projected.size(1), pool.data_ptr<float>(), pool.size(1), slot,
+                   conv_taps.data_ptr<float>(), K, C, A_log.data_ptr<float>(), dt_bias.data_ptr<float>(),
+                   norm_weight.data_ptr<float>(), Hk, Dk, Dv, Hv, tiled, static_cast<float>(eps),
+                   out.data_ptr<float>());
   return out;
 }
 
@@ -262,6 +234,39 @@ at::Tensor causal_conv(const at::Tensor& window, const at::Tensor& taps) {
 
 }  // namespace
 }  // namespace gated_delta
+
+void gated_delta_rows(const float* projected, int64_t B, int64_t width, float* pool, int64_t state_width,
+                      const int64_t* slots, const float* taps, int64_t K, int64_t C, const float* a_log,
+                      const float* dt_bias, const float* norm, int64_t Hk, int64_t Dk, int64_t Dv, int64_t Hv,
+                      bool tiled, float eps, float* out) {
+  using namespace gated_delta;
+  std::vector<float> conv(B * C);  // each token's convolution output: queries, keys (normed), values
+  parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* y = conv.data() + b * C;
+      conv_step(pool + slots[b] * state_width, projected + b * width, taps, K, C, y);  // the state's first rows
+      for (int64_t h = 0; h < Hk; ++h) {
+        l2_normalize(y + h * Dk, Dk, 1.f / std::sqrt(static_cast<float>(Dk)));
+        l2_normalize(y + Hk * Dk + h * Dk, Dk, 1.f);
+      }
+    }
+  });
+  const int64_t repeat = Hv / Hk;
+  parallel_for(0, B * Hv, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / Hv, h = p % Hv, kh = tiled ? h % Hk : h / repeat;
+      const float* y = conv.data() + b * C;
+      const float* row = projected + b * width;
+      const float beta = 1.f / (1.f + std::exp(-row[C + Hv * Dv + h]));
+      const float g = -std::exp(a_log[h]) * softplus(row[C + Hv * Dv + Hv + h] + dt_bias[h]);
+      float* S = pool + slots[b] * state_width + (K - 1) * C + h * Dk * Dv;
+      float* o = out + b * Hv * Dv + h * Dv;
+      head_step(S, y + kh * Dk, y + Hk * Dk + kh * Dk, y + 2 * Hk * Dk + h * Dv, std::exp(g), beta, Dk, Dv, o);
+      gated_norm(o, row + C + h * Dv, norm, eps, Dv);
+    }
+  });
+}
+
 }  // namespace ladder
 
 TORCH_LIBRARY_IMPL(ladder, CPU, m) {

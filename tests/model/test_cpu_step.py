@@ -146,13 +146,14 @@ def test_w4a8_experts_equal_the_eager_layers(tmp_path, family, arch, qtype):
     module.layers[0].mlp.expert_offset = 0
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gemma4_e", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gemma4_e", "qwen3", "smollm3", "phi3", "qwen3_5"])
 def test_tiny_w8a8_models_equal_the_eager_layers(tiny_hf_dir, family):
     """W8A8 linears; Qwen3's q/k norms; Gemma 3's sandwich norms, q/k norms, GeGLU, scaled embedding and a
     16-token window on its first layer (its own rotary base) beside a full layer; Gemma 4's full-attention
     layers with heads of their own size, one KV head whose values are its keys, normed values and a scaled
     stream, and its small models' per-layer embeddings and layers reading the first two's caches; SmolLM3's
-    fourth layer without rotary embeddings (NoPE); Phi-3's rotation of part of each head, LongRoPE-scaled."""
+    fourth layer without rotary embeddings (NoPE); Phi-3's rotation of part of each head, LongRoPE-scaled;
+    Qwen3.5's linear attention (grouped value heads, two to a key head) and gated attention."""
     module = model.load(tiny_hf_dir(family), quantization="w8a8").module
     long_turns = [[list(range(3, 40)), [7, 7, 8]]] + [[[t], [t + 1]] for t in range(50, 56)]
     _assert_same(module, TURNS, max_len=64)
@@ -258,7 +259,7 @@ def test_bad_step_inputs_raise_one_line(default_w4a8):
 
     def forward(x, caches, slots, lora=no_lora, q_scale=no_inputs):
         return step.forward(x, cos, sin, cos, sin, caches, slots, tables, lens, slots, tables, lens, 0.125, 0, lora,
-                            no_inputs, q_scale)
+                            no_inputs, q_scale, no_lora)  # (no state slots: no linear-attention layers)
 
     with pytest.raises(RuntimeError, match="slot 1000000000 outside layer 0's cache"):
         forward(x, seqs.kv_caches, slots)
@@ -338,3 +339,32 @@ def test_lora_slots_equal_the_eager_layers(tmp_path, quantization):
     assert module.cpu_step is built
     for a, b in zip(eager, step, strict=True):
         assert torch.equal(a, b)
+
+
+def test_qwen3_5_decode_steps_equal_the_eager_layers(tmp_path):
+    """Qwen3.5 (linear-attention layers beside attention with an output gate; a GGUF's tiled value heads): its
+    decode steps run as one C++ call, a prompt's chunk the eager layers (the recurrent plan's runs), and the logits
+    of both are the eager layers' bits, for sequences starting with a one-token prompt too. Qwen3.5-MoE's shared
+    expert keeps the eager layers."""
+    import transformers
+    from tiny_models import QWEN3_5, QWEN3_5_MOE, hf_config, spread_qwen3_5_parameters, write_qwen35_gguf
+
+    config = hf_config(QWEN3_5)
+    config.linear_value_head_dim = 16  # (llama.cpp's files: value heads as wide as key heads)
+    torch.manual_seed(1)
+    write_qwen35_gguf(spread_qwen3_5_parameters(transformers.AutoModelForCausalLM.from_config(config)),
+                      tmp_path / "m.gguf", "Q8_0")
+    module = model.load(tmp_path / "m.gguf", quantization="w4a8").module
+    assert step_support(module) is None
+    turns = [[list(range(1, 40)), [7], list(range(50, 60))]] + [[[t], [t + 1], [t + 2]] for t in range(90, 96)]
+    _assert_same(module, turns, max_len=64)
+    calls = []
+    original = module.cpu_step.step.forward
+    module.cpu_step.step = type("Counting", (), {"forward": lambda self, *a: calls.append(1) or original(*a)})()
+    _run(module, True, turns, 64)
+    assert len(calls) == 6  # the decode steps; not the prompts' step
+    torch.manual_seed(2)
+    moe = transformers.AutoModelForCausalLM.from_config(hf_config(QWEN3_5_MOE))
+    write_qwen35_gguf(spread_qwen3_5_parameters(moe), tmp_path / "moe.gguf", "Q8_0")
+    assert step_support(model.load(tmp_path / "moe.gguf", quantization="w4a8").module) == \
+        "a shared expert beside the routed ones"
