@@ -197,8 +197,9 @@ class CpuDecoderStep:
 
         for i, layer in enumerate(model.layers):
             attn, linear_attn, mlp = layer.self_attn, layer.linear_attn, layer.mlp
+            qk_norms = (attn.q_norm, attn.k_norm) if attn is not None else (None, None)
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                     layer.post_feedforward_layernorm, *((attn.q_norm, attn.k_norm) if attn is not None else (None,) * 2)]
+                     layer.post_feedforward_layernorm, *qk_norms]
             tensors += [empty if n is None else n.weight.detach() for n in norms]
             ints.append(int(model.windowed[i] if mixed else (uniform_window or i in nope)))
             moe = isinstance(mlp, W4A8SparseMoeBlock)

@@ -30,8 +30,8 @@ from kernels.rotary import rotary_cos_sin_ref, rotate_ref
 from model.attention import AttentionBackend, AttentionPlan, attention_for
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
-from model.linear_attention import GatedDeltaNet, RecurrentPlan
 from model.cpu_step import CpuDecoderStep, step_support, structure_version
+from model.linear_attention import GatedDeltaNet, RecurrentPlan
 from model.moe import Gemma4Experts, Gemma4Router, GptOssMoeBlock, SparseMoeBlock
 from model.precision import KV_CACHE_DTYPES
 from model.rope import inverse_frequencies, local_inverse_frequencies, rotary_scale

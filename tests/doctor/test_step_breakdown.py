@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 import transformers
+from tiny_models import make_hf_model, write_gguf
 
 from doctor.breakdown import LINEAR_KINDS
 from doctor.config import DoctorConfig
 from doctor.verdict import Evidence, classify
 from ladder.cli import build_parser, main
-from tiny_models import make_hf_model, write_gguf
 
 UNDER_MEMORY = dict(queue_share=0.05, overhead_share=0.1, roof_fraction=0.6, roof="memory", weight_bytes=9.6e7)
 
