@@ -25,9 +25,9 @@ from typing import Any
 #   qwen3_moe (q/k norms), mixtral: sparse mixture-of-experts MLPs (model/moe.py);
 #   gpt_oss (GPT-OSS): every MLP a mixture of experts with biases and a clamped SwiGLU, a router with a bias,
 #   attention with biases (its output's too) and a sink logit per head, sliding-window layers between full ones;
-#   qwen3_5 (Qwen3.5; qwen3_5_moe, its mixtures of experts with a shared expert): three linear-attention layers (a gated delta rule over a state per sequence,
-#   model/linear_attention.py) to one of attention, whose output is gated and whose heads rotate a quarter of
-#   their dims; every norm scales by (1 + w), as Gemma's.
+#   qwen3_5 (Qwen3.5; qwen3_5_moe, its mixtures of experts with a shared expert): three linear-attention layers
+#   (a gated delta rule over a state per sequence, model/linear_attention.py) to one of attention, whose output
+#   is gated and whose heads rotate a quarter of their dims; every norm scales by (1 + w), as Gemma's.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe")
 # Qwen3.5's layers (linear attention beside gated attention), with dense MLPs or with experts beside a shared one.
 QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")
@@ -325,7 +325,8 @@ class ModelConfig:
         """Whether every layer has the same attention shape and cache of its own, and no per-layer inputs:
         what the C++ step, tensor parallelism and the exporters assume."""
         return (self.global_head_dim in (None, self.head_dim) and self.global_num_kv_heads in (None, self.num_kv_heads)
-                and not self.linear_layers and not self.attention_k_eq_v and not self.kv_shared_layers and not self.per_layer_input_size
+                and not self.linear_layers and not self.attention_k_eq_v and not self.kv_shared_layers
+                and not self.per_layer_input_size
                 and not self.layer_scalars and not self.value_norm and not self.experts_beside_mlp)
 
     def require_alike_layers(self, what: str) -> None:

@@ -87,7 +87,8 @@ GPT_OSS_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_lay
 QWEN35_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
                       "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
-                      "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm", "ssm_conv1d": "linear_attn.conv1d",
+                      "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm",
+                      "ssm_conv1d": "linear_attn.conv1d",
                       "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
                       # Qwen3.5-MoE's shared expert and its gate (a vector [H] in the file)
                       "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",

@@ -215,8 +215,8 @@ def packed_twins(module: nn.Module) -> list[str]:
 
 def linear_names(module: LlamaForCausalLM) -> list[str]:
     """Every linear layer INT8 replaces: q/k/v, o, gate/up, down of each layer, and the LM head. A mixture
-    of experts' router (`mlp.gate`, Gemma 4's `router.proj`; a shared expert's gate) stays float (model/moe.py Int8SparseMoeBlock says
-    why)."""
+    of experts' router (`mlp.gate`, Gemma 4's `router.proj`; a shared expert's gate) stays float
+    (model/moe.py Int8SparseMoeBlock says why)."""
     return [name for name, m in module.named_modules()
             if isinstance(m, nn.Linear) and not name.endswith(("mlp.gate", "router.proj", "shared_expert_gate"))]
 

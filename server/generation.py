@@ -429,8 +429,8 @@ async def stream_events(engine: AsyncLLMEngine, job: Job, tokenizer: Tokenizer, 
             thought = thought if reasoning.include else ""
         calls: list[dict] = []
         if chat and tools is not None:
-            text, calls = tool_stream_piece(tool_streams.setdefault(index, ToolCallStream(tools.format, tools.definitions)), text,
-                                            delta.finished, num_calls.get(index, 0))
+            stream_of = tool_streams.setdefault(index, ToolCallStream(tools.format, tools.definitions))
+            text, calls = tool_stream_piece(stream_of, text, delta.finished, num_calls.get(index, 0))
             num_calls[index] = num_calls.get(index, 0) + len(calls)
         if not (text or thought or calls or delta.finished or logprobs is not None) and (chat or scored is None):
             continue

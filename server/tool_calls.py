@@ -673,7 +673,8 @@ def _qwen_xml_call_grammar(functions: Sequence[Mapping[str, Any]], parallel: boo
         required = [key for key in properties if key in (schema.get("required") or ())]
         parts = [f"p_{i}_{j}" if key in required else f"p_{i}_{j}?" for j, key in enumerate(properties)]
         head = f"{CALL_OPEN}\n{QWEN_FUNCTION}{function['name']}>\n"
-        lines.append(f"call_{i}: {_lark_literal(head)} {' '.join(parts)} {_lark_literal('</function>' + chr(10) + CALL_CLOSE)}")
+        tail = _lark_literal("</function>\n" + CALL_CLOSE)
+        lines.append(f"call_{i}: {_lark_literal(head)} {' '.join(parts)} {tail}")
         for j, (key, value) in enumerate(properties.items()):
             open_ = _lark_literal(f"<parameter={key}>\n")
             kinds = value.get("type")

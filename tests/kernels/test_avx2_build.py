@@ -1,7 +1,8 @@
 """The C++ kernels' AVX2 code paths, built on an AVX-512 machine (LADDER_CPU_CFLAGS=-mno-avx512f) and run
 through their own tests in a child process: the tiles, the gated activations' vector exp, the sampler's
 draw, the decode attention's AVX2 task, the gated delta rule's decode step and the one-call decoder step, as
-an AVX2-only host (an AMD EPYC Zen 3) runs them. Where the machine has no AVX-512 the suite's own run covers these paths already."""
+an AVX2-only host (an AMD EPYC Zen 3) runs them. Where the machine has no AVX-512 the suite's own run covers these
+paths already."""
 
 from __future__ import annotations
 
