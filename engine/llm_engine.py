@@ -32,7 +32,7 @@ from engine.sampler import NON_FINITE_LOGITS, SAMPLING_FAILED, Sampler, compute_
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, is_decode
 from engine.speculative import NgramProposer, Proposer
-from engine.state_cache import StateCache, checkpoint
+from engine.state_cache import StateCache, boundaries
 from engine.state_slots import StateSlots
 from engine.stats import EngineStats
 from engine.text_stream import TextStream
@@ -543,15 +543,14 @@ class LLMEngine:
         return self.runner.prepare(batch) if kept else None
 
     def _keep_state_snapshots(self, output: SchedulerOutput) -> None:
-        """Keep a copy of the linear-attention states of each prompt whose step ended at its snapshot boundary
+        """Keep a copy of the linear-attention states of each prompt whose step ended at a boundary they are kept at
         (engine/state_cache.py), under the hash of the prefix's last block."""
         block_size = self.config.block_size
         copies = []
         for item in output.scheduled:
             request = item.request
-            boundary = checkpoint(request.num_prompt_tokens, block_size)
-            if boundary and request.num_computed_tokens == boundary:  # (its blocks' hashes are known: it ran)
-                snapshot = self.state_cache.keep(request.block_hashes[boundary // block_size - 1])
+            if request.num_computed_tokens in boundaries(request, block_size):  # (its blocks' hashes are known)
+                snapshot = self.state_cache.keep(request.block_hashes[request.num_computed_tokens // block_size - 1])
                 if snapshot is not None:
                     copies.append((request.state_slot, snapshot))
         self.runner.copy_states(copies)

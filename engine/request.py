@@ -88,8 +88,11 @@ class Request:
     # (-1: none; engine/lora_manager.py), and what its prefix-cache hash chain starts from (the adapter's).
     lora: str | None = None
     lora_slot: int = -1
-    # Its row of the linear-attention layers' state pools while it runs (engine/state_slots.py); -1: none.
+    # Its row of the linear-attention layers' state pools while it runs (engine/state_slots.py); -1: none. And
+    # where a prefix it shares with earlier prompts ends, when their KV blocks reach further than a snapshot of
+    # those states (engine/state_cache.py): its states are kept there too (0: nowhere).
     state_slot: int = -1
+    shared_prefix: int = 0
     cache_salt: bytes = b""
     # The prompt's log-probabilities (params.prompt_logprobs), by position 1 .. P - 1: each token's after
     # the tokens before it. Kept through preemption; a recomputed prompt writes the same values again.

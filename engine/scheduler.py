@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import CachedPrefix, KVBlockManager
 from engine.lora_manager import LoRAManager
 from engine.request import FinishReason, Request, RequestStatus
-from engine.state_cache import StateCache, checkpoint
+from engine.state_cache import StateCache, boundaries
 from engine.state_slots import StateSlots
 
 
@@ -238,6 +238,9 @@ class Scheduler:
         first pool in `_pool_order` that has them: (prefix, chunk length), or None, nothing changed."""
         for pool, prefix in self._pool_order(request):
             request.kv_pool = pool
+            if self.state_cache is not None:  # KV blocks shared past every snapshot: keep the states there too
+                shared = self.blocks.cached_prefix(request, pool).num_tokens
+                request.shared_prefix = shared if shared > prefix.num_tokens else 0
             num_new = min(request.num_tokens - prefix.num_tokens, limit)
             num_new = self._chunk_end(request, prefix.num_tokens, prefix.num_tokens + num_new) - prefix.num_tokens
             if self.blocks.allocate(request, num_new, prefix):
@@ -270,13 +273,11 @@ class Scheduler:
         return CachedPrefix(prefix.block_ids[:count], count * self.blocks.block_size)
 
     def _chunk_end(self, request: Request, start: int, end: int) -> int:
-        """Where a prompt's chunk start .. end - 1 ends: `Request.chunk_end`, and at the prompt's snapshot boundary
-        when it would pass it (engine/state_cache.py), so the states there can be kept."""
+        """Where a prompt's chunk start .. end - 1 ends: `Request.chunk_end`, and at a boundary its states are kept
+        at when it would pass one (engine/state_cache.py)."""
         end = request.chunk_end(start, end)
         if self.state_cache is not None and self.state_cache.num_snapshots:
-            boundary = checkpoint(request.num_prompt_tokens, self.blocks.block_size)
-            if start < boundary < end:
-                return boundary
+            return next((b for b in boundaries(request, self.blocks.block_size) if start < b < end), end)
         return end
 
     def _pop_victim(self, pool: int) -> Request:

@@ -5,22 +5,32 @@ layer's state, though, holds every token before it and cannot be cut back, so a 
 a block boundary where a copy of the states was kept: a snapshot, in a row of the same pools as the running
 sequences' states (rows `first_slot` on; engine/state_slots.py has the rows before them).
 
-One boundary per prompt is kept, the last one before its last token (`checkpoint`): the scheduler ends a prompt's
-chunk there, and after that step the engine copies the sequence's states into a snapshot registered under the
-hash of the prefix's last block. A later prompt that begins with that prefix (the next turn of a chat, whose prompt
-holds the previous one's) starts from a copy of it. Snapshots are evicted least recently used first. Pure Python:
-the copies are the model runner's (engine/model_runner.py `copy_states`).
+A prompt's states are kept at two boundaries (`boundaries`): the last one before its last token (`checkpoint`),
+which the next turn of a chat starts from (its prompt holds the previous one's), and the end of the longest prefix
+its KV blocks share with earlier prompts when that reaches past every snapshot (a long system prompt and tools that
+conversations share: the second such conversation keeps the snapshot the ones after it start from). The scheduler
+ends a prompt's chunk at each, and after that step the engine copies the sequence's states into a snapshot
+registered under the hash of the prefix's last block. Snapshots are evicted least recently used first. Pure
+Python: the copies are the model runner's (engine/model_runner.py `copy_states`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.request import Request
+
 
 def checkpoint(num_prompt_tokens: int, block_size: int) -> int:
     """The block boundary a prompt's states are kept at: the last one before its last token (0: none), which a
     later prompt's cached prefix can reach (the block manager always leaves a token to compute)."""
     return (num_prompt_tokens - 1) // block_size * block_size
+
+
+def boundaries(request: Request, block_size: int) -> tuple[int, ...]:
+    """The positions a request's states are kept at (ascending; none at 0): its shared prefix's end and its
+    prompt's checkpoint."""
+    return tuple(sorted({b for b in (request.shared_prefix, checkpoint(request.num_prompt_tokens, block_size)) if b}))
 
 
 class StateCache:

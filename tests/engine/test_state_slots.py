@@ -202,3 +202,23 @@ def test_requests_under_load_each_get_what_they_get_alone(qwen3_5):
         ids = requests[rid][0]
         assert tokens[rid][index] == [s.token_id for s in Generator(loaded.module, 200).generate(ids, 10)], rid
     assert sorted(engine.scheduler.states.free) == [0, 1, 2]
+
+
+def test_conversations_sharing_a_system_prompt_keep_its_states(qwen3_5):
+    """Three conversations with one 70-token system prompt, each its own message: the first computes everything;
+    the second finds the prompt's KV blocks (64 tokens) but no snapshot there, so its chunk ends at 64 and the
+    states there are kept; the third starts from them, and answers as an engine without a prefix cache does."""
+    directory, _ = qwen3_5
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cached = LLM(str(directory), max_num_seqs=2, kv_cache_memory_gib=0.01)
+    plain = LLM(str(directory), max_num_seqs=2, kv_cache_memory_gib=0.01, enable_prefix_caching=False)
+    system = prompt(70, seed=5)
+    blocks = cached.engine.blocks
+    hits = []
+    for seed in (6, 7, 8):
+        ids = system + prompt(20, seed=seed)
+        before = blocks.prefix_hits
+        out = cached.generate([ids], params)[0].outputs[0].token_ids
+        hits.append((blocks.prefix_hits - before, cached.engine.state_cache.hits))
+        assert out == plain.generate([ids], params)[0].outputs[0].token_ids
+    assert hits == [(0, 0), (0, 0), (64, 1)]
