@@ -134,19 +134,26 @@ def gated_delta_decode_ref(projected: torch.Tensor, pool: torch.Tensor, slots: t
     matrices = pool[:, width:].view(-1, value_heads, key_dim, value_dim)
     window = torch.cat([conv_state.index_select(0, slots), mixed[:, None]], dim=1)  # [B, K, C]
     conv_state.index_copy_(0, slots, window[:, 1:])
-    q, k, v = causal_conv(window, conv_weight)[:, 0].split([key_heads * key_dim, key_heads * key_dim,
-                                                           value_heads * value_dim], dim=-1)
+    q, k, v = heads(causal_conv(window, conv_weight)[:, 0], key_heads, key_dim, value_heads, value_dim, tiled)
+    g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)  # [B, Hv], <= 0
+    state = matrices.index_select(0, slots)
+    out = delta_rule_step(q, k, v, g, b.sigmoid(), state)
+    matrices.index_copy_(0, slots, state)
+    return gated_rms_norm(out, z.view(-1, value_heads, value_dim), norm_weight, eps).flatten(1)
+
+
+def heads(mixed: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int,
+          tiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's output [N, C] as queries and keys [N, Hv, Dk] (L2-normed, queries scaled by Dk^-1/2; each
+    key head serves Hv / Hk value heads: consecutive ones, or with `tiled` every Hk-th) and values [N, Hv, Dv]."""
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
     q = l2_normalize(q.view(-1, key_heads, key_dim)) * key_dim**-0.5
     k = l2_normalize(k.view(-1, key_heads, key_dim))
     repeat = value_heads // key_heads
-    if repeat > 1:  # each key head serves Hv / Hk value heads: every Hk-th (tiled) or consecutive ones
-        q, k = (q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if tiled else \
-            (q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1))
-    g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)  # [B, Hv], <= 0
-    state = matrices.index_select(0, slots)
-    out = delta_rule_step(q, k, v.view(-1, value_heads, value_dim), g, b.sigmoid(), state)
-    matrices.index_copy_(0, slots, state)
-    return gated_rms_norm(out, z.view(-1, value_heads, value_dim), norm_weight, eps).flatten(1)
+    if repeat > 1:
+        q, k = ((q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if tiled
+                else (q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)))
+    return q, k, v.view(-1, value_heads, value_dim)
 
 
 def gated_rms_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

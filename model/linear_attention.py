@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta import (causal_conv_taps, chunked_delta_rule, gated_delta_decode, gated_rms_norm,
-                                 l2_normalize)
+from kernels.gated_delta import causal_conv_taps, chunked_delta_rule, gated_delta_decode, gated_rms_norm, heads
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
 
@@ -120,22 +119,10 @@ class GatedDeltaNet(nn.Module):
         conv_state = state[:width].view(self.taps - 1, self.channels)
         window = torch.cat([conv_state, mixed])  # [K - 1 + L, C]
         conv_state.copy_(window[mixed.shape[0]:])
-        q, k, v = self.heads(causal_conv_taps(window, self.conv_taps()))  # one C++ pass over [K - 1 + L, C]
+        q, k, v = heads(causal_conv_taps(window, self.conv_taps()), self.key_heads, self.key_dim,  # (one C++ pass)
+                        self.value_heads, self.value_dim, self.tiled)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [L, Hv], <= 0
         matrices = state[width:].view(self.value_heads, self.key_dim, self.value_dim)
         out = chunked_delta_rule(q, k, v, g, b.sigmoid(), matrices)
         return gated_rms_norm(out, z.view(-1, self.value_heads, self.value_dim), self.norm_weight.float(),
                               self.eps).flatten(1)
-
-    def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output [N, C] as queries and keys [N, Hv, Dk] (normed, queries scaled; each key head
-        serves Hv / Hk value heads, consecutive ones or, tiled, every Hk-th) and values [N, Hv, Dv]."""
-        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = l2_normalize(q.view(-1, self.key_heads, self.key_dim)) * self.key_dim**-0.5
-        k = l2_normalize(k.view(-1, self.key_heads, self.key_dim))
-        repeat = self.value_heads // self.key_heads
-        if repeat > 1 and self.tiled:
-            q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
-        elif repeat > 1:
-            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        return q, k, v.view(-1, self.value_heads, self.value_dim)
