@@ -401,11 +401,13 @@ def summarize(bare: list[dict], timed: list[dict], module: nn.Module, quantizati
               contexts: tuple[int, int], sse: float | None) -> StepBreakdown:
     weight_bytes: Counter = Counter()
     # Inside the C++ step a linear-attention layer's projections are timed as the qkv and o parts (and its state
-    # update as attention's): their bytes go to those rows.
-    in_step = {"linear_in": "qkv", "linear_out": "o"} if cpu_step_of(module) is not None else {}
+    # update as attention's), a shared expert's linears as the experts' part: their bytes go to those rows.
+    stepped = cpu_step_of(module) is not None
+    in_step = {"linear_in": "qkv", "linear_out": "o"} if stepped else {}
     for name, sub in module.named_modules() if isinstance(module, nn.Module) else ():
         if (kind := LINEAR_KINDS.get(name.rsplit(".", 1)[-1])) is not None:
-            weight_bytes[in_step.get(kind, kind)] += linear_weight_bytes(sub)
+            shared = stepped and ".shared_expert." in name
+            weight_bytes["experts" if shared else in_step.get(kind, kind)] += linear_weight_bytes(sub)
         elif isinstance(sub, MOE_BLOCKS):
             weight_bytes["experts"] += experts_weight_bytes(sub)
     phases = []
@@ -418,10 +420,12 @@ def summarize(bare: list[dict], timed: list[dict], module: nn.Module, quantizati
     engine_phases = {p: median(bare, p) for p in ENGINE_PHASES}
     detokenize = median(timed, "detokenize")
     step = median(bare, "wall")
-    if cpu_step_of(module) is not None:
+    if stepped:
         notes.append("the layers ran as one C++ call a step (model/cpu_step.py): their rows are its parts, timed "
                      "inside it" + ("; the linear-attention layers' projections in the qkv and o rows, their state "
-                                    "update in attention's" if in_step and module.config.linear_layers else ""))
+                                    "update in attention's" if in_step and module.config.linear_layers else "")
+                     + ("; the shared expert in the experts' row" if module.config.shared_expert_intermediate_size
+                        else ""))
     if phases:
         phases.append(Phase("forward python", engine_phases["forward"] - ops))
     else:  # an artifact runtime: no decoder modules in this process to time

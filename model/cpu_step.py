@@ -111,8 +111,6 @@ def step_support(model: nn.Module) -> str | None:
         return f"the gate {config.hidden_act}"
     if config.attention_sinks:
         return "attention with sink logits (GPT-OSS)"
-    if config.shared_expert_intermediate_size:
-        return "a shared expert beside the routed ones"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global forward hooks are registered"
     if _hooked(model) or _hooked(model.norm) or model.norm.weight.dtype != torch.float32:
@@ -124,6 +122,9 @@ def step_support(model: nn.Module) -> str | None:
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn or layer.linear_attn, layer.mlp
         mixer = (attn.qkv_proj, attn.o_proj) if layer.linear_attn is None else (attn.in_proj, attn.out_proj)
+        if layer.shared_expert is not None and (type(layer.shared_expert_gate) is not nn.Linear
+                                                or layer.shared_expert_gate.weight.dtype != torch.float32):
+            return f"layer {i}: a shared expert's gate other than a float32 linear"
         if layer.linear_attn is not None and any(p.dtype != torch.float32 for p in (
                 attn.A_log, attn.dt_bias, attn.norm_weight, attn.conv1d.weight)):
             return f"layer {i}: linear attention's parameters not float32"
@@ -138,6 +139,8 @@ def step_support(model: nn.Module) -> str | None:
             linears = (*mixer, mlp.gate_up_proj, mlp.down_proj)
         if layer.per_layer_input_gate is not None:  # Gemma 4's per-layer embedding's two linears
             linears = (*linears, layer.per_layer_input_gate, layer.per_layer_projection)
+        if layer.shared_expert is not None:  # Qwen3.5-MoE's shared expert's two linears
+            linears = (*linears, layer.shared_expert.gate_up_proj, layer.shared_expert.down_proj)
         if layer.experts is not None:  # Gemma 4's experts beside the MLP: W4A8 ones, a float32 router
             router = layer.router
             floats = (router.proj.weight, router.scale, router.per_expert_scale)
@@ -254,6 +257,16 @@ class CpuDecoderStep:
             else:
                 tensors += [empty] * 4
                 ints += [0, int(attn.gate_size > 0), 0, 0, 0, 0]
+            if layer.shared_expert is not None:  # Qwen3.5-MoE: the shared expert's linears and float32 gate
+                ints.append(config.shared_expert_intermediate_size)
+                for linear in (layer.shared_expert.gate_up_proj, layer.shared_expert.down_proj):
+                    more_tensors, more_ints = linear_tensors(linear)
+                    tensors += more_tensors
+                    ints += more_ints
+                tensors.append(layer.shared_expert_gate.weight.detach())
+            else:
+                tensors += [empty] * 9
+                ints += [0, 0, 0, 0, 0]
         tensors.append(model.norm.weight.detach())
         self.step = torch.classes.ladder_cpu.DecoderStep(tensors, ints, config.rms_norm_eps)
         for layer, which, wrapper in loras:

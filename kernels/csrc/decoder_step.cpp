@@ -29,6 +29,8 @@
 //            MLP's output and of theirs [hidden] (empty all: not Gemma 4, or not its experts). Then Qwen3.5's
 //            linear attention: the convolution's taps [K, C], A_log and dt_bias [Hv], the output norm [Dv] (empty
 //            all for an attention layer); a linear-attention layer's qkv and o places hold its in_proj and out_proj.
+//            Then Qwen3.5-MoE's shared expert: its gate_up and down linears (four tensors each, as above) and the
+//            float32 gate [1, hidden] (empty all: none).
 //   ints:    hidden, heads, kv_heads, head_dim, intermediate, gelu (1: GeGLU), P (Gemma 4's per-layer embedding
 //            size; 0: none), then per layer: windowed (1: the layer reads the local tables and rotates by the
 //            local cos/sin), per linear kind (0 W4A8, 1 W8A8, 2 a MoE layer's experts) and zero (W4A8's
@@ -39,7 +41,8 @@
 //            then experts beside the MLP (1: Gemma 4's), their top_k and the w13 and w2 zeros; then linear (1: the
 //            layer's token mixer is Qwen3.5's gated delta rule), gate (1: attention's output times the sigmoid of
 //            gates the qkv linear projects after the values), the linear attention's key heads, key and value head
-//            sizes, and tiled (1: value head h reads key head h % Hk).
+//            sizes, and tiled (1: value head h reads key head h % Hk); then the shared expert's width (0: none)
+//            and its gate_up's and down's kinds and zeros.
 // forward(x [T, hidden], cos, sin, local_cos, local_sin [T, head_dim / 2] (of the full and windowed layers'
 //   head sizes), kv_caches (one [2, blocks, block_size, kv_heads, head_dim] per layer, all float32, all
 //   bfloat16 or all float16: keys and values are rounded to the cache's type as they are written, as torch's
@@ -67,8 +70,8 @@
 namespace ladder {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 46;
-constexpr int64_t kIntsPerLayer = 31;
+constexpr int64_t kTensorsPerLayer = 55;
+constexpr int64_t kIntsPerLayer = 36;
 constexpr int64_t kHeaderInts = 7;
 
 // The parts of a step `profile` times, in the order of DecoderStep::take_profile's list.
@@ -169,6 +172,10 @@ struct Layer {
   at::Tensor taps, a_log, dt_bias, ssm_norm;
   int64_t hk = 0, dk = 0, dv = 0, hv = 0, conv_k = 0, channels = 0;
   bool tiled = false;
+  // Qwen3.5-MoE: a shared expert beside the routed ones (width `shared`; 0: none), scaled by sigmoid(gate . h).
+  int64_t shared = 0;
+  Linear shared_gate_up, shared_down;
+  at::Tensor shared_gate;
 };
 
 Experts make_experts(const std::vector<at::Tensor>& t, int64_t at, const int64_t* z, int64_t hidden) {
@@ -286,6 +293,17 @@ class DecoderStep : public torch::CustomClassHolder {
       } else {
         layer.gate_up = make_linear(t, at + 14, z[5], z[6], 2 * I, hidden_);
         layer.down = make_linear(t, at + 18, z[7], z[8], hidden_, I);
+      }
+      layer.shared = z[31];
+      if (layer.shared) {
+        TORCH_CHECK(layer.moe, "DecoderStep: layer ", i, ": a shared expert beside routed ones only");
+        layer.shared_gate_up = make_linear(t, at + 46, z[32], z[33], 2 * layer.shared, hidden_);
+        layer.shared_down = make_linear(t, at + 50, z[34], z[35], hidden_, layer.shared);
+        layer.shared_gate = t[at + 54].contiguous();
+        TORCH_CHECK(layer.shared_gate.scalar_type() == at::kFloat && layer.shared_gate.dim() == 2 &&
+                    layer.shared_gate.size(0) == 1 && layer.shared_gate.size(1) == hidden_,
+                    "DecoderStep: the shared expert's gate [1, hidden] float32");
+        max_i_ = std::max(max_i_, layer.shared);
       }
       layer.head_dim = D, layer.kv_heads = KVH, layer.inter = I, layer.projections = projections;
       layer.source = z[15], layer.value_norm = z[16] != 0;
@@ -510,6 +528,15 @@ class DecoderStep : public torch::CustomClassHolder {
       if (layer.moe) {
         run_experts(layer.experts, h, T, y);
         clock.lap(kExperts);
+        if (layer.shared) {  // y = y + sigmoid(gate . h) * shared(h), by the ATen calls the eager layer makes
+          layer.shared_gate_up.run(h, T, gate_up_.data(), s4_, s8_, lora_rows, base_);
+          silu_and_mul_rows(gate_up_.data(), T, layer.shared, act_.data());
+          auto shared = at::empty({T, H}, at::kFloat);
+          layer.shared_down.run(act_.data(), T, shared.data_ptr<float>(), s4_, s8_, lora_rows, base_);
+          const auto h_rows = at::from_blob(h, {T, H}, at::kFloat), y_rows = at::from_blob(y, {T, H}, at::kFloat);
+          y_rows.copy_(at::add(y_rows, at::mul(at::sigmoid(at::linear(h_rows, layer.shared_gate)), shared)));
+          clock.lap(kExperts);
+        }
       } else {
         layer.gate_up.run(h, T, gate_up_.data(), s4_, s8_, lora_rows, base_);
         clock.lap(kGateUp);

@@ -154,26 +154,29 @@ def test_the_step_breakdown_of_a_mixture_of_experts(tmp_path, capsys):
 def test_the_step_breakdown_of_linear_attention(tmp_path, capsys):
     """Qwen3.5 (two linear-attention layers, two of attention): the sweeps and the load run with state slots, and
     every linear weight is counted once. Its layers run as one C++ call, the linear attention's projections in the
-    qkv and o rows; Qwen3.5-MoE (whose shared expert keeps the eager layers) has rows of their own for them and
-    for the state update."""
+    qkv and o rows, Qwen3.5-MoE's shared expert in the experts' row; float layers (no step) have rows of their own
+    for the projections and the state update."""
     from tiny_models import QWEN3_5, QWEN3_5_MOE, hf_config, write_qwen35_gguf
 
-    for family in (QWEN3_5, QWEN3_5_MOE):
+    for family, quantization in ((QWEN3_5, "auto"), (QWEN3_5_MOE, "auto"), (QWEN3_5, "none")):
         config = hf_config(family)
         config.linear_value_head_dim = 16  # as llama.cpp's files have them: value heads as wide as key heads
         write_qwen35_gguf(transformers.AutoModelForCausalLM.from_config(config), tmp_path / "m.gguf", "Q8_0")
         code = main(["doctor", "--model", str(tmp_path / "m.gguf"), "--max-num-seqs", "2", "--num-requests", "2",
                      "--input-len", "16", "--output-len", "8", "--max-prefill", "32", "--out", str(tmp_path),
-                     "--quiet"])
+                     "--quantization", quantization, "--quiet"])
         assert code == 0, capsys.readouterr()
         report = json.loads((tmp_path / "doctor.json").read_text())
         breakdown = report["step_breakdown"]
         phases = {p["name"]: p for p in breakdown["phases"]}
         assert report["model"]["weight_bytes"] == pytest.approx(breakdown["weight_bytes"])
         assert [p["label"] for p in report["compile"]["sweep"]][:2] == ["decode b=1", "decode b=2"]
-        if family == QWEN3_5:
+        if quantization == "auto":
             assert "linear_in" not in phases and phases["qkv"]["calls"] == 4
             assert any("projections in the qkv and o rows" in note for note in breakdown["notes"])
-        else:
+        if family == QWEN3_5_MOE:  # the shared expert's linears read as the experts' part
+            assert "gate_up" not in phases and phases["experts"]["calls"] == 4
+            assert any("the shared expert in the experts' row" in note for note in breakdown["notes"])
+        if quantization == "none":
             assert phases["linear_in"]["calls"] == phases["linear_out"]["calls"] == phases["gated delta"]["calls"] == 2
             assert phases["qkv"]["calls"] == 2 and phases["gated delta"]["seconds"] > 0

@@ -341,15 +341,16 @@ def test_lora_slots_equal_the_eager_layers(tmp_path, quantization):
         assert torch.equal(a, b)
 
 
-def test_qwen3_5_decode_steps_equal_the_eager_layers(tmp_path):
-    """Qwen3.5 (linear-attention layers beside attention with an output gate; a GGUF's tiled value heads): its
-    decode steps run as one C++ call, a prompt's chunk the eager layers (the recurrent plan's runs), and the logits
-    of both are the eager layers' bits, for sequences starting with a one-token prompt too. Qwen3.5-MoE's shared
-    expert keeps the eager layers."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_decode_steps_equal_the_eager_layers(tmp_path, family):
+    """Qwen3.5 (linear-attention layers beside attention with an output gate; a GGUF's tiled value heads) and
+    Qwen3.5-MoE (W4A8 experts beside a shared expert and its float32 gate): decode steps run as one C++ call, a
+    prompt's chunk the eager layers (the recurrent plan's runs), and the logits of both are the eager layers' bits,
+    for sequences starting with a one-token prompt too."""
     import transformers
-    from tiny_models import QWEN3_5, QWEN3_5_MOE, hf_config, spread_qwen3_5_parameters, write_qwen35_gguf
+    from tiny_models import hf_config, spread_qwen3_5_parameters, write_qwen35_gguf
 
-    config = hf_config(QWEN3_5)
+    config = hf_config(family)
     config.linear_value_head_dim = 16  # (llama.cpp's files: value heads as wide as key heads)
     torch.manual_seed(1)
     write_qwen35_gguf(spread_qwen3_5_parameters(transformers.AutoModelForCausalLM.from_config(config)),
@@ -363,8 +364,3 @@ def test_qwen3_5_decode_steps_equal_the_eager_layers(tmp_path):
     module.cpu_step.step = type("Counting", (), {"forward": lambda self, *a: calls.append(1) or original(*a)})()
     _run(module, True, turns, 64)
     assert len(calls) == 6  # the decode steps; not the prompts' step
-    torch.manual_seed(2)
-    moe = transformers.AutoModelForCausalLM.from_config(hf_config(QWEN3_5_MOE))
-    write_qwen35_gguf(spread_qwen3_5_parameters(moe), tmp_path / "moe.gguf", "Q8_0")
-    assert step_support(model.load(tmp_path / "moe.gguf", quantization="w4a8").module) == \
-        "a shared expert beside the routed ones"
