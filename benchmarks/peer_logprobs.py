@@ -42,7 +42,8 @@ from model.generator import Generator
 ARCHES = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
           "gemma4_e": "gemma4", "gemma4_moe": "gemma4", "smollm3": "smollm3", "phi3": "phi3",
           "qwen3_yarn": "qwen3", "llama3_yarn": "llama", "ministral3": "mistral3", "gpt_oss": "gpt-oss",
-          "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+          "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+LINEAR_ATTENTION = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # written by write_qwen35_gguf
 # *_yarn: the family with YaRN (factor 4 over an original context of 32: every pair's frequency it changes
 # matters within the 40-token prompt), as Qwen 3 configs ask for past 32k tokens.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
@@ -65,8 +66,10 @@ def write_file(family: str, directory: Path) -> Path:
         cfg.rope_parameters = {**YARN, "rope_theta": cfg.rope_parameters["rope_theta"]}
     if family == "gemma3":  # llama.cpp scales Gemma 3's queries by head_dim
         cfg.query_pre_attn_scalar = cfg.head_dim
-    if family.startswith("qwen3_5"):  # llama.cpp's linear attention has value heads as wide as its key heads
+    if family in LINEAR_ATTENTION:  # llama.cpp's linear attention has value heads as wide as its key heads
         cfg.linear_key_head_dim = cfg.linear_value_head_dim = 32
+    if family == "qwen3_next":  # llama.cpp's qwen3next takes every layer sparse
+        cfg.mlp_only_layers = []
     if family == "phi3":  # 3/4 of a 64-dim head rotates: 24 LongRoPE factors
         cfg.rope_parameters = {**cfg.rope_parameters, "short_factor": [1.0 + k / 24 for k in range(24)],
                                "long_factor": [2.0 + k / 12 for k in range(24)]}
@@ -80,7 +83,7 @@ def write_file(family: str, directory: Path) -> Path:
                     param.normal_(0, 0.5)
         write_gpt_oss_gguf(hf, path, "F32", "MXFP4", smollm2_tokenizer=True)
         return path
-    if family.startswith("qwen3_5"):
+    if family in LINEAR_ATTENTION:
         write_qwen35_gguf(spread_qwen3_5_parameters(hf), path, "F32", smollm2_tokenizer=True)
         return path
     write_gguf(hf, path, "F32", ARCHES[family], smollm2_tokenizer=True)

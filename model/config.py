@@ -27,10 +27,12 @@ from typing import Any
 #   attention with biases (its output's too) and a sink logit per head, sliding-window layers between full ones;
 #   qwen3_5 (Qwen3.5; qwen3_5_moe, its mixtures of experts with a shared expert): three linear-attention layers
 #   (a gated delta rule over a state per sequence, model/linear_attention.py) to one of attention, whose output
-#   is gated and whose heads rotate a quarter of their dims; every norm scales by (1 + w), as Gemma's.
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe")
+#   is gated and whose heads rotate a quarter of their dims; every norm scales by (1 + w), as Gemma's;
+#   qwen3_next (Qwen3-Next): Qwen3.5-MoE's layers before it, its checkpoints' linear-attention projections fused
+#   per key head (`in_proj_qkvz`, `in_proj_ba`: model/weights.py split_qwen3_5 reads them apart).
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next")
 # Qwen3.5's layers (linear attention beside gated attention), with dense MLPs or with experts beside a shared one.
-QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")
+QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "smollm3", "phi3", "qwen3_5",
                            *MOE_ARCHITECTURES)
 # Hugging Face `model_type` -> architecture, where the two differ (a Gemma 3 text checkpoint says gemma3_text).
@@ -706,6 +708,9 @@ def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
         return {"num_experts": num_experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
                 "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 512)), "norm_topk_prob": True,
                 "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size", 512))}
+    if arch == "qwen3_next":  # a shared expert beside the routed ones; dense layers as Qwen3-MoE names them
+        return {**_moe_fields({"norm_topk_prob": True, **cfg, "shared_expert_intermediate_size": 0}, "qwen3_moe"),
+                "shared_expert_intermediate_size": int(cfg["shared_expert_intermediate_size"])}
     if cfg.get("shared_expert_intermediate_size"):
         raise ValueError("shared experts (Qwen2-MoE) are not supported")
     num_layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)

@@ -37,7 +37,8 @@ T = TypeVar("T")
 # GGUF architecture -> ModelConfig architecture. Mistral checkpoints are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "gemma4": "gemma4",
                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "phi3": "phi3", "mistral3": "mistral",
-                 "gpt-oss": "gpt_oss", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+                 "gpt-oss": "gpt_oss", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
+                 "qwen3next": "qwen3_next"}
 # Phi-3's fused projections, whose rows model/weights.py `split_fused_phi3` cuts apart.
 PHI3_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the models built on it).
@@ -87,14 +88,17 @@ GPT_OSS_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_lay
 QWEN35_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
                       "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                      "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next's b and a, fused per key head
                       "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm",
                       "ssm_conv1d": "linear_attn.conv1d",
                       "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
                       # Qwen3.5-MoE's shared expert and its gate (a vector [H] in the file)
                       "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                       "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
-QWEN35_LINEAR_PARTS = frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ffn_gate_shexp",
-                                 "ffn_up_shexp", "ffn_down_shexp"})
+# The files of Qwen3.5's layers: Qwen3.5, Qwen3.5-MoE and Qwen3-Next (whose value heads keep transformers' order).
+QWEN35_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
+QWEN35_LINEAR_PARTS = frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_ba", "ssm_out",
+                                 "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"})
 # llama.cpp's GPT-OSS constants (not in the file): the experts' SwiGLU clamp and gain, and every other layer
 # (the first among them) windowed.
 GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
@@ -246,7 +250,7 @@ class GGUFCheckpoint:
                                                         or self._require("context_length"))
         if self.gguf_arch == "gpt-oss":
             extra |= self._gpt_oss_fields()
-        if self.gguf_arch in ("qwen35", "qwen35moe"):
+        if self.gguf_arch in QWEN35_ARCHES:
             extra |= self._qwen35_fields(hidden, num_heads)
         if self.gguf_arch == "smollm3":
             num_layers = int(self._require("block_count"))
@@ -267,7 +271,7 @@ class GGUFCheckpoint:
                 max_position_embeddings=int(self._get("context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self.tensor_names,
                 attention_bias=self.gguf_arch in ("qwen2", "gpt-oss"),
-                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe", "qwen35", "qwen35moe"),
+                qk_norm=self.gguf_arch in ("qwen3", "gemma3", "gemma4", "qwen3moe", *QWEN35_ARCHES),
                 rope_freq_factors=extra.pop("rope_freq_factors", freq_factors),
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=(int(eos),) if eos is not None else (),
@@ -311,7 +315,8 @@ class GGUFCheckpoint:
         """Qwen3.5 as llama.cpp's converter writes it: the layers past block_count - nextn_predict_layers are
         multi-token-prediction layers (not read); the recurrent ones listed, else all but every
         full_attention_interval-th; the linear attention's heads as the `ssm` keys name them (value heads tiled,
-        `ModelConfig.linear_heads_tiled`); a quarter of each head rotating."""
+        `ModelConfig.linear_heads_tiled`; Qwen3-Next's grouped, as transformers orders them); a quarter of each head
+        rotating."""
         num_layers = int(self._require("block_count")) - int(self._get("nextn_predict_layers", 0) or 0)
         listed = self._get("attention.recurrent_layers")
         if listed is not None:
@@ -322,14 +327,16 @@ class GGUFCheckpoint:
         head_dim = int(self._get("attention.key_length", hidden // num_heads))
         value_heads = int(self._require("ssm.time_step_rank"))
         shared = {}
+        if self.gguf_arch in ("qwen35moe", "qwen3next"):
+            shared = {"shared_expert_intermediate_size": int(self._require("expert_shared_feed_forward_length"))}
         if self.gguf_arch == "qwen35moe":  # no dense MLP: the experts' width stands in for feed_forward_length
-            shared = {"shared_expert_intermediate_size": int(self._require("expert_shared_feed_forward_length")),
-                      "intermediate_size": int(self._require("expert_feed_forward_length"))}
+            shared["intermediate_size"] = int(self._require("expert_feed_forward_length"))
         return {**shared, "num_layers": num_layers, "linear_layers": tuple(i for i, r in enumerate(recurrent) if r),
                 "linear_key_heads": int(self._require("ssm.group_count")), "linear_value_heads": value_heads,
                 "linear_key_dim": int(self._require("ssm.state_size")),
                 "linear_value_dim": int(self._require("ssm.inner_size")) // value_heads,
-                "linear_conv_kernel": int(self._require("ssm.conv_kernel")), "linear_heads_tiled": True,
+                "linear_conv_kernel": int(self._require("ssm.conv_kernel")),
+                "linear_heads_tiled": self.gguf_arch != "qwen3next",
                 "attention_output_gate": True, "rotary_dim": int(self._get("rope.dimension_count", head_dim // 4))}
 
     def _phi3_fields(self, hidden: int, num_heads: int) -> dict[str, Any]:
@@ -481,7 +488,7 @@ class GGUFCheckpoint:
         tensors = LazyTensors(shapes, lambda name: self._read_tensor(name, by_name[name]))
         if self.gguf_arch == "gemma4":
             return stack_gate_up(tensors)
-        if self.gguf_arch in ("qwen35", "qwen35moe"):
+        if self.gguf_arch in QWEN35_ARCHES:
             for name in [n for n in shapes if n.endswith("linear_attn.conv1d.weight")]:
                 shapes[name] = (shapes[name][0], 1, shapes[name][1])  # [C, K] in the file, conv1d's [C, 1, K]
             for name in [n for n in shapes if n.endswith("mlp.shared_expert_gate.weight")]:
@@ -556,7 +563,7 @@ class GGUFCheckpoint:
         blocks = LazyTensors(shapes, lambda name: self._read_blocks(name, tensors[name]))
         if self.gguf_arch == "phi3":
             return split_fused_phi3(self.config, blocks, lambda weight, rows: weight.rows(rows))
-        if self.gguf_arch in ("qwen35", "qwen35moe"):
+        if self.gguf_arch in QWEN35_ARCHES:
             return split_qwen3_5(self.config, blocks, shift_norms=False, take=lambda weight, rows: weight.rows(rows))
         return blocks
 
@@ -573,10 +580,10 @@ class GGUFCheckpoint:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
         names = {"gemma3": GEMMA_LAYER_NAMES, "gemma4": GEMMA4_LAYER_NAMES, "gpt-oss": GPT_OSS_LAYER_NAMES,
-                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES}, "qwen35": QWEN35_LAYER_NAMES,
-                 "qwen35moe": QWEN35_LAYER_NAMES}.get(self.gguf_arch, LAYER_NAMES)
+                 "phi3": {**LAYER_NAMES, **PHI3_FUSED_NAMES},
+                 **dict.fromkeys(QWEN35_ARCHES, QWEN35_LAYER_NAMES)}.get(self.gguf_arch, LAYER_NAMES)
         bare = BARE_LAYER_PATTERN.fullmatch(name)
-        if bare is not None and self.gguf_arch in ("qwen35", "qwen35moe"):
+        if bare is not None and self.gguf_arch in QWEN35_ARCHES:
             return f"layers.{bare.group(1)}.{names[bare.group(2)]}"
         match = LAYER_PATTERN.fullmatch(name)
         if match is None or match.group(2) not in names:

@@ -162,7 +162,8 @@ def split_qwen3_5(config: ModelConfig, tensors: LazyTensors[T], shift_norms: boo
                   take: Callable[[T, torch.Tensor], T] = lambda t, index: t.index_select(0, index)) -> LazyTensors[T]:
     """A Qwen3.5 checkpoint's tensors as the decoder reads them: each attention layer's q_proj, which holds each
     head's queries then its output gate, read as `q_proj` and `q_gate_proj`; queries, keys and their norms'
-    weights in `rotary_order`; with `shift_norms`, norms as (1 + w) (a directory's: `shift_norm_weights`; a GGUF
+    weights in `rotary_order`; Qwen3-Next's linear-attention projections fused per key head (`qwen3_next_rows`)
+    read as Qwen3.5's four; with `shift_norms`, norms as (1 + w) (a directory's: `shift_norm_weights`; a GGUF
     file holds 1 + w). `take(tensor, rows)` selects rows (a GGUF file's raw blocks take them their own way)."""
     if shift_norms:
         tensors = shift_norm_weights(tensors)
@@ -176,6 +177,12 @@ def split_qwen3_5(config: ModelConfig, tensors: LazyTensors[T], shift_norms: boo
         for part, rows in (("q_proj", query_rows), ("q_gate_proj", gate_rows)):
             shapes[name.replace("q_proj", part)] = (heads * head, tensors.shapes[name][1])
             sources[name.replace("q_proj", part)] = (name, rows)
+    for fused, parts in qwen3_next_rows(config).items():
+        for name in [n for n in tensors.shapes if n.endswith(f"linear_attn.{fused}.weight")]:
+            for part, rows in parts.items():
+                shapes[name.replace(fused, part)] = (len(rows), tensors.shapes[name][1])
+                sources[name.replace(fused, part)] = (name, rows)
+            del shapes[name]  # read through its parts only
 
     def read(name: str) -> T:
         if name in sources:
@@ -190,6 +197,24 @@ def split_qwen3_5(config: ModelConfig, tensors: LazyTensors[T], shift_norms: boo
         return tensor
 
     return LazyTensors(shapes, read)
+
+
+def qwen3_next_rows(config: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """Qwen3-Next's fused linear-attention projections -> Qwen3.5's separate ones -> the fused rows that make each.
+    `in_proj_qkvz` holds, for key head g, [q_g (Dk), k_g (Dk), v (r Dv), z (r Dv)] with r = Hv / Hk value heads a
+    key head, those of heads g r .. g r + r - 1; `in_proj_ba`, for g, [b (r), a (r)]. Qwen3.5's in_proj_qkv is
+    every q, then every k, then every v; in_proj_z every z; in_proj_b and in_proj_a one row a value head."""
+    hk, hv, dk, dv = (config.linear_key_heads, config.linear_value_heads, config.linear_key_dim,
+                      config.linear_value_dim)
+    r = hv // max(hk, 1)
+    group = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
+
+    def rows(offset: int, width: int, stride: int = group) -> torch.Tensor:
+        return (stride * torch.arange(hk)[:, None] + offset + torch.arange(width)).flatten()
+
+    qkv = torch.cat([rows(0, dk), rows(dk, dk), rows(2 * dk, r * dv)])
+    return {"in_proj_qkvz": {"in_proj_qkv": qkv, "in_proj_z": rows(2 * dk + r * dv, r * dv)},
+            "in_proj_ba": {"in_proj_b": rows(0, r, 2 * r), "in_proj_a": rows(r, r, 2 * r)}}
 
 
 def phi3_rows(config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:

@@ -341,12 +341,13 @@ def test_lora_slots_equal_the_eager_layers(tmp_path, quantization):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_qwen3_5_decode_steps_equal_the_eager_layers(tmp_path, family):
-    """Qwen3.5 (linear-attention layers beside attention with an output gate; a GGUF's tiled value heads) and
-    Qwen3.5-MoE (W4A8 experts beside a shared expert and its float32 gate): decode steps run as one C++ call, a
-    prompt's chunk the eager layers (the recurrent plan's runs), and the logits of both are the eager layers' bits,
-    for sequences starting with a one-token prompt too."""
+    """Qwen3.5 (linear-attention layers beside attention with an output gate; a GGUF's tiled value heads),
+    Qwen3.5-MoE (W4A8 experts beside a shared expert and its float32 gate) and Qwen3-Next (grouped value heads, a
+    dense layer among the sparse ones): decode steps run as one C++ call, a prompt's chunk the eager layers (the
+    recurrent plan's runs), and the logits of both are the eager layers' bits, for sequences starting with a
+    one-token prompt too."""
     import transformers
     from tiny_models import hf_config, spread_qwen3_5_parameters, write_qwen35_gguf
 

@@ -1,6 +1,7 @@
 """Qwen3.5: linear-attention layers (a gated delta rule over a state per sequence) between gated attention ones,
 against transformers on the same weights; the state slots a step names; what refuses the model. Qwen3.5-MoE (its
-experts beside a shared one) through the same tests."""
+experts beside a shared one) and Qwen3-Next (the same layers, its checkpoints' projections fused per key head)
+through the same tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import transformers
 from greedy_checks import NUM_GREEDY, assert_same_greedy
-from tiny_models import QWEN3_5, QWEN3_5_MOE, hf_config, make_hf_model
+from tiny_models import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, hf_config, make_hf_model
 
 import model
 from doctor.cost import ModelCost
@@ -27,7 +28,7 @@ def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=[QWEN3_5, QWEN3_5_MOE])
+@pytest.fixture(scope="module", params=[QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT])
 def qwen3_5(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, directory)
@@ -75,6 +76,27 @@ def test_the_published_moe_config_maps_onto_the_model_config():
                                                                                                True)
     assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.dense_layers) == (512, 512, ())
     assert len(cfg.linear_layers) == 30 and cfg.linear_value_heads == 32
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_the_published_qwen3_next_config_maps_onto_the_model_config():
+    """Qwen3-Next-80B-A3B's config.json: 512 experts, 10 a token, beside a shared expert, every layer sparse unless
+    mlp_only_layers or decoder_sparse_step say otherwise; partial_rotary_factor at the top level."""
+    raw = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+           "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+           "head_dim": 256, "vocab_size": 151936, "full_attention_interval": 4, "linear_num_key_heads": 16,
+           "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+           "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "norm_topk_prob": True, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+           "max_position_embeddings": 262144, "rms_norm_eps": 1e-06, "tie_word_embeddings": False}
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == ("qwen3_next", 512,
+                                                                                               10, True)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.dense_layers) == (512, 512, ())
+    assert len(cfg.linear_layers) == 36 and (cfg.rotary_dims, cfg.attention_output_gate) == (64, True)
+    assert ModelConfig.from_hf({**raw, "mlp_only_layers": [0], "decoder_sparse_step": 2}).dense_layers == tuple(
+        i for i in range(48) if i == 0 or i % 2 == 0)
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
@@ -201,7 +223,7 @@ def test_the_eager_layers_run_and_the_cost_model_counts_every_weight(qwen3_5):
     assert cost.kv_bytes_per_token == 2 * (2 * 2 * 32) * 4  # two attention layers' keys and values
 
 
-@pytest.fixture(scope="module", params=[QWEN3_5, QWEN3_5_MOE])
+@pytest.fixture(scope="module", params=[QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT])
 def gguf_pair(request, tmp_path_factory):
     """A Qwen3.5 (value heads as wide as key heads, as llama.cpp requires) written as llama.cpp's converter writes
     it (arch qwen35, or qwen35moe: stacked experts, the shared expert's `*_shexp` tensors), Q8_0; the reference
@@ -225,10 +247,11 @@ def test_gguf_matches_transformers_on_what_the_file_holds(gguf_pair):
     hf, path = gguf_pair
     ours = model.load(path, quantization="none")
     cfg = ours.config
-    assert (cfg.num_layers, cfg.linear_layers, cfg.linear_heads_tiled, cfg.rotary_dims) == (4, (0, 2), True, 8)
+    next_ = cfg.architecture == "qwen3_next"  # (value heads in transformers' order; a dense MLP in layer 2)
+    assert (cfg.num_layers, cfg.linear_layers, cfg.linear_heads_tiled, cfg.rotary_dims) == (4, (0, 2), not next_, 8)
     assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_value_dim) == (2, 4, 16)
-    assert (cfg.architecture, cfg.num_experts, cfg.shared_expert_intermediate_size) in (
-        ("qwen3_5", 0, 0), ("qwen3_5_moe", 4, 64))
+    assert (cfg.architecture, cfg.num_experts, cfg.shared_expert_intermediate_size, cfg.dense_layers) in (
+        ("qwen3_5", 0, 0, ()), ("qwen3_5_moe", 4, 64, ()), ("qwen3_next", 4, 64, (2,)))
     ids = prompt(90, seed=4)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

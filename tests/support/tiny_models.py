@@ -19,6 +19,7 @@ GPT_OSS = "gpt_oss"
 # Qwen3.5: linear-attention layers (a gated delta rule) between gated attention ones (tests/model/test_qwen3_5.py).
 QWEN3_5 = "qwen3_5"
 QWEN3_5_MOE = "qwen3_5_moe"  # its mixture of experts, a shared expert beside 4 routed ones (2 a token)
+QWEN3_NEXT = "qwen3_next"  # Qwen3.5-MoE's layers, projections fused per key head, a dense MLP in layer 2
 
 
 def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
@@ -116,6 +117,14 @@ def hf_config(family: str, vocab_size: int = 320, **gemma4_sizes):
             bos_token_id=None, eos_token_id=None, rope_parameters={
                 "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                 "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
+    if family == QWEN3_NEXT:
+        return transformers.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[2], pad_token_id=None,
+            bos_token_id=None, eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                                 "partial_rotary_factor": 0.25})
     if family == "mixtral":  # the experts are intermediate_size wide; weights always renormalised
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
                                           num_experts_per_tok=2, sliding_window=None)
@@ -172,7 +181,7 @@ def make_hf_model(family: str, directory: Path, seed: int = 0, vocab_size: int =
                     tensor.normal_(1, 0.2)
                 if name.endswith("layer_scalar"):
                     tensor.uniform_(0.5, 1.5)
-    if family in (QWEN3_5, QWEN3_5_MOE):
+    if family in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT):
         spread_qwen3_5_parameters(model)
     if family == GPT_OSS:  # biases, sinks and the router's bias away from 0
         with torch.no_grad():
@@ -552,7 +561,8 @@ QWEN35_GGUF_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
-    "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.out_proj": "ssm_out", "linear_attn.norm": "ssm_norm",
+    "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_ba": "ssm_ba", "linear_attn.out_proj": "ssm_out",
+    "linear_attn.norm": "ssm_norm",
     "linear_attn.conv1d": "ssm_conv1d", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
@@ -576,7 +586,9 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
                       mtp: bool = False) -> dict:
     """A Qwen3.5 text model as llama.cpp's converter writes it (arch qwen35): norms as 1 + w (the linear
     attention's output norm as it is), ssm_a = -exp(A_log), dt_bias as `ssm_dt.bias`, the convolution [C, K], the
-    linear attention's value heads tiled; 2-D weights in `qtype_name`, norms and vectors F32. Returns the state dict
+    linear attention's value heads tiled; 2-D weights in `qtype_name`, norms and vectors F32. A Qwen3-Next (arch
+    qwen3next): value heads as they are, in_proj_qkvz split into attn_qkv and attn_gate, in_proj_ba as it is
+    (`ssm_ba`). Returns the state dict
     the file holds, in Hugging Face names and layout. `smollm2_tokenizer`: the embedded model's vocabulary (as
     `write_gguf`'s). `mtp`: a multi-token-prediction layer after the others, as the converter writes a checkpoint's
     `mtp.*` (block_count one more, `nextn_predict_layers` 1, the layer's attention and `nextn.*` tensors, random)."""
@@ -589,7 +601,8 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     moe = getattr(cfg, "num_experts", 0)
-    writer = gguf.GGUFWriter(str(path), "qwen35moe" if moe else "qwen35")
+    qwen3_next = cfg.model_type == "qwen3_next"
+    writer = gguf.GGUFWriter(str(path), "qwen3next" if qwen3_next else "qwen35moe" if moe else "qwen35")
     writer.add_block_count(cfg.num_hidden_layers + mtp)
     if mtp:
         writer.add_nextn_predict_layers(1)
@@ -602,6 +615,8 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     if moe:  # (no dense MLP: no feed_forward_length, as llama.cpp's converter writes Qwen3.5-MoE)
+        if qwen3_next:  # (its dense layers' width)
+            writer.add_feed_forward_length(cfg.intermediate_size)
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -614,7 +629,8 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    writer.add_rope_dimension_sections(list(cfg.rope_parameters["mrope_section"]) + [0])
+    if not qwen3_next:
+        writer.add_rope_dimension_sections(list(cfg.rope_parameters["mrope_section"]) + [0])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     writer.add_ssm_state_size(dk)
@@ -631,7 +647,7 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
     def tiled(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, callable]:
         """The tensor as the file orders it, and the inverse for what it holds."""
         identity = (tensor, lambda t: t)
-        if hk == hv or "linear_attn." not in name:
+        if hk == hv or qwen3_next or "linear_attn." not in name:
             return identity
         channels = 2 * hk * dk
         if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
@@ -646,11 +662,28 @@ def write_qwen35_gguf(hf_model, path: Path, qtype_name: str = "F32", smollm2_tok
             return tile_value_heads(tensor, 1, hk, hv, dv), lambda t: untile_value_heads(t, 1, hk, hv, dv)
         return identity
 
+    def add_matrix(gguf_name: str, raw: torch.Tensor) -> torch.Tensor:
+        """A 2-D weight in `qtype`; what the file holds."""
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(raw.numpy(), dtype=np.float32))
+            return raw
+        blocks = quantize(raw.numpy(), qtype)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype), dtype=np.float32))
+
     held = {}
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         short = name.removeprefix("model.")
+        if name.endswith("in_proj_qkvz.weight"):  # per key head [q, k, v, z] -> every q, k, v; every z
+            layer, h, per_key = short.split(".")[1], tensor.shape[1], [dk, dk, hv // hk * dv, hv // hk * dv]
+            q, k, v, z = tensor.float().view(hk, -1, h).split(per_key, dim=1)
+            qkv = add_matrix(f"blk.{layer}.attn_qkv.weight", torch.cat([x.reshape(-1, h) for x in (q, k, v)]))
+            z = add_matrix(f"blk.{layer}.attn_gate.weight", z.reshape(-1, h))
+            q, k, v = qkv.split([hk * dk, hk * dk, hv * dv])
+            held[name] = torch.cat([x.reshape(hk, -1, h) for x in (q, k, v, z)], dim=1).reshape(-1, h)
+            continue
         if ".mlp.experts." in name:  # llama.cpp's stacks [E, out, in]
             held[name] = write_gguf_experts(writer, name, tensor, qtype)
             continue
