@@ -42,7 +42,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                    "per_layer_projection_norm.weight": (config.per_layer_input_size,)}
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        head_dim, inter = config.layer_head_dim(i), config.layer_intermediate_size(i)
+        head_dim = config.layer_head_dim(i)
         q, kv = config.num_heads * head_dim, config.layer_kv_heads(i) * head_dim
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         shapes |= mlp_shapes(config, i)
@@ -285,7 +285,7 @@ def fused_sources(config: ModelConfig) -> dict[str, list[str]]:
             sources[name] = [name]
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
+        attn = p + "self_attn."
         sources |= mlp_sources(config, i)
         if config.is_linear_layer(i):  # Qwen3.5: its norms, MLP and linear attention (model/linear_attention.py)
             linear = p + "linear_attn."
