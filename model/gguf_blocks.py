@@ -8,12 +8,15 @@ How each GGML type gets there (`block_weight`):
   16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q8_0 (8-bit); MXFP4 (GPT-OSS's
   experts) exactly too, as table codes: its 4-bit indices into `MXFP4_TABLE` (its 16 values, integers times
   half a power of two, plus 12), d that half power of two, which float16 holds exactly (else requantized as
-  below), and zero 12;
+  below), and zero 12; IQ4_NL exactly too, as table codes into its 16 values plus 128 (`IQ4_TABLE`, zero 128)
+  with its own float16 d, where the build's tiles take tables of such codes (`table_limit`: AVX-512 VNNI and the
+  portable loop; AVX2's requantize as below);
 - K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored (4- and 5-bit); each sub-block's scale and min, a
-  6-bit integer times the super-block's float16 d or dmin, rounded once to float16. That rounding moves a
+  6-bit integer times the super-block's float16 d or dmin, rounded once to float16 (IQ4_XS likewise: IQ4_NL's
+  table codes, each 32-block's scale d (ls - 32) rounded once to float16). That rounding moves a
   weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
   bounds it), far below the 4-bit step;
-- every other quantized type (Q2_K, Q3_K, the IQ types): requantized from
+- every other quantized type (Q2_K, Q3_K, the other IQ types): requantized from
   the weights the `gguf` package dequantizes, 8 bits per 32-block the way Q8_0 is made (d = max |w| / 127 in
   float16, u = round(w / d) + 128), at most half a step of 1/127 of the block's largest weight from the file's;
 - a float linear (F32, F16, BF16) in a quantized file (an output or embedding kept in 16 bits): requantized
@@ -39,6 +42,11 @@ MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 MXFP4_ZERO = 12
 MXFP4_TABLE = torch.tensor([v + MXFP4_ZERO for v in MXFP4_CODES], dtype=torch.uint8)
 TABLE_CODES = 7  # kernels/cpu_w4a8_linear.py's: 4-bit indices into a table of codes
+# IQ4_NL's 16 values (IQ4_XS's too), as table codes: each plus 128, w = d (u - 128).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_ZERO = 128
+IQ4_TABLE = torch.tensor([v + IQ4_ZERO for v in IQ4_VALUES], dtype=torch.uint8)
+TABLE_TYPES = ("IQ4_NL", "IQ4_XS")  # read as table codes where the build's tiles take IQ4_TABLE
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # read, in a quantized file, by requantizing
 REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `requantized` (64 MB)
@@ -120,7 +128,7 @@ def is_block_type(type_name: str) -> bool:
 def code_bits(type_name: str) -> int:
     """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 6 for Q6_K, 8 for
     every other type."""
-    if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4"):
+    if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4") or (type_name in TABLE_TYPES and wide_tables()):
         return 4
     if type_name == "Q6_K":
         return 6
@@ -139,11 +147,18 @@ def w4a8_bytes(type_names: list[str], rows: list[int], k: int) -> int:
     return n * k * bits // 8 + sub + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
 
 
+def wide_tables() -> bool:
+    """Whether this build's W4A8 tiles take IQ4_TABLE's codes (up to 241): not AVX2's."""
+    from kernels.cpu_w4a8_linear import table_limit
+
+    return int(IQ4_TABLE.max()) <= table_limit()
+
+
 def how_read(type_name: str) -> str:
     """"exact", "scales rounded to float16" or "requantized to 8 bits": what `block_weight` does to this type."""
-    if type_name in EXACT_TYPES:
+    if type_name in EXACT_TYPES or (type_name == "IQ4_NL" and wide_tables()):
         return "exact"
-    if type_name in SUB_BLOCK_TYPES:
+    if type_name in SUB_BLOCK_TYPES or (type_name == "IQ4_XS" and wide_tables()):
         return "scales rounded to float16"
     return "requantized to 8 bits"
 
@@ -158,6 +173,8 @@ def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
         return _six_bit(raw, n, k)
     if type_name == "MXFP4":
         return _mxfp4(raw, n, k)
+    if type_name in TABLE_TYPES and wide_tables():
+        return _iq4(raw, type_name, n, k)
     if type_name in EXACT_TYPES:
         return _legacy(raw, type_name, n, k)
     if type_name in SUB_BLOCK_TYPES:
@@ -203,6 +220,32 @@ def _mxfp4(raw: np.ndarray, n: int, k: int) -> BlockWeight:
     nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, kb, 32]
     d = torch.from_numpy(np.ldexp(np.float32(1), exponent).astype(np.float16))
     return BlockWeight(torch.from_numpy(nibbles.reshape(n, k)), d, None, TABLE_CODES, MXFP4_ZERO, table=MXFP4_TABLE)
+
+
+def _iq4(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
+    """IQ4_NL (18 bytes per 32 inputs: float16 d, then 16 bytes whose low nibbles are inputs 0..15 and high ones
+    16..31) and IQ4_XS (136 bytes per 256: float16 d, the 8 sub-blocks' 6-bit scales ls as 2 high bits each in a
+    uint16 and 4 low bits each in 4 bytes, then 8 x 16 bytes of nibbles as IQ4_NL's): w = d IQ4_VALUES[q] (IQ4_XS:
+    d (ls - 32) in sub-block j, rounded once to float16), as table codes q into IQ4_TABLE."""
+    if type_name == "IQ4_NL":
+        blocks = raw.reshape(n, k // BLOCK_SIZE, 18)
+        d, qs = _f16(blocks[..., 0:2]), blocks[..., 2:]
+    else:
+        if k % 256:
+            raise ModelLoadError(f"an IQ4_XS weight of {k} input channels: not a multiple of 256")
+        blocks = raw.reshape(n, k // 256, 136)
+        super_d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, kb, 1]
+        high = blocks[..., 2:4].copy().view(np.uint16).astype(np.int32) >> (2 * np.arange(8))  # [n, kb, 8]
+        low = blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # [n, kb, 4, 2]: sub-block 2i + h
+        ls = (low.reshape(n, -1, 8) & 0x0F).astype(np.int32) | ((high & 3) << 4)
+        with np.errstate(over="ignore"):
+            scale = (super_d * (ls - 32)).astype(np.float16)  # [n, kb, 8]
+        if not np.isfinite(scale).all():
+            raise ModelLoadError("an IQ4_XS weight's sub-block scales exceed float16's range (use --quantization "
+                                 "w8a8)")
+        d, qs = torch.from_numpy(scale.reshape(n, -1)), blocks[..., 8:].reshape(n, -1, 16)
+    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, k / 32, 32]
+    return BlockWeight(torch.from_numpy(nibbles.reshape(n, k)), d, None, TABLE_CODES, IQ4_ZERO, table=IQ4_TABLE)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

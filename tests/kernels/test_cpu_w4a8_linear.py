@@ -1,7 +1,7 @@
 """The C++ CPU W4A8 linear over GGUF blocks: bit for bit its torch reference (activations quantized per
 32-block, integer block sums, the float epilogue in a fixed order), for Q4_1, Q4_0, Q5_1, Q5_0, Q6_K (6-bit
-codes with int8 sub-scales per 16 inputs, with and without m), Q8_0 and MXFP4 (table codes: 4-bit indices into
-a block's table) forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF
+codes with int8 sub-scales per 16 inputs, with and without m), Q8_0, MXFP4 and IQ4_NL (table codes: 4-bit
+indices into a block's table; IQ4's codes up to 241) forms, any batch and thread count, on the vector tiles and the portable loop; and the GGUF
 reader's blocks are exactly the weights the float model is built from."""
 
 from __future__ import annotations
@@ -10,21 +10,24 @@ import pytest
 import torch
 
 from kernels import cpu_w4a8_linear as kernel
-from model.gguf_blocks import MXFP4_TABLE, MXFP4_ZERO, TABLE_CODES, BlockWeight
+from model.gguf_blocks import IQ4_TABLE, IQ4_ZERO, MXFP4_TABLE, MXFP4_ZERO, TABLE_CODES, BlockWeight
 
 pytestmark = pytest.mark.skipif(kernel.load() is None, reason="the CPU W4A8 kernel could not be built here "
                                 "(a C++ compiler and ninja are needed); the torch reference is used instead")
 
 FORMATS = {"q4_1": (4, 0, True), "q4_0": (4, 8, False), "q5_1": (5, 0, True), "q5_0": (5, 16, False),
            "q6_k": (6, 32, False), "q6_k_m": (6, 32, True), "q8_0": (8, 128, False),
-           "mxfp4": (TABLE_CODES, MXFP4_ZERO, False)}  # bits, zero, has m
+           "mxfp4": (TABLE_CODES, MXFP4_ZERO, False), "iq4_nl": (TABLE_CODES, IQ4_ZERO, False)}  # bits, zero, has m
+TABLES = {"mxfp4": MXFP4_TABLE, "iq4_nl": IQ4_TABLE}
 # q6_k_m: a fused layer's 6-bit form beside parts with a min (model/block_quantization.concat).
 
 
 def _case(m, n, k, form, seed=0):
     bits, zero, has_m = FORMATS[form]
+    table = TABLES.get(form)
+    if table is not None and int(table.max()) > kernel.table_limit():
+        pytest.skip(f"this build's tiles (AVX2) take tables of codes up to {kernel.table_limit()}")
     gen = torch.Generator().manual_seed(seed * 7919 + m * 1000 + n * 10 + k + bits)
-    table = MXFP4_TABLE if bits == TABLE_CODES else None
     codes = torch.randint(0, 16 if table is not None else 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
     d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
     mins = (torch.randn(n, k // 32, generator=gen) * 0.05).half() if has_m else None
@@ -135,8 +138,10 @@ def test_leading_dimensions_zero_rows_bad_shapes_and_the_fallback():
         kernel.pack(w.codes, w.d, None, 3)
     with pytest.raises(ValueError, match="uint8 table"):  # table codes without their table
         kernel.pack(w.codes % 16, w.d, None, TABLE_CODES)
-    with pytest.raises(ValueError, match="uint8 table"):  # entries past what AVX2's int16 sums hold
-        kernel.pack(w.codes % 16, w.d, None, TABLE_CODES, table=torch.full((16,), 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8 table"):  # entries past what the build's tiles' sums hold
+        kernel.pack(w.codes % 16, w.d, None, TABLE_CODES,
+                    table=torch.full((16,), kernel.table_limit() + 1, dtype=torch.int16).to(torch.uint8)
+                    if kernel.table_limit() < 255 else torch.full((16,), 1, dtype=torch.int16))
     with pytest.raises(ValueError, match="0..63"):
         kernel.pack(w.codes, w.d, None, 6, torch.zeros(48, 4, dtype=torch.int8))
     six = w.codes % 64

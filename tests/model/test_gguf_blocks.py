@@ -22,7 +22,8 @@ def _raw_blocks(name: str, rng) -> np.ndarray:
     kind = gguf.GGMLQuantizationType[name]
     per_block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(N, K // per_block, size), dtype=np.uint8)
-    half = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}[name]
+    half = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0],
+            "IQ4_XS": [0]}[name]
     for offset in half:
         scale = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
         raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
@@ -71,6 +72,29 @@ def test_q6_k_blocks_are_the_float_weights():
     assert torch.equal(weight.dequantize(), _reference(raw, "Q6_K"))
     with pytest.raises(ModelLoadError, match="not a multiple of 256"):
         block_weight(raw.reshape(-1)[:N * 105].reshape(N, 105), "Q6_K", (N, 128))
+
+
+def test_iq4_blocks_are_table_codes():
+    """IQ4_NL as table codes into its 16 values (plus 128): exactly what the gguf package dequantizes, for every
+    index and sign (random bytes); IQ4_XS the same codes, each 32-block's scale d (ls - 32) rounded once to float16
+    (2^-11 of it, relative). Where the build's tiles cannot take such tables (AVX2's), both
+    are requantized to 8 bits."""
+    from model.gguf_blocks import IQ4_TABLE, IQ4_ZERO, TABLE_CODES, how_read, wide_tables
+
+    if not wide_tables():
+        assert how_read("IQ4_NL") == how_read("IQ4_XS") == "requantized to 8 bits"
+        pytest.skip("this build's W4A8 tiles (AVX2) take tables of codes up to 31: IQ4 is requantized")
+    raw = _raw_blocks("IQ4_NL", np.random.default_rng(11))
+    weight = block_weight(raw, "IQ4_NL", (N, K))
+    assert (weight.bits, weight.zero, weight.m, how_read("IQ4_NL")) == (TABLE_CODES, IQ4_ZERO, None, "exact")
+    assert torch.equal(weight.table, IQ4_TABLE) and int(weight.codes.max()) == 15
+    assert torch.equal(weight.dequantize(), _reference(raw, "IQ4_NL"))
+    raw = _raw_blocks("IQ4_XS", np.random.default_rng(12))
+    weight = block_weight(raw, "IQ4_XS", (N, K))
+    assert (weight.bits, how_read("IQ4_XS")) == (TABLE_CODES, "scales rounded to float16")
+    reference = _reference(raw, "IQ4_XS")
+    error = (weight.dequantize() - reference).abs()
+    assert (error <= 2.0**-11 * reference.abs() + 1e-9).all() and error.max() > 0
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
