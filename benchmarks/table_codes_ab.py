@@ -21,11 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for its packages
 
-from bench_report import write_report  # noqa: E402
+from bench_report import write_report
 
-import model  # noqa: E402
-from model import gguf_blocks  # noqa: E402
-from model.generator import Generator  # noqa: E402
+import model
+from model import gguf_blocks
+from model.generator import Generator
 
 READINGS = {"table codes": True, "requantized 8-bit": False}
 
@@ -69,7 +69,7 @@ def main() -> None:
     rows = [{"reading": label, "step_ms": statistics.median(times), "rounds_ms": times,
              "tensor_bytes": held[label]} for label, times in measured.items()]
     table, eight = rows
-    print(f"\n| reading | decode step (median) | tensors |\n|---|---|---|")
+    print("\n| reading | decode step (median) | tensors |\n|---|---|---|")
     for row in rows:
         print(f"| {row['reading']} | {row['step_ms']:.2f} ms | {row['tensor_bytes'] / 1e6:.0f} MB |")
     print(f"| table / 8-bit | {table['step_ms'] / eight['step_ms']:.2f}x | "
