@@ -5,8 +5,8 @@ presets lay out real files: for measuring speed on shapes no packaged model has 
         [--hidden 2048] [--layers 16] [--intermediate 8192] [--heads 32] [--kv-heads 8]
 
 Presets: q4_k_m (Q4_K everywhere but the LM head and, in every other layer, attn_v and ffn_down: Q6_K, as
-llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q6_k, q8_0, iq4_nl and iq4_xs
-(the LM head Q6_K, as llama.cpp's IQ4 presets keep it). The defaults are
+llama.cpp's Q4_K_M gives more bits to those), q5_k_m (the same with Q5_K), q4_0, q6_k, q8_0, iq4_nl, iq4_xs and
+q3_k (the LM head Q6_K, as llama.cpp's presets keep it). The defaults are
 Llama 3.2 1B's shapes; the tokenizer (and so the vocabulary, 49,152 tokens) is the embedded SmolLM2's:
 1.17B parameters in all.
 `--reranker` writes a dense Qwen3 (per-head q/k norms) converted as llama.cpp converts Qwen3-Reranker: pooling
@@ -52,6 +52,7 @@ SCALES = {
     "Q6_K": {208: 5e-4},
     "IQ4_NL": {0: 2e-4},
     "IQ4_XS": {0: 1e-5},  # times a sub-block's ls - 32 (up to 32 either way)
+    "Q3_K": {108: 3e-4},  # times a sub-block's scale - 32 and q in -4..3
 }
 
 
@@ -68,7 +69,7 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
 
 
 def tensor_kind(preset: str, name: str, layer: int | None) -> str:
-    if preset.startswith("iq4"):
+    if preset.startswith("iq4") or preset == "q3_k":
         return "Q6_K" if name == "output" else preset.upper()
     if preset not in ("q4_k_m", "q5_k_m"):
         return preset.upper()
@@ -425,7 +426,7 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0", "iq4_nl", "iq4_xs"], default="q4_k_m")
+    parser.add_argument("--preset", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0", "iq4_nl", "iq4_xs", "q3_k"], default="q4_k_m")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=8192)

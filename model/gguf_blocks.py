@@ -5,7 +5,9 @@ inputs besides: w = d * c * (u - zero) (+ m).
 How each GGML type gets there (`block_weight`):
 
 - exact, the file's own codes and scales: Q4_0, Q4_1 (4-bit codes), Q5_0, Q5_1 (5-bit), Q6_K (6-bit, its
-  16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q8_0 (8-bit); MXFP4 (GPT-OSS's
+  16-input sub-blocks' int8 scales kept as they are beside the super-block's d), Q3_K (as 6-bit codes: its
+  3-bit q in -4..3 as u = q + 32, its 16-input sub-blocks' 6-bit scales less 32 as the int8 sub-scales, the
+  super-block's d), Q8_0 (8-bit); MXFP4 (GPT-OSS's
   experts) exactly too, as table codes: its 4-bit indices into `MXFP4_TABLE` (its 16 values, integers times
   half a power of two, plus 12), d that half power of two, which float16 holds exactly (else requantized as
   below), and zero 12; IQ4_NL exactly too, as table codes into its 16 values plus 128 (`IQ4_TABLE`, zero 128)
@@ -16,7 +18,7 @@ How each GGML type gets there (`block_weight`):
   table codes, each 32-block's scale d (ls - 32) rounded once to float16). That rounding moves a
   weight by at most 2^-11 of its sub-block's largest |scale * code| and |min| (`tests/model/test_gguf_blocks.py`
   bounds it), far below the 4-bit step;
-- every other quantized type (Q2_K, Q3_K, the other IQ types): requantized from
+- every other quantized type (Q2_K, the other IQ types): requantized from
   the weights the `gguf` package dequantizes, 8 bits per 32-block the way Q8_0 is made (d = max |w| / 127 in
   float16, u = round(w / d) + 128), at most half a step of 1/127 of the block's largest weight from the file's;
 - a float linear (F32, F16, BF16) in a quantized file (an output or embedding kept in 16 bits): requantized
@@ -35,7 +37,7 @@ import torch
 from model.errors import ModelLoadError
 
 BLOCK_SIZE = 32  # inputs per block: the kernel's activation quantization block too
-EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "MXFP4")
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "MXFP4")
 # MXFP4's 16 values (E2M1) doubled, indexed by a 4-bit code: integers, so a block is those times 2^(e - 128); as
 # table codes (kernels/cpu_w4a8_linear.py TABLE_CODES) each value plus MXFP4_ZERO, so the table holds 0 .. 24.
 MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -130,7 +132,7 @@ def code_bits(type_name: str) -> int:
     every other type."""
     if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4") or (type_name in TABLE_TYPES and wide_tables()):
         return 4
-    if type_name == "Q6_K":
+    if type_name in ("Q6_K", "Q3_K"):
         return 6
     return 5 if type_name in ("Q5_0", "Q5_1", "Q5_K") else 8
 
@@ -171,6 +173,8 @@ def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
     raw = np.ascontiguousarray(raw).reshape(n, -1)  # float types: [N, K] of their own dtype (BF16: bytes)
     if type_name == "Q6_K":
         return _six_bit(raw, n, k)
+    if type_name == "Q3_K":
+        return _three_bit(raw, n, k)
     if type_name == "MXFP4":
         return _mxfp4(raw, n, k)
     if type_name in TABLE_TYPES and wide_tables():
@@ -301,6 +305,29 @@ def _six_bit(raw: np.ndarray, n: int, k: int) -> BlockWeight:
     d = _f16(blocks[..., 208:210]).repeat_interleave(256 // BLOCK_SIZE, dim=1)  # [n, k / 32]: a super-block's
     return BlockWeight(torch.from_numpy(np.ascontiguousarray(codes)), d, None, 6, SIX_BIT_ZERO,
                        torch.from_numpy(sub.copy()))
+
+
+def _three_bit(raw: np.ndarray, n: int, k: int) -> BlockWeight:
+    """Q3_K (110 bytes per 256 inputs: 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, float16 d):
+    w = d (sc_j - 32) q in 16-input sub-block j, q = low - 4 (1 - high) in -4..3; read as Q6_K's form, 6-bit codes
+    u = q + 32 under int8 sub-scales sc_j - 32 (the `gguf` package's order, (d c) q, exactly)."""
+    if k % 256:
+        raise ModelLoadError(f"a Q3_K weight of {k} input channels: not a multiple of 256")
+    kb = k // 256
+    blocks = raw.reshape(n, kb, 110)
+    # Input e of a super-block: its 2-bit pair at bits 2 ((e % 128) / 32) of qs byte 32 (e / 128) + e % 32, its
+    # high bit at bit e / 32 of hmask byte e % 32.
+    low = (blocks[..., 32:96].reshape(n, kb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    high = (blocks[..., 0:32].reshape(n, kb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    codes = low.reshape(n, kb, 256) + 28 + 4 * high.reshape(n, kb, 256)  # q + 32
+    packed = blocks[..., 96:108]  # sub-blocks 0-7 in the nibbles of bytes 0-7, 8-15 in their high nibbles
+    scales = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    top = packed[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)  # [n, kb, 4, 4]: byte 8 + i, shift s
+    scales = scales | ((top.transpose(0, 1, 3, 2).reshape(n, kb, 16) & 3) << 4)  # sub-block 4 s + i
+    sub = (scales.astype(np.int16) - 32).astype(np.int8).reshape(n, kb * 16)
+    d = _f16(blocks[..., 108:110]).repeat_interleave(256 // BLOCK_SIZE, dim=1)
+    return BlockWeight(torch.from_numpy(codes.reshape(n, k).astype(np.uint8)), d, None, 6, SIX_BIT_ZERO,
+                       torch.from_numpy(np.ascontiguousarray(sub)))
 
 
 def requantized(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:

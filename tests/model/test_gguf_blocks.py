@@ -1,6 +1,6 @@
 """A GGUF linear weight's blocks as W4A8 reads them (model/gguf_blocks.py), against the `gguf` package's own
-dequantization: exact for the legacy types and Q6_K, within float16's rounding of the sub-block scales for
-Q4_K and Q5_K, within half an 8-bit step for the requantized types."""
+dequantization: exact for the legacy types, Q6_K, Q3_K and IQ4_NL, within float16's rounding of the sub-block
+scales for Q4_K, Q5_K and IQ4_XS, within half an 8-bit step for the requantized types."""
 
 from __future__ import annotations
 
@@ -97,7 +97,29 @@ def test_iq4_blocks_are_table_codes():
     assert (error <= 2.0**-11 * reference.abs() + 1e-9).all() and error.max() > 0
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+def test_q3_k_blocks_are_six_bit_codes():
+    """Q3_K read in Q6_K's form (6-bit codes q + 32 for its q in -4..3, its 6-bit sub-block scales less 32 as int8
+    sub-scales, the super-block's d) gives back exactly what the gguf package dequantizes, for every code, scale and
+    sign (random bytes); and through the W4A8 kernel's 6-bit path it is the reference's product bit for bit."""
+    from kernels import cpu_w4a8_linear as kernel
+
+    from model.gguf_blocks import how_read
+
+    raw = _raw_blocks("Q3_K", np.random.default_rng(8))
+    weight = block_weight(raw, "Q3_K", (N, K))
+    assert (weight.bits, weight.zero, weight.m, how_read("Q3_K")) == (6, 32, None, "exact")
+    assert (int(weight.codes.min()), int(weight.codes.max())) == (28, 35)
+    assert (int(weight.sub.min()), int(weight.sub.max())) == (-32, 31)
+    assert torch.equal(weight.dequantize(), _reference(raw, "Q3_K"))
+    x = torch.randn(5, K)
+    codes, scales = kernel.pack(weight.codes, weight.d, None, 6, weight.sub)
+    ref = kernel.w4a8_matmul_ref(x, weight.codes, weight.d.float(), None, weight.zero, weight.sub)
+    assert torch.equal(kernel.w4a8_linear(x, codes, scales, None, N, weight.zero), ref)
+    with pytest.raises(ModelLoadError, match="not a multiple of 256"):
+        block_weight(raw.reshape(-1)[:N * 55].reshape(N, 55), "Q3_K", (N, 128))
+
+
+@pytest.mark.parametrize("name", ["Q2_K"])
 def test_other_types_are_requantized_to_8_bits(name):
     raw = _raw_blocks(name, np.random.default_rng(2))
     weight = block_weight(raw, name, (N, K))
@@ -112,10 +134,10 @@ def test_other_types_are_requantized_to_8_bits(name):
 def test_requantizing_in_chunks_of_rows_changes_nothing(monkeypatch):
     from model import gguf_blocks
 
-    raw = _raw_blocks("Q3_K", np.random.default_rng(5))
-    whole = block_weight(raw, "Q3_K", (N, K))
+    raw = _raw_blocks("Q2_K", np.random.default_rng(5))
+    whole = block_weight(raw, "Q2_K", (N, K))
     monkeypatch.setattr(gguf_blocks, "REQUANTIZE_CHUNK", 5 * K)  # rows 0-4, 5-9, ...: the last chunk short
-    chunked = block_weight(raw, "Q3_K", (N, K))
+    chunked = block_weight(raw, "Q2_K", (N, K))
     assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.d, whole.d)
 
 
@@ -128,7 +150,7 @@ def test_requantizing_zeros_and_the_float_types():
     assert all(is_block_type(t) for t in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL"))
     with pytest.raises(ModelLoadError, match="not a GGUF type the w4a8 layers can read"):
         block_weight(np.zeros((2, 64), np.int8), "I8", (2, 64))
-    # A float linear in a quantized file (an output kept in 16 bits) is requantized as Q3_K is.
+    # A float linear in a quantized file (an output kept in 16 bits) is requantized as Q2_K is.
     half = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float16)
     weight = block_weight(half, "F16", (2, 64))
     assert torch.equal(weight.codes, requantize_8bit(torch.from_numpy(half).float()).codes)
