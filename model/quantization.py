@@ -52,7 +52,8 @@ def resolve_quantization(quantization: str, dtype: str, device: str | torch.devi
     "Fast by default"), for `model` (None: the embedded default) on `device`:
 
     - a quantized GGUF file whose W4A8 layers read at most 0.85x W8A8's bytes a step (`W4A8_BYTES_AT_MOST`;
-      mostly 4- and 5-bit codes: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K; `gguf_checkpoint.linear_bytes`; Gemma 3
+      mostly 4- and 5-bit codes: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS (where the tiles take IQ4's
+      table: model/gguf_blocks.py); `gguf_checkpoint.linear_bytes`; Gemma 3
       270M's file, its Q8_0 LM head most of its bytes, reads 0.93x and decodes 7% slower in W4A8; a Q6_K
       file 0.87x), on a
       CPU, in one process: W4A8 over the file's own blocks. For a Q4_1 file it reads 5/8 of W8A8's weight
