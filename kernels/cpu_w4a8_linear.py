@@ -55,9 +55,8 @@ BLOCK_K = 32  # input channels per quantization block (the GGUF's and the activa
 GROUP_K = 4  # input channels summed by one vpdpbusd lane
 # Bytes of packed codes per 16 outputs and 32-block, by code width: 4-bit nibbles; the same nibbles and a
 # 64-byte plane of fifth bits; the nibbles, 128 bytes of bit pairs and 32 int8 sub-scales; or one byte a code.
-# Table codes: 4-bit indices into a 16-byte table of codes kept after each block's nibbles: codes up to 255 on
-# the VNNI tiles and the portable loop (int32 sums), up to TABLE_MAX on AVX2's (int16 sums of 8 products).
-TABLE_CODES, TABLE_MAX = 7, 31
+# Table codes: 4-bit indices into a 16-byte table of codes (0 .. 255) kept after each block's nibbles.
+TABLE_CODES = 7
 CODE_BYTES = {4: 256, 5: 320, 6: 416, 8: 512, TABLE_CODES: 272}
 SUB_SCALE_BYTES = 32  # 6-bit: [16 channels, 2 halves of 16 inputs] int8, at the end of each block's codes
 
@@ -73,11 +72,6 @@ def has_int8_tiles() -> bool:
     """Whether the build has vector int8 tiles, AVX-512 VNNI or AVX2 (else the portable loop runs)."""
     module = load()
     return module is not None and module.has_int8_tiles()
-
-
-def table_limit() -> int:
-    """The largest code a table of table codes may hold in this build (`pack` refuses larger ones)."""
-    return TABLE_MAX if has_int8_tiles() and not has_vnni() else 255
 
 
 def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,10 +118,10 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
     (u - zero), the kernel's `zero`), sub int8 [N, K / 16] (6-bit codes only: their sub-scales) -> (codes
     [ceil(N / 16), K / 32, CODE_BYTES[bits]] uint8, scales [ceil(N / 16), K / 32, 1 or 2, 16] float16),
     zero-padded to whole blocks of 16 outputs. bits TABLE_CODES: `codes` are 4-bit indices into `table` uint8
-    [16] (codes 0 .. `table_limit()`), the weight's codes u = table[index]."""
+    [16], the weight's codes u = table[index]."""
     if (table is not None) != (bits == TABLE_CODES) or (table is not None and (
-            table.dtype != torch.uint8 or tuple(table.shape) != (16,) or int(table.max()) > table_limit())):
-        raise ValueError(f"table codes take a uint8 table [16] of codes up to {table_limit()}, other widths none")
+            table.dtype != torch.uint8 or tuple(table.shape) != (16,))):
+        raise ValueError("table codes take a uint8 table [16], other widths none")
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] % BLOCK_K:
         raise ValueError(f"expected uint8 codes [N, K] with K a multiple of {BLOCK_K}, got {codes.dtype} "
                          f"{tuple(codes.shape)}")

@@ -11,8 +11,7 @@ How each GGML type gets there (`block_weight`):
   experts) exactly too, as table codes: its 4-bit indices into `MXFP4_TABLE` (its 16 values, integers times
   half a power of two, plus 12), d that half power of two, which float16 holds exactly (else requantized as
   below), and zero 12; IQ4_NL exactly too, as table codes into its 16 values plus 128 (`IQ4_TABLE`, zero 128)
-  with its own float16 d, where the build's tiles take tables of such codes (`table_limit`: AVX-512 VNNI and the
-  portable loop; AVX2's requantize as below);
+  with its own float16 d;
 - K-quants with 32-input sub-blocks (Q4_K, Q5_K): the codes as stored (4- and 5-bit); each sub-block's scale and min, a
   6-bit integer times the super-block's float16 d or dmin, rounded once to float16 (IQ4_XS likewise: IQ4_NL's
   table codes, each 32-block's scale d (ls - 32) rounded once to float16). That rounding moves a
@@ -48,7 +47,7 @@ TABLE_CODES = 7  # kernels/cpu_w4a8_linear.py's: 4-bit indices into a table of c
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 IQ4_ZERO = 128
 IQ4_TABLE = torch.tensor([v + IQ4_ZERO for v in IQ4_VALUES], dtype=torch.uint8)
-TABLE_TYPES = ("IQ4_NL", "IQ4_XS")  # read as table codes where the build's tiles take IQ4_TABLE
+TABLE_TYPES = ("IQ4_NL", "IQ4_XS")  # read as table codes into IQ4_TABLE
 SUB_BLOCK_TYPES = ("Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")  # read, in a quantized file, by requantizing
 REQUANTIZE_CHUNK = 1 << 24  # weights dequantized to float32 at a time by `requantized` (64 MB)
@@ -130,7 +129,7 @@ def is_block_type(type_name: str) -> bool:
 def code_bits(type_name: str) -> int:
     """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 6 for Q6_K, 8 for
     every other type."""
-    if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4") or (type_name in TABLE_TYPES and wide_tables()):
+    if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4", *TABLE_TYPES):
         return 4
     if type_name in ("Q6_K", "Q3_K"):
         return 6
@@ -149,18 +148,11 @@ def w4a8_bytes(type_names: list[str], rows: list[int], k: int) -> int:
     return n * k * bits // 8 + sub + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
 
 
-def wide_tables() -> bool:
-    """Whether this build's W4A8 tiles take IQ4_TABLE's codes (up to 241): not AVX2's."""
-    from kernels.cpu_w4a8_linear import table_limit
-
-    return int(IQ4_TABLE.max()) <= table_limit()
-
-
 def how_read(type_name: str) -> str:
     """"exact", "scales rounded to float16" or "requantized to 8 bits": what `block_weight` does to this type."""
-    if type_name in EXACT_TYPES or (type_name == "IQ4_NL" and wide_tables()):
+    if type_name in EXACT_TYPES or type_name == "IQ4_NL":
         return "exact"
-    if type_name in SUB_BLOCK_TYPES or (type_name == "IQ4_XS" and wide_tables()):
+    if type_name in SUB_BLOCK_TYPES or type_name == "IQ4_XS":
         return "scales rounded to float16"
     return "requantized to 8 bits"
 
@@ -177,7 +169,7 @@ def block_weight(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
         return _three_bit(raw, n, k)
     if type_name == "MXFP4":
         return _mxfp4(raw, n, k)
-    if type_name in TABLE_TYPES and wide_tables():
+    if type_name in TABLE_TYPES:
         return _iq4(raw, type_name, n, k)
     if type_name in EXACT_TYPES:
         return _legacy(raw, type_name, n, k)

@@ -360,6 +360,19 @@ inline void widen_block(const uint8_t* block, uint8_t* wide) {
   if constexpr (BITS == 6) std::memcpy(wide + 512, block + kSubScales, 32);
 }
 
+// Whether any of the VW vectors' block tables (tables[j] + at: 16 codes) holds a code past 31, which the int16
+// sums of the 4-bit path cannot take (MXFP4's reach 24, IQ4's 241).
+template <int VW>
+inline bool wide_table(const uint8_t* const* tables, int64_t at) {
+  bool wide = false;
+#pragma GCC unroll 4
+  for (int j = 0; j < VW; ++j) {
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables[j] + at));
+    wide |= !_mm_testz_si128(table, _mm_set1_epi8(static_cast<char>(0xE0)));
+  }
+  return wide;
+}
+
 // BITS and WIDE as for the VNNI tiles.
 template <int BITS, bool WIDE = false>
 struct W4A8Tiles {
@@ -484,6 +497,31 @@ struct W4A8Tiles {
             for (int j = 0; j < VW; ++j) {
               dot[i][j] = _mm256_sub_epi32(dot[i][j], _mm256_mullo_epi32(_mm256_madd_epi16(pairs[j], sums),
                                                                           _mm256_set1_epi32(zero)));
+            }
+          }
+        } else if (BITS == kTableCodes && !WIDE && wide_table<VW>(hv, b * CB)) {
+          // Table codes past 31 (IQ4's, up to 255): the 8-bit codes' signed products below, each group
+          // widened at once, on the codes the tables give. dot = sum w a + 128 sum a = sum u a.
+          const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+            for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_slli_epi32(_mm256_set1_epi32(xsum[i * KB + b]), 7);
+#pragma GCC unroll 1
+          for (int l = 0; l < 4; ++l) {
+#pragma GCC unroll 4
+            for (int j = 0; j < VW; ++j) {
+              __m256i lo, hi;  // groups l and 4 + l, as codes
+              unpack_half<BITS>(cv[j] + b * CB, hv[j] + b * CB, l, lo, hi);
+              const __m256i w_lo = _mm256_xor_si256(lo, flip), w_hi = _mm256_xor_si256(hi, flip);
+              const __m256i abs_lo = _mm256_abs_epi8(w_lo), abs_hi = _mm256_abs_epi8(w_hi);
+#pragma GCC unroll 8
+              for (int i = 0; i < MR; ++i) {
+                const __m256i p_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(four(i, 4 * l), w_lo));
+                const __m256i p_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(four(i, 16 + 4 * l), w_hi));
+                dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones),
+                                                                         _mm256_madd_epi16(p_hi, ones)));
+              }
             }
           }
         } else if constexpr (BITS != 8) {

@@ -77,13 +77,9 @@ def test_q6_k_blocks_are_the_float_weights():
 def test_iq4_blocks_are_table_codes():
     """IQ4_NL as table codes into its 16 values (plus 128): exactly what the gguf package dequantizes, for every
     index and sign (random bytes); IQ4_XS the same codes, each 32-block's scale d (ls - 32) rounded once to float16
-    (2^-11 of it, relative). Where the build's tiles cannot take such tables (AVX2's), both
-    are requantized to 8 bits."""
-    from model.gguf_blocks import IQ4_TABLE, IQ4_ZERO, TABLE_CODES, how_read, wide_tables
+    (2^-11 of it, relative)."""
+    from model.gguf_blocks import IQ4_TABLE, IQ4_ZERO, TABLE_CODES, how_read
 
-    if not wide_tables():
-        assert how_read("IQ4_NL") == how_read("IQ4_XS") == "requantized to 8 bits"
-        pytest.skip("this build's W4A8 tiles (AVX2) take tables of codes up to 31: IQ4 is requantized")
     raw = _raw_blocks("IQ4_NL", np.random.default_rng(11))
     weight = block_weight(raw, "IQ4_NL", (N, K))
     assert (weight.bits, weight.zero, weight.m, how_read("IQ4_NL")) == (TABLE_CODES, IQ4_ZERO, None, "exact")
