@@ -127,8 +127,8 @@ def is_block_type(type_name: str) -> bool:
 
 
 def code_bits(type_name: str) -> int:
-    """The codes' width once read: 4 for Q4_0, Q4_1 and Q4_K, 5 for Q5_0, Q5_1 and Q5_K, 6 for Q6_K, 8 for
-    every other type."""
+    """The codes' width once read: 4 for Q4_0, Q4_1, Q4_K and the table codes (MXFP4, IQ4_NL, IQ4_XS), 5 for
+    Q5_0, Q5_1 and Q5_K, 6 for Q6_K and Q3_K, 8 for every other type."""
     if type_name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4", *TABLE_TYPES):
         return 4
     if type_name in ("Q6_K", "Q3_K"):
@@ -138,14 +138,20 @@ def code_bits(type_name: str) -> int:
 
 def w4a8_bytes(type_names: list[str], rows: list[int], k: int) -> int:
     """Bytes a decode step reads of one W4A8 layer fused from parts of these types (rows [N] of K inputs
-    each): codes (6-bit: and an int8 sub-scale per 16), then float16 scales per 32 inputs, d alone or d and
-    m (a part with a min, or parts of different types, which `model/block_quantization.concat` gives an
-    explicit m)."""
+    each): codes (6-bit: and an int8 sub-scale per 16; table codes: and a 16-byte table per 16 rows and 32
+    inputs), then float16 scales per 32 inputs, d alone or d and m (a part with a min, or parts of different
+    types, which `model/block_quantization.concat` gives an explicit m)."""
     bits = max(code_bits(t) for t in type_names)
-    two = len(set(type_names)) > 1 or any(t in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") for t in type_names)
+    tables = {t if t == "MXFP4" else "IQ4" for t in type_names if t in ("MXFP4", *TABLE_TYPES)}
+    table_parts = sum(t in ("MXFP4", *TABLE_TYPES) for t in type_names)
+    if tables and (len(tables) > 1 or table_parts < len(type_names)):
+        bits = 8  # table codes beside other codes: all as bytes (concat)
+    same = set(type_names) <= set(TABLE_TYPES) or len(set(type_names)) == 1
+    two = not same or any(t in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") for t in type_names)
     n = sum(rows)
     sub = n * k // 16 if bits == 6 else 0
-    return n * k * bits // 8 + sub + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
+    table = n * k // BLOCK_SIZE if bits == 4 and tables else 0
+    return n * k * bits // 8 + sub + table + n * (k // BLOCK_SIZE) * 2 * (2 if two else 1)
 
 
 def how_read(type_name: str) -> str:

@@ -205,3 +205,9 @@ def test_w4a8_bytes_are_the_packed_layers():
     assert fused.bits == 5 and fused.codes.shape[-1] == 320 and fused.scales.shape[2] == 2
     assert fused.codes.numel() + fused.scales.numel() * 2 == w4a8_bytes(["Q4_K", "Q5_0"], [N, N], K)
     assert torch.equal(concat([gate, up]).dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))
+    # IQ4 table codes: 4-bit indices and a 16-byte table per 16 rows and 32 inputs; beside Q4_K codes, bytes.
+    nl, xs = (block_weight(_raw_blocks(name, rng), name, (N, K)) for name in ("IQ4_NL", "IQ4_XS"))
+    for names, layer in ((["IQ4_XS"], xs), (["IQ4_NL", "IQ4_XS"], concat([nl, xs])), (["IQ4_XS", "Q4_K"],
+                                                                                          concat([xs, gate]))):
+        fused = W4A8Linear(layer, None)
+        assert fused.codes.numel() + fused.scales.numel() * 2 == w4a8_bytes(names, [N] * len(names), K), names
