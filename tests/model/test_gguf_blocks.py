@@ -98,7 +98,6 @@ def test_q3_k_blocks_are_six_bit_codes():
     sub-scales, the super-block's d) gives back exactly what the gguf package dequantizes, for every code, scale and
     sign (random bytes); and through the W4A8 kernel's 6-bit path it is the reference's product bit for bit."""
     from kernels import cpu_w4a8_linear as kernel
-
     from model.gguf_blocks import how_read
 
     raw = _raw_blocks("Q3_K", np.random.default_rng(8))
