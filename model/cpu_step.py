@@ -198,6 +198,12 @@ class CpuDecoderStep:
                 return [linear.codes, linear.scales, empty, bias], [kind, linear.zero]
             return [linear.packed, linear.wsum, linear.scale, bias], [kind, 0]
 
+        def two_linears(first: nn.Module, second: nn.Module, after: torch.Tensor) -> tuple[list[torch.Tensor],
+                                                                                          list[int]]:
+            """Two linears' tensors and ints one after the other, then the tensor `after`."""
+            (t1, i1), (t2, i2) = linear_tensors(first), linear_tensors(second)
+            return [*t1, *t2, after.detach()], [*i1, *i2]
+
         for i, layer in enumerate(model.layers):
             attn, linear_attn, mlp = layer.self_attn, layer.linear_attn, layer.mlp
             qk_norms = (attn.q_norm, attn.k_norm) if attn is not None else (None, None)
@@ -230,11 +236,10 @@ class CpuDecoderStep:
                 ints += [config.head_dim, config.num_kv_heads, config.layer_intermediate_size(i), 2, i, 0]
             tensors.append(empty if layer.layer_scalar is None else layer.layer_scalar.detach())
             if layer.per_layer_input_gate is not None:
-                for linear in (layer.per_layer_input_gate, layer.per_layer_projection):
-                    more_tensors, more_ints = linear_tensors(linear)
-                    tensors += more_tensors
-                    ints += more_ints
-                tensors.append(layer.post_per_layer_input_norm.weight.detach())
+                more_tensors, more_ints = two_linears(layer.per_layer_input_gate, layer.per_layer_projection,
+                                                      layer.post_per_layer_input_norm.weight)
+                tensors += more_tensors
+                ints += more_ints
             else:
                 tensors += [empty] * 9
                 ints += [0, 0, 0, 0]
@@ -258,12 +263,10 @@ class CpuDecoderStep:
                 tensors += [empty] * 4
                 ints += [0, int(attn.gate_size > 0), 0, 0, 0, 0]
             if layer.shared_expert is not None:  # Qwen3.5-MoE: the shared expert's linears and float32 gate
-                ints.append(config.shared_expert_intermediate_size)
-                for linear in (layer.shared_expert.gate_up_proj, layer.shared_expert.down_proj):
-                    more_tensors, more_ints = linear_tensors(linear)
-                    tensors += more_tensors
-                    ints += more_ints
-                tensors.append(layer.shared_expert_gate.weight.detach())
+                more_tensors, more_ints = two_linears(layer.shared_expert.gate_up_proj, layer.shared_expert.down_proj,
+                                                      layer.shared_expert_gate.weight)
+                tensors += more_tensors
+                ints += [config.shared_expert_intermediate_size, *more_ints]
             else:
                 tensors += [empty] * 9
                 ints += [0, 0, 0, 0, 0]

@@ -443,6 +443,21 @@ struct W4A8Tiles {
           for (int64_t line = 0; line < CB; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(cv[j] + (b + kAhead) * CB + line), _MM_HINT_T0);
         __m256i dot[MR][VW];
+        // Codes as signed bytes (the 8-bit path, below): dot starts at 128 sum a, then adds sum (u - 128) a of
+        // each group of 4 inputs from k, codes u in vector j.
+        auto start_signed_sums = [&] {
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+            for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_slli_epi32(_mm256_set1_epi32(xsum[i * KB + b]), 7);
+        };
+        auto add_signed_products = [&](int j, __m256i u, int k) {
+          const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80))), wa = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i)
+            dot[i][j] = _mm256_add_epi32(
+                dot[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(four(i, k), w)), ones));
+        };
         if constexpr (BITS == 6) {
           // vpmaddubsw of codes u <= 63 by an int8 a: a pair is at most 2 * 63 * 127 = 16002 < 32767; then
           // vpmaddwd by the channel's sub-scale in both int16 halves of its lane adds c (p0 + p1) into
@@ -500,28 +515,17 @@ struct W4A8Tiles {
             }
           }
         } else if (BITS == kTableCodes && !WIDE && wide_table<VW>(hv, b * CB)) {
-          // Table codes past 31 (IQ4's, up to 255): the 8-bit codes' signed products below, each group
-          // widened at once, on the codes the tables give. dot = sum w a + 128 sum a = sum u a.
-          const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-            for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_slli_epi32(_mm256_set1_epi32(xsum[i * KB + b]), 7);
+          // Table codes past 31 (IQ4's, up to 255): the 8-bit codes' signed products (below), on the codes the
+          // tables give.
+          start_signed_sums();
 #pragma GCC unroll 1
           for (int l = 0; l < 4; ++l) {
 #pragma GCC unroll 4
             for (int j = 0; j < VW; ++j) {
               __m256i lo, hi;  // groups l and 4 + l, as codes
               unpack_half<BITS>(cv[j] + b * CB, hv[j] + b * CB, l, lo, hi);
-              const __m256i w_lo = _mm256_xor_si256(lo, flip), w_hi = _mm256_xor_si256(hi, flip);
-              const __m256i abs_lo = _mm256_abs_epi8(w_lo), abs_hi = _mm256_abs_epi8(w_hi);
-#pragma GCC unroll 8
-              for (int i = 0; i < MR; ++i) {
-                const __m256i p_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(four(i, 4 * l), w_lo));
-                const __m256i p_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(four(i, 16 + 4 * l), w_hi));
-                dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones),
-                                                                         _mm256_madd_epi16(p_hi, ones)));
-              }
+              add_signed_products(j, lo, 4 * l);
+              add_signed_products(j, hi, 16 + 4 * l);
             }
           }
         } else if constexpr (BITS != 8) {
@@ -560,22 +564,13 @@ struct W4A8Tiles {
           // sign (vpsignb), |a| <= 127 (|x / s| <= 127 by construction; a NaN's code is 0), so a pair is
           // at most 2 * 128 * 127 = 32512 < 32767; vpmaddwd by ones adds a channel's 4 inputs into its
           // int32 lane. dot = sum w a + 128 sum a.
-          const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-            for (int j = 0; j < VW; ++j) dot[i][j] = _mm256_slli_epi32(_mm256_set1_epi32(xsum[i * KB + b]), 7);
+          start_signed_sums();
 #pragma GCC unroll 1
           for (int g = 0; g < 8; ++g) {
 #pragma GCC unroll 4
             for (int j = 0; j < VW; ++j) {
               const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cv[j] + b * CB + g * 64));
-              const __m256i w = _mm256_xor_si256(u, flip);
-              const __m256i wa = _mm256_abs_epi8(w);
-#pragma GCC unroll 8
-              for (int i = 0; i < MR; ++i)
-                dot[i][j] = _mm256_add_epi32(
-                    dot[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(four(i, 4 * g), w)), ones));
+              add_signed_products(j, u, 4 * g);
             }
           }
         }
