@@ -30,7 +30,9 @@ to the real model's size (the LM head is a large part of a small model's bytes).
 --vocab 248320`. With `--experts E --experts-used K` a Qwen3.5-MoE (arch qwen35moe): every layer `E` experts of
 `--intermediate` rows beside a shared expert as wide; Qwen3.5-35B-A3B's layer shapes with fewer layers:
 `--qwen35 --experts 256 --experts-used 8 --intermediate 512 --hidden 2048 --heads 16 --kv-heads 2 --head-dim 256
---linear-heads 16 --linear-value-heads 32 --vocab 248320 --layers 4`.
+--linear-heads 16 --linear-value-heads 32 --vocab 248320 --layers 4`. `--qwen3-next` with `--experts` writes a
+Qwen3-Next instead (arch qwen3next; 80B-A3B's shapes: `--experts 512 --experts-used 10 --intermediate 512 --hidden
+2048 --heads 16 --kv-heads 2 --head-dim 256 --linear-heads 16 --linear-value-heads 32 --vocab 151936`).
 """
 
 from __future__ import annotations
@@ -347,16 +349,16 @@ def write_gemma4(path: Path, preset: str, hidden: int, layers: int, intermediate
 
 def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
                  head_dim: int, linear_heads: int, linear_value_heads: int, vocab: int | None, experts: int = 0,
-                 experts_used: int = 0, seed: int = 0) -> None:
+                 experts_used: int = 0, seed: int = 0, qwen3_next: bool = False) -> None:
     """A Qwen3.5 (module docstring) with the embedded model's tokenizer, padded to `vocab` tokens; every fourth
     layer attention, a quarter of each head rotating, the LM head tied to the embedding (as the small models); with
-    `experts`, a Qwen3.5-MoE."""
+    `experts`, a Qwen3.5-MoE, or with `qwen3_next` a Qwen3-Next (arch qwen3next: b and a in one `ssm_ba`)."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "qwen35moe" if experts else "qwen35")
+    writer = gguf.GGUFWriter(str(path), "qwen3next" if qwen3_next else "qwen35moe" if experts else "qwen35")
     state = 128  # the linear attention's key and value head size (every Qwen3.5)
     mlp = ((("expert_count", experts), ("expert_used_count", experts_used), ("expert_feed_forward_length",
            intermediate), ("expert_shared_feed_forward_length", intermediate)) if experts
-           else (("feed_forward_length", intermediate),))
+           else ()) + ((("feed_forward_length", intermediate),) if qwen3_next or not experts else ())
     for add, value in (("block_count", layers), ("context_length", 262144), ("embedding_length", hidden), *mlp,
                        ("head_count", heads), ("head_count_kv", kv_heads),
                        ("key_length", head_dim), ("value_length", head_dim), ("rope_freq_base", 1e7),
@@ -365,7 +367,8 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
                        ("ssm_time_step_rank", linear_value_heads), ("ssm_inner_size", state * linear_value_heads),
                        ("full_attention_interval", 4)):
         getattr(writer, f"add_{add}")(value)
-    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if not qwen3_next:
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     copy_tokenizer(writer, vocab)
     vocab = max(vocab or 0, len(tokenizer_source().metadata["tokenizer.ggml.tokens"]))
     writer.add_vocab_size(vocab)
@@ -387,8 +390,11 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
         if (i + 1) % 4:  # linear attention
             linear(p + "attn_qkv.weight", 2 * keys + values, hidden, i)
             linear(p + "attn_gate.weight", values, hidden, i)
-            linear(p + "ssm_beta.weight", linear_value_heads, hidden, i)
-            linear(p + "ssm_alpha.weight", linear_value_heads, hidden, i)
+            if qwen3_next:
+                linear(p + "ssm_ba.weight", 2 * linear_value_heads, hidden, i)
+            else:
+                linear(p + "ssm_beta.weight", linear_value_heads, hidden, i)
+                linear(p + "ssm_alpha.weight", linear_value_heads, hidden, i)
             linear(p + "ssm_out.weight", hidden, values, i)
             floats(p + "ssm_conv1d.weight", 2 * keys + values, 4, scale=0.3)
             floats(p + "ssm_dt.bias", linear_value_heads, scale=1.0)
@@ -426,7 +432,8 @@ def write_qwen35(path: Path, preset: str, hidden: int, layers: int, intermediate
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0", "iq4_nl", "iq4_xs", "q3_k"], default="q4_k_m")
+    parser.add_argument("--preset", default="q4_k_m",
+                        choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0", "iq4_nl", "iq4_xs", "q3_k"])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=8192)
@@ -443,6 +450,7 @@ def main() -> int:
     parser.add_argument("--shared-layers", type=int, default=20)
     parser.add_argument("--gpt-oss", action="store_true", help="a GPT-OSS (see above)")
     parser.add_argument("--qwen35", action="store_true", help="a Qwen3.5 (see above)")
+    parser.add_argument("--qwen3-next", action="store_true", help="with --qwen35 --experts: a Qwen3-Next")
     parser.add_argument("--linear-heads", type=int, default=16, help="with --qwen35: linear attention's key heads")
     parser.add_argument("--linear-value-heads", type=int, default=None,
                         help="with --qwen35: its value heads (default: as many as its key heads)")
@@ -460,7 +468,8 @@ def main() -> int:
     elif args.qwen35:
         write_qwen35(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
                      args.head_dim or args.hidden // args.heads, args.linear_heads,
-                     args.linear_value_heads or args.linear_heads, args.vocab, args.experts, args.experts_used)
+                     args.linear_value_heads or args.linear_heads, args.vocab, args.experts, args.experts_used,
+                     qwen3_next=args.qwen3_next)
     elif args.gemma4:
         write_gemma4(path, args.preset, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
                      args.head_dim or args.hidden // args.heads, args.global_head_dim,
