@@ -25,14 +25,20 @@ def _logits(module, prompts):
 # (6-bit codes with sub-scales, so the fused qkv widens to 6 bits), a Q5_K o, a Q5_0 up (gate_up widened,
 # Q4_K's d and m beside Q5_0's zero of 16), a Q6_K LM head.
 K_QUANT_MIX = {"attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_up": "Q5_0", "output": "Q6_K"}
+# IQ4 and Q3_K files: IQ4_XS q, k, v and gate beside an IQ4_NL up (one table: table codes), a Q3_K o and down
+# (6-bit codes under sub-scales), a Q6_K LM head.
+IQ_MIX = {"attn_output": "Q3_K", "ffn_up": "IQ4_NL", "ffn_down": "Q3_K", "output": "Q6_K"}
 
 
-@pytest.mark.parametrize("family,qtype", [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("k-quants", "Q4_K")])
+@pytest.mark.parametrize("family,qtype", [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("k-quants", "Q4_K"),
+                                          ("iq-quants", "IQ4_XS")])
 def test_w4a8_tracks_the_float_model_and_is_batch_invariant(tmp_path, family, qtype):
     """llama3: q/k rows reordered from llama.cpp's layout; qwen2: q/k/v biases and a tied (Q8_0) head;
-    k-quants: K_QUANT_MIX."""
-    if family == "k-quants":
-        write_gguf(k_quant_model(), tmp_path / "m.gguf", qtype, "llama", qtypes=K_QUANT_MIX)
+    k-quants: K_QUANT_MIX; iq-quants: IQ_MIX, each linear the file's weights (one-hot rows: Q3_K and IQ4_NL
+    exactly, IQ4_XS within its scales' float16 rounding)."""
+    if family.endswith("quants"):
+        write_gguf(k_quant_model(), tmp_path / "m.gguf", qtype, "llama",
+                   qtypes=K_QUANT_MIX if family == "k-quants" else IQ_MIX)
     else:
         hf = make_hf_model(family, tmp_path / "hf")
         write_gguf(hf, tmp_path / "m.gguf", qtype, "llama" if family == "llama3" else family)
@@ -41,15 +47,27 @@ def test_w4a8_tracks_the_float_model_and_is_batch_invariant(tmp_path, family, qt
     assert w4a8.quantization == "w4a8"
     linears = [m for m in w4a8.module.modules() if isinstance(m, torch.nn.Linear | W4A8Linear)]
     assert linears and all(isinstance(m, W4A8Linear) for m in linears)
-    assert w4a8.module.lm_head.bits == {"Q8_0": 8, "Q4_K": 6}.get(qtype, 4)
+    assert w4a8.module.lm_head.bits == {"Q8_0": 8, "Q4_K": 6, "IQ4_XS": 6}.get(qtype, 4)
+    layer = w4a8.module.layers[0]
     if family == "k-quants":
-        layer = w4a8.module.layers[0]
         assert [layer.self_attn.qkv_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.gate_up_proj.bits,
                 layer.mlp.down_proj.bits] == [6, 5, 5, 4]
+    if family == "iq-quants":  # table codes (7) for q/k/v and gate/up, 6-bit codes for o and down
+        assert [layer.self_attn.qkv_proj.bits, layer.self_attn.o_proj.bits, layer.mlp.gate_up_proj.bits,
+                layer.mlp.down_proj.bits] == [7, 6, 7, 6]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            w4a8_layer, dense = layer.get_submodule(name), fp32.module.layers[0].get_submodule(name)
+            held = w4a8_layer(torch.eye(dense.in_features)).t()
+            if name in ("self_attn.o_proj", "mlp.down_proj"):  # Q3_K: exact
+                assert torch.equal(held, dense.weight), name
+            else:  # IQ4_XS's scales rounded once to float16 (IQ4_NL's up rows exact)
+                assert ((held - dense.weight).abs() <= 2.0**-11 * dense.weight.abs() + 1e-9).all(), name
+                rows = dense.out_features // 2
+                assert name != "mlp.gate_up_proj" or torch.equal(held[rows:], dense.weight[rows:])
     prompts = [[5, 9, 30, 31, 2, 17, 40], [7, 7, 8, 100, 250, 3, 4]]
     reference, logits = _logits(fp32.module, prompts), _logits(w4a8.module, prompts)
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
-    if family != "k-quants":  # its random blocks give flat logits: a near tie (0.09 of a spread of 3.9) flips
+    if not family.endswith("quants"):  # random blocks give flat logits: a near tie (0.09 of a spread of 3.9) flips
         assert (logits.argmax(-1) == reference.argmax(-1)).all()
     llm = LLM(loaded=w4a8, kv_cache_memory_gib=0.01)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -272,7 +272,7 @@ def llama_cpp_permute(rows, num_heads: int):
 
 
 def random_raw_blocks(qtype, rows: int, cols: int, rng):
-    """Random but well-scaled raw blocks for types the gguf package cannot quantize (K-quants)."""
+    """Random but well-scaled raw blocks for types the gguf package cannot quantize (K-quants, IQ4)."""
     import gguf
     import numpy as np
 
@@ -290,6 +290,13 @@ def random_raw_blocks(qtype, rows: int, cols: int, rng):
     elif qtype == gguf.GGMLQuantizationType.Q6_K:  # ql[128], qh[64], scales[16] int8, d (f16)
         raw[..., 192:208] = rng.integers(-4, 5, size=raw[..., 192:208].shape).astype(np.int8).view(np.uint8)
         raw[..., 208:210] = np.array([0.005], dtype=np.float16).view(np.uint8)
+    elif qtype == gguf.GGMLQuantizationType.Q3_K:  # hmask[32], qs[64], 12 bytes of 6-bit scales, d (f16)
+        raw[..., 96:108] = rng.integers(0, 256, size=raw[..., 96:108].shape, dtype=np.uint8)
+        raw[..., 108:110] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    elif qtype == gguf.GGMLQuantizationType.IQ4_NL:  # d (f16), 16 bytes of 4-bit indices
+        raw[..., 0:2] = np.array([0.0005], dtype=np.float16).view(np.uint8)
+    elif qtype == gguf.GGMLQuantizationType.IQ4_XS:  # d (f16), scales_h, scales_l, 128 bytes of indices
+        raw[..., 0:2] = np.array([0.00005], dtype=np.float16).view(np.uint8)
     else:
         raise ValueError(qtype)
     return raw.reshape(rows, -1)
@@ -531,7 +538,7 @@ def write_gguf(hf_model, path: Path, qtype_name: str = "F32", arch: str = "llama
             if f".{part}." in f".{gguf_name}":
                 tensor_type = gguf.GGMLQuantizationType[name_of_type]
         if array.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
-            if tensor_type.name in ("Q4_K", "Q5_K", "Q6_K"):
+            if tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS"):
                 raw = random_raw_blocks(tensor_type, *array.shape, rng)
             else:
                 raw = quantize(array, tensor_type)
